@@ -1,0 +1,226 @@
+"""The `Machine` protocol (seed 004): where tools run code and touch files.
+
+Every kind (local, sandbox, ssh, ...) implements the same small surface, and everything
+above this layer composes from it, the way everything in starlette composes from an ASGI
+callable. Paths given to a machine are paths as seen from *inside* it; relative paths
+resolve against `root`.
+
+A command's own failure (non-zero exit, killed by a signal) is a normal `ExecResult`;
+`exec` raises only when the machine itself fails (transport) or the caller cancels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+OS = Literal["linux", "darwin", "windows"]
+
+#: Bytes of stdout (and separately of stderr) that `exec` keeps; the pipes keep draining past it.
+DEFAULT_OUTPUT_LIMIT = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """One command. `command` is a shell string (run by `sh -c`) unless `argv` is given."""
+
+    command: str = ""
+    argv: tuple[str, ...] = ()
+    cwd: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    stdin: bytes | None = None
+    timeout: float | None = None
+    output_limit: int = DEFAULT_OUTPUT_LIMIT
+
+    def args(self) -> list[str]:
+        return list(self.argv) if self.argv else ["/bin/sh", "-c", self.command]
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """How a finished command ended. `exit_code` is 128+N when killed by signal N."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    duration: float = 0.0
+
+
+@dataclass(frozen=True)
+class FileStat:
+    path: str
+    is_dir: bool
+    is_file: bool
+    is_symlink: bool
+    size: int
+    mtime: float
+    mode: int
+    uid: int
+    gid: int
+    inode: int
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    path: str
+    stat: FileStat
+
+
+class Process(Protocol):
+    """A running command. Its output arrives on `stdout` / `stderr` until EOF."""
+
+    pid: int
+    stdout: asyncio.StreamReader
+    stderr: asyncio.StreamReader
+
+    async def write_stdin(self, data: bytes) -> None: ...
+
+    async def close_stdin(self) -> None: ...
+
+    async def wait(self) -> int:
+        """The exit code (128+N for signal N) once the process has ended."""
+        ...
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the command's whole process group."""
+        ...
+
+
+@runtime_checkable
+class Machine(Protocol):
+    name: str
+    kind: str
+    isolated: bool
+    os: OS
+    root: str
+
+    async def exec(self, request: ExecRequest) -> ExecResult: ...
+
+    async def spawn(self, request: ExecRequest) -> Process: ...
+
+    async def read(self, path: str) -> bytes: ...
+
+    async def write(self, path: str, data: bytes) -> None: ...
+
+    async def list(self, path: str) -> list[FileEntry]: ...
+
+    async def stat(self, path: str) -> FileStat | None: ...
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None: ...
+
+    async def mkdir(self, path: str, *, parents: bool = False) -> None: ...
+
+    async def rename(self, src: str, dst: str) -> None: ...
+
+    async def chown(self, path: str, user: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class HostMapped(Protocol):
+    """A machine whose files are host files the server can open directly.
+
+    `local` and `sandbox` machines are; file operations, grep and watch then run on host
+    paths with no process spawn. `host_path` is the single place that maps an inside path
+    to a host path and refuses escapes.
+    """
+
+    def host_path(self, path: str, *, write: bool = False, follow: bool = True) -> Path: ...
+
+    def inside_path(self, host: Path) -> str: ...
+
+    def default_owner(self) -> tuple[int, int] | None:
+        """The host uid/gid new files should get so the machine's processes can use them."""
+        ...
+
+
+Listener = Callable[[str, str], None]
+
+
+async def collect(
+    process: Process, limit: int, timeout: float | None
+) -> ExecResult:
+    """Drain a process to its end, keeping the first `limit` bytes of each stream.
+
+    Output past the limit is read and dropped so the command never blocks on a full pipe.
+    On timeout the process group is killed and the result says so.
+    """
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    async def drain(stream: asyncio.StreamReader) -> tuple[bytes, bool]:
+        kept = bytearray()
+        truncated = False
+        while chunk := await stream.read(65536):
+            room = limit - len(kept)
+            if room > 0:
+                kept += chunk[:room]
+            if len(chunk) > max(room, 0):
+                truncated = True
+        return bytes(kept), truncated
+
+    out_task = asyncio.ensure_future(drain(process.stdout))
+    err_task = asyncio.ensure_future(drain(process.stderr))
+    timed_out = False
+    try:
+        try:
+            code = await asyncio.wait_for(process.wait(), timeout)
+        except TimeoutError:
+            timed_out = True
+            process.kill(signal.SIGKILL)
+            code = await process.wait()
+        (out, out_cut), (err, err_cut) = await asyncio.gather(out_task, err_task)
+    except BaseException:
+        process.kill(signal.SIGKILL)
+        out_task.cancel()
+        err_task.cancel()
+        raise
+    return ExecResult(
+        exit_code=code,
+        stdout=out,
+        stderr=err,
+        timed_out=timed_out,
+        stdout_truncated=out_cut,
+        stderr_truncated=err_cut,
+        duration=loop.time() - started,
+    )
+
+
+async def iter_output(process: Process) -> AsyncIterator[tuple[str, bytes]]:
+    """Yield ("stdout"|"stderr", chunk) as output arrives, until both streams end."""
+    queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+
+    async def pump(name: str, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            await queue.put((name, chunk))
+        await queue.put(None)
+
+    tasks = [
+        asyncio.ensure_future(pump("stdout", process.stdout)),
+        asyncio.ensure_future(pump("stderr", process.stderr)),
+    ]
+    done = 0
+    try:
+        while done < 2:
+            item = await queue.get()
+            if item is None:
+                done += 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def environment_line(machine: Machine) -> str:
+    """The line seed 004 puts in every system prompt."""
+    return f"Machine: {machine.name} ({machine.kind}, {machine.os}), workspace {machine.root}"

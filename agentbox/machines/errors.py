@@ -1,0 +1,50 @@
+"""Every way a machine can refuse or fail, in one place.
+
+    MachineError
+    ├── PathEscape            a path leaves what the machine exposes (`..`, a symlink out,
+    │                         a device file); never followed, whatever the caller's rights
+    ├── PermissionRequired    a write outside the machine's root: allowed only after the
+    │                         caller approves (the tool layer turns it into an approval)
+    ├── MachineDenied         the caller's level or the routing allow-list refuses the machine
+    ├── MachineNotFound       no machine of that name is configured
+    ├── MachineUnavailable    the machine could not be opened or its transport broke
+    └── OwnerUnsupported      `?user=` names an owner this machine cannot set
+
+Ordinary filesystem failures stay `OSError`s with their errno; the workspace layer turns
+both families into one `WorkspaceError`.
+"""
+
+from __future__ import annotations
+
+
+class MachineError(Exception):
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+
+class PathEscape(MachineError):
+    pass
+
+
+class PermissionRequired(MachineError):
+    def __init__(self, message: str, *, path: str, action: str) -> None:
+        super().__init__(message, path=path)
+        self.action = action
+
+
+class MachineDenied(MachineError):
+    pass
+
+
+class MachineNotFound(MachineError):
+    pass
+
+
+class MachineUnavailable(MachineError):
+    pass
+
+
+class OwnerUnsupported(MachineError):
+    pass

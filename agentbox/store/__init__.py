@@ -1,0 +1,1 @@
+"""Layer 3: durable state in SQLite (WAL)."""

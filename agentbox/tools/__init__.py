@@ -1,0 +1,1 @@
+"""agentbox: a self-hosted execution environment for AI agents."""
