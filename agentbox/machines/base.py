@@ -35,6 +35,8 @@ class ExecRequest:
     stdin: bytes | None = None
     timeout: float | None = None
     output_limit: int = DEFAULT_OUTPUT_LIMIT
+    interactive: bool = False
+    """Keep a stdin pipe open for `Process.write_stdin` (otherwise stdin is /dev/null)."""
 
     def args(self) -> list[str]:
         return list(self.argv) if self.argv else ["/bin/sh", "-c", self.command]

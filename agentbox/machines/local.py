@@ -14,7 +14,7 @@ import os
 import signal
 from pathlib import Path
 
-from agentbox.machines.base import ExecRequest, ExecResult, collect
+from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.pathmap import Mount, PathMap
 
@@ -56,7 +56,7 @@ class HostProcess:
 class LocalMachine(HostFiles):
     kind = "local"
     isolated = False
-    os = "linux"
+    os: OS = "linux"
 
     def __init__(self, name: str, root: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
@@ -76,7 +76,7 @@ class LocalMachine(HostFiles):
             *request.args(),
             cwd=cwd,
             env={**self.base_env(), **request.env},
-            stdin=asyncio.subprocess.PIPE if request.stdin is not None else asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE if request.stdin is not None or request.interactive else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,

@@ -86,6 +86,7 @@ class PathMap:
                 try:
                     st = host.lstat()
                 except FileNotFoundError:
+                    host = host.joinpath(*parts[i + 1 :])
                     break  # the rest does not exist yet; nothing below can be a link
                 if stat_mod.S_ISLNK(st.st_mode) and (follow or not last):
                     target = os.readlink(host)

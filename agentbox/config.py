@@ -1,0 +1,138 @@
+"""Configuration: one TOML file plus `AGENTBOX_*` environment variables, all with defaults.
+
+`agentbox serve` needs neither. Precedence: environment over file over defaults. The file
+is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
+`$AGENTBOX_HOME/agentbox.toml`. Example:
+
+    api_key = "..."                 # or AGENTBOX_API_KEY
+    default_machine = "sandbox"
+    delegable = ["sandbox"]         # machines a model may choose (seed 004 routing)
+
+    [machines.sandbox]
+    kind = "sandbox"
+    network = "on"                  # "on" | "off"
+    memory_mb = 2048
+    pids = 512
+    cpus = 1.0
+    idle_minutes = 20               # reclaim after this long idle (seed 000)
+    env = { TZ = "UTC" }            # env providers: injected into every command
+
+    [machines.host]
+    kind = "local"
+    root = "/srv/projects"
+
+Secret fields (`password`, `private_key`, `token`, `api_key`, `passphrase`) in a machine
+entry may be stored encrypted (`enc:...`, see `agentbox.secrets`) and are decrypted only
+when the machine is opened.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Reclaim an idle per-session sandbox after this many minutes (seed 000: about 20).
+DEFAULT_IDLE_MINUTES = 20.0
+#: Purge a session's /workspace after this many days without activity (seed 000).
+DEFAULT_PURGE_DAYS = 30.0
+#: Permission level a caller needs for a machine, by kind (seed 004: local 2, others 4).
+DEFAULT_LEVELS = {"local": 2}
+DEFAULT_LEVEL = 4
+SECRET_FIELDS = {"password", "private_key", "token", "api_key", "passphrase"}
+
+
+def default_home() -> Path:
+    """Root keeps state where sandbox uids can be given their directories; others in ~."""
+    if "AGENTBOX_HOME" in os.environ:
+        return Path(os.environ["AGENTBOX_HOME"])
+    if os.geteuid() == 0:
+        return Path("/var/lib/agentbox")
+    return Path.home() / ".local" / "share" / "agentbox"
+
+
+@dataclass
+class MachineConfig:
+    """One `[machines.<name>]` entry."""
+
+    name: str
+    kind: str
+    """`sandbox` (per session, isolated) or `local` (shared, the host)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Kind-specific settings (network, memory_mb, root, ...)."""
+    level: int | None = None
+    """Permission level a caller needs (`machine:<name>`); default by kind."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables injected into every command on this machine."""
+
+    @property
+    def required_level(self) -> int:
+        return self.level if self.level is not None else DEFAULT_LEVELS.get(self.kind, DEFAULT_LEVEL)
+
+    @property
+    def per_session(self) -> bool:
+        return self.kind not in ("local", "ssh")
+
+
+@dataclass
+class Settings:
+    home: Path = field(default_factory=default_home)
+    """AGENTBOX_HOME: the database, blobs, sessions' workspaces."""
+    api_key: str | None = None
+    """Required on every request when set (AGENTBOX_API_KEY)."""
+    default_machine: str = "sandbox"
+    delegable: list[str] = field(default_factory=lambda: ["sandbox"])
+    """Machines a model may choose; the caller's level must admit them too."""
+    machines: dict[str, MachineConfig] = field(default_factory=dict)
+    idle_minutes: float = DEFAULT_IDLE_MINUTES
+    purge_days: float = DEFAULT_PURGE_DAYS
+    sandbox_uid: int = 64999
+    """Host uid (and gid) sandbox processes run as when the server is root."""
+
+    def machine(self, name: str) -> MachineConfig | None:
+        return self.machines.get(name)
+
+
+def builtin_machines(home: Path) -> dict[str, MachineConfig]:
+    return {
+        "sandbox": MachineConfig("sandbox", "sandbox", {"network": "on"}),
+        "local": MachineConfig("local", "local", {"root": str(home / "local")}),
+    }
+
+
+def config_path() -> Path | None:
+    if "AGENTBOX_CONFIG" in os.environ:
+        return Path(os.environ["AGENTBOX_CONFIG"])
+    for candidate in (Path("agentbox.toml"), default_home() / "agentbox.toml"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def load(path: Path | None = None, env: dict[str, str] | None = None) -> Settings:
+    env = dict(os.environ if env is None else env)
+    path = path or config_path()
+    data: dict[str, Any] = tomllib.loads(path.read_text()) if path and path.exists() else {}
+    home = Path(env.get("AGENTBOX_HOME") or data.get("home") or default_home())
+    machines = builtin_machines(home)
+    for name, entry in (data.get("machines") or {}).items():
+        entry = dict(entry)
+        kind = entry.pop("kind", "sandbox")
+        level = entry.pop("level", None)
+        menv = {str(k): str(v) for k, v in (entry.pop("env", {}) or {}).items()}
+        machines[name] = MachineConfig(name, kind, entry, level, menv)
+    settings = Settings(
+        home=home,
+        api_key=env.get("AGENTBOX_API_KEY") or data.get("api_key"),
+        default_machine=env.get("AGENTBOX_DEFAULT_MACHINE") or data.get("default_machine", "sandbox"),
+        delegable=list(data.get("delegable", ["sandbox"])),
+        machines=machines,
+        idle_minutes=float(env.get("AGENTBOX_IDLE_MINUTES") or data.get("idle_minutes", DEFAULT_IDLE_MINUTES)),
+        purge_days=float(env.get("AGENTBOX_PURGE_DAYS") or data.get("purge_days", DEFAULT_PURGE_DAYS)),
+        sandbox_uid=int(env.get("AGENTBOX_SANDBOX_UID") or data.get("sandbox_uid", 64999)),
+    )
+    if "AGENTBOX_NETWORK" in env and "sandbox" in machines:
+        machines["sandbox"].options["network"] = env["AGENTBOX_NETWORK"]
+    return settings

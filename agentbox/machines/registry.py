@@ -1,0 +1,311 @@
+"""Which machine serves a request, opened once, suspended when idle, resumed on demand.
+
+Seed 004's open flow, in order: resolve the name (the default machine when none is
+given), check the caller's level against `machine:<name>`, find the instance for its scope
+(shared kinds: one per name; per-session kinds: one per (name, session)), open it once
+even under concurrent requests, resume it if it was suspended, and mark it used.
+
+Lifecycle of a per-session sandbox (seed 000):
+
+    (none) ──open──▶ running ──idle > idle_minutes, not busy──▶ suspended
+                        ▲                                          │
+                        └──────────── next request (rebuild) ◀─────┘
+
+A bwrap sandbox cannot be frozen to disk, so "suspend" releases everything but
+`/workspace` — exactly seed 000's reclaim — and "resume" is a transparent rebuild with
+/tmp, $HOME, env and system installs reset. Markers record every open and close; since
+bwrap sandboxes die with the server (`--die-with-parent`), after a restart a live marker
+leads to cleaning up what the dead sandbox left and to a lazy rebuild under the same id.
+A session's workspace is purged after `purge_days` without activity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from agentbox.config import MachineConfig, Settings
+from agentbox.ids import new_id
+from agentbox.machines.base import Machine
+from agentbox.machines.cgroups import Limits
+from agentbox.machines.errors import MachineDenied, MachineNotFound
+from agentbox.machines.local import LocalMachine
+from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
+
+#: Seconds between janitor sweeps (idle reclaim and workspace purge).
+JANITOR_INTERVAL = 30.0
+#: Session id used when a request names none (the root routes of the sandbox API).
+DEFAULT_SESSION = "default"
+#: The highest permission level; internal callers (the operator's API) have it.
+MAX_LEVEL = 10
+ACTIVITY_FILE = ".last_active"
+
+EnvProvider = Callable[[str, str | None], dict[str, str]]
+
+
+class MarkerLog(Protocol):
+    """Durable session markers (implemented by `agentbox.store.markers.MarkersRepo`)."""
+
+    async def append(self, session_id: str, machine: str, kind: str, sandbox_id: str, data: dict[str, Any]) -> None: ...
+
+    async def clear(self, session_id: str, machine: str) -> None: ...
+
+    async def latest(self, session_id: str, machine: str) -> Any: ...
+
+    async def live(self) -> list[Any]: ...
+
+
+@dataclass
+class Entry:
+    machine: Machine
+    config: MachineConfig
+    session_id: str | None
+    state: str = "running"
+    generation: int = 1
+    """How many lifetimes this instance has had: 1 = created, more = rebuilt."""
+
+
+class Registry:
+    def __init__(self, settings: Settings, markers: MarkerLog | None = None) -> None:
+        self.settings = settings
+        self.markers = markers
+        self.providers: list[EnvProvider] = []
+        self._entries: dict[tuple[str, str | None], Entry] = {}
+        self._opening: dict[tuple[str, str | None], asyncio.Future[Entry]] = {}
+        self._host: SandboxHost | None = None
+        self._janitor: asyncio.Task[None] | None = None
+        self.on_ready: list[Callable[[Entry, bool], Awaitable[None]]] = []
+
+    # configuration and routing ------------------------------------------------------
+
+    @property
+    def sandbox_host(self) -> SandboxHost:
+        if self._host is None:
+            self._host = SandboxHost(self.settings.home, uid=self.settings.sandbox_uid)
+        return self._host
+
+    def config(self, name: str | None) -> MachineConfig:
+        name = name or self.settings.default_machine
+        config = self.settings.machine(name)
+        if config is None:
+            raise MachineNotFound(f"no machine named {name!r} is configured")
+        return config
+
+    def check(self, config: MachineConfig, level: int) -> None:
+        if level < config.required_level:
+            raise MachineDenied(
+                f"machine:{config.name} needs permission level {config.required_level}, caller has {level}"
+            )
+
+    def delegable(self, level: int) -> list[str]:
+        """Machines a model may choose: on the allow-list and within the caller's level."""
+        return [
+            n for n in self.settings.delegable
+            if (c := self.settings.machine(n)) is not None and level >= c.required_level
+        ]  # fmt: skip
+
+    def choose(self, name: str, level: int) -> MachineConfig:
+        if name not in self.delegable(level):
+            raise MachineDenied(f"machine {name!r} is not one a model may choose here")
+        return self.config(name)
+
+    def session_dir(self, session_id: str) -> Path:
+        return self.settings.home / "sessions" / session_id
+
+    # the open flow --------------------------------------------------------------------
+
+    async def open(self, session_id: str | None = None, name: str | None = None, *, level: int = MAX_LEVEL) -> Machine:
+        return (await self.open_entry(session_id, name, level=level)).machine
+
+    async def open_entry(
+        self, session_id: str | None = None, name: str | None = None, *, level: int = MAX_LEVEL
+    ) -> Entry:
+        config = self.config(name)
+        self.check(config, level)
+        sid = (session_id or DEFAULT_SESSION) if config.per_session else None
+        key = (config.name, sid)
+        entry = self._entries.get(key)
+        if entry is not None and entry.state == "running":
+            self._touch(entry)
+            return entry
+        if key in self._opening:
+            return await asyncio.shield(self._opening[key])
+        fut: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
+        self._opening[key] = fut
+        try:
+            entry = await (self._resume(entry) if entry is not None else self._create(config, sid))
+            self._entries[key] = entry
+            fut.set_result(entry)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters get it, nobody else must
+            raise
+        finally:
+            del self._opening[key]
+        self._touch(entry)
+        for hook in self.on_ready:
+            await hook(entry, entry.generation > 1)
+        return entry
+
+    async def _create(self, config: MachineConfig, session_id: str | None) -> Entry:
+        env = self._env(config, session_id)
+        if config.kind == "local":
+            root = Path(config.options.get("root") or self.settings.home / "local")
+            return Entry(LocalMachine(config.name, root, env), config, None)
+        if config.kind != "sandbox":
+            raise MachineNotFound(f"machine kind {config.kind!r} is not available in this build")
+        assert session_id is not None
+        sandbox_id = await self._recovered_id(session_id, config.name) or new_id("sbx")
+        machine = SandboxMachine(
+            config.name,
+            sandbox_id,
+            self.sandbox_host,
+            sandbox_config(config, env),
+            self.session_dir(session_id) / "workspace",
+            self.session_dir(session_id) / "run" / config.name,
+        )
+        await machine.start()
+        await self._mark(session_id, config, machine)
+        return Entry(machine, config, session_id)
+
+    async def _resume(self, entry: Entry) -> Entry:
+        machine = entry.machine
+        if isinstance(machine, SandboxMachine):
+            await machine.start()
+            assert entry.session_id is not None
+            await self._mark(entry.session_id, entry.config, machine)
+        entry.state = "running"
+        entry.generation += 1
+        return entry
+
+    def _env(self, config: MachineConfig, session_id: str | None) -> dict[str, str]:
+        env = dict(config.env)
+        for provider in self.providers:
+            env.update(provider(config.name, session_id))
+        return env
+
+    async def _mark(self, session_id: str, config: MachineConfig, machine: SandboxMachine) -> None:
+        if self.markers is not None:
+            await self.markers.append(
+                session_id, config.name, config.kind, machine.sandbox_id,
+                {"hostname": machine.hostname, "started_at": machine.started_at},
+            )  # fmt: skip
+
+    async def _recovered_id(self, session_id: str, name: str) -> str | None:
+        if self.markers is None:
+            return None
+        marker = await self.markers.latest(session_id, name)
+        return getattr(marker, "sandbox_id", None) if marker is not None else None
+
+    def _touch(self, entry: Entry) -> None:
+        if entry.session_id is not None:
+            with contextlib.suppress(OSError):
+                path = self.session_dir(entry.session_id) / ACTIVITY_FILE
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+
+    # lifecycle --------------------------------------------------------------------------
+
+    def entry(self, session_id: str | None, name: str | None = None) -> Entry | None:
+        config = self.config(name)
+        sid = (session_id or DEFAULT_SESSION) if config.per_session else None
+        return self._entries.get((config.name, sid))
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    async def suspend(self, entry: Entry) -> None:
+        if isinstance(entry.machine, SandboxMachine) and entry.state == "running":
+            entry.state = "suspended"
+            await entry.machine.stop()
+
+    async def close_session(self, session_id: str, *, purge: bool = False) -> None:
+        """Close every machine of a session (and with `purge`, delete its workspace)."""
+        for key, entry in list(self._entries.items()):
+            if key[1] == session_id:
+                await entry.machine.close()
+                del self._entries[key]
+                if self.markers is not None:
+                    await self.markers.clear(session_id, key[0])
+        if purge:
+            shutil.rmtree(self.session_dir(session_id), ignore_errors=True)
+
+    async def recover(self) -> list[str]:
+        """After a restart: clean up what dead sandboxes left; they rebuild lazily."""
+        recovered = []
+        if self.markers is None:
+            return recovered
+        for marker in await self.markers.live():
+            run = self.session_dir(marker.session_id) / "run" / marker.machine
+            shutil.rmtree(run, ignore_errors=True)
+            recovered.append(marker.session_id)
+        return recovered
+
+    async def sweep(self, now: float | None = None) -> None:
+        """Reclaim idle sandboxes and purge long-inactive workspaces."""
+        now = time.monotonic() if now is None else now
+        idle = self.settings.idle_minutes * 60
+        for entry in self.entries():
+            m = entry.machine
+            if isinstance(m, SandboxMachine) and entry.state == "running":
+                if not m.busy() and now - m.last_used > idle:
+                    await self.suspend(entry)
+        self.purge_inactive()
+
+    def purge_inactive(self, wall_now: float | None = None) -> list[str]:
+        wall_now = time.time() if wall_now is None else wall_now
+        limit = self.settings.purge_days * 86400
+        purged = []
+        sessions = self.settings.home / "sessions"
+        if not sessions.is_dir():
+            return purged
+        live = {e.session_id for e in self.entries() if e.state == "running"}
+        for d in sessions.iterdir():
+            marker = d / ACTIVITY_FILE
+            if d.name in live or not marker.exists():
+                continue
+            if wall_now - marker.stat().st_mtime > limit and (d / "workspace").exists():
+                shutil.rmtree(d / "workspace", ignore_errors=True)
+                purged.append(d.name)
+        return purged
+
+    def start_janitor(self) -> None:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(JANITOR_INTERVAL)
+                with contextlib.suppress(Exception):
+                    await self.sweep()
+
+        if self._janitor is None:
+            self._janitor = asyncio.get_running_loop().create_task(loop())
+
+    async def shutdown(self) -> None:
+        if self._janitor is not None:
+            self._janitor.cancel()
+            self._janitor = None
+        for entry in self.entries():
+            with contextlib.suppress(Exception):
+                await entry.machine.close()
+        self._entries.clear()
+
+
+def sandbox_config(config: MachineConfig, env: dict[str, str]) -> SandboxConfig:
+    o = config.options
+    network = o.get("network", "on")
+    memory_mb = o.get("memory_mb", 2048)
+    return SandboxConfig(
+        network=network is True or str(network).lower() in ("on", "true", "1"),
+        limits=Limits(
+            memory_bytes=int(memory_mb) * 1024 * 1024 if memory_mb else None,
+            pids=int(o["pids"]) if o.get("pids") else Limits().pids,
+            cpus=float(o["cpus"]) if o.get("cpus") else Limits().cpus,
+        ),
+        system_layer=bool(o.get("system_layer", True)),
+        env=env,
+    )

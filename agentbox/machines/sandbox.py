@@ -1,0 +1,624 @@
+"""The `sandbox` kind: one bubblewrap sandbox per session, isolated, root `/workspace`.
+
+A sandbox is a fresh tmpfs root with the host's `/usr` (read-only, or under a discardable
+overlay), a curated `/etc` and a small `/var` (see `sysroot.py`), `/workspace` bound from
+the session's persistent directory, `/tmp` and `/root` (`$HOME`) from directories that live
+as long as this sandbox, its own `/proc` and `/dev`, and new user, pid, ipc, uts, cgroup
+and network namespaces. Inside, processes appear as root but are an unprivileged host uid
+with no capabilities; nothing of the server's environment reaches them.
+
+Commands are started by the exec agent (`exec_agent.py`), a long-lived process inside the
+sandbox, so a command costs one `posix_spawn`, not a new bwrap. The server creates each
+command's pipes and passes them in, then reads them itself.
+
+Launch, as root (a non-root server skips the uid switch and the system layer):
+
+    fork ─ join the sandbox's cgroups ─ [system layer: new mount namespace, bind the base,
+    fuse-overlayfs (squash to the sandbox uid) over it] ─ drop to the sandbox uid ─ bwrap
+    ─ python3 exec_agent.py          + slirp4netns on the sandbox's netns when network is on
+
+Teardown kills every process of the sandbox (cgroup, or the launcher's mount namespace
+when there are no cgroups) and removes this lifetime's directories; `/workspace` stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentbox.machines import bwrap as bwrap_mod
+from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
+from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
+from agentbox.machines.errors import MachineUnavailable
+from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.pathmap import Alias, Mount, PathMap
+from agentbox.machines.sysroot import Base, ensure_base, hosts_file, resolv_conf
+
+#: Seconds a sandbox may take from launch to its agent saying "ready".
+START_TIMEOUT = 20.0
+#: Host uid/gid sandbox processes run as when the server is root.
+DEFAULT_SANDBOX_UID = 64999
+SANDBOX_HOME = "/root"
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+AGENT_SOURCE = (Path(__file__).parent / "exec_agent.py").read_text()
+#: Bytes read from a command pipe per wakeup.
+PIPE_CHUNK = 65536
+
+CLONE_NEWNS = 0x00020000
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_RDONLY = 1
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """How sandboxes of one machine entry are built."""
+
+    network: bool = True
+    """"on": outbound through slirp4netns (never the host's loopback); "off": loopback only."""
+    limits: Limits = field(default_factory=Limits)
+    """Memory, pids and CPU per sandbox (cgroups, where the host offers them)."""
+    system_layer: bool = True
+    """Give a discardable overlay over /usr, /etc, /var when the host can (root + fuse-overlayfs)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables injected into every command (env providers)."""
+
+
+class SandboxHost:
+    """What one server shares among its sandboxes: binaries, uid, cgroups, the base system."""
+
+    def __init__(self, home: Path, uid: int = DEFAULT_SANDBOX_UID, gid: int | None = None) -> None:
+        self.home = home
+        self.root = os.geteuid() == 0
+        self.uid = uid if self.root else os.geteuid()
+        self.gid = (gid if gid is not None else uid) if self.root else os.getegid()
+        self.bwrap = bwrap_mod.usable_binary(bwrap_mod.runtime_dir() if self.root else None)
+        self.cgroups = Cgroups()
+        self.base: Base = ensure_base(home)
+        self.fuse = shutil.which("fuse-overlayfs")
+        self.slirp = shutil.which("slirp4netns")
+        self.python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists()), None)
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.merged_root = bwrap_mod.runtime_dir() / "mnt" if self.root else None
+
+    def system_layer(self) -> tuple[bool, str]:
+        if not self.root:
+            return False, "the server is not root: no overlay over root-owned system dirs; /usr is read-only"
+        if not self.fuse or not Path("/dev/fuse").exists():
+            return False, "fuse-overlayfs or /dev/fuse missing: /usr, /etc, /var are read-only"
+        return True, "fuse-overlayfs over /usr, /etc, /var; discarded when the sandbox is reclaimed"
+
+    def capabilities(self, config: SandboxConfig) -> dict[str, Any]:
+        layer, layer_detail = self.system_layer()
+        return {
+            "isolation": "bubblewrap",
+            "bwrap": str(self.bwrap),
+            "host_uid": self.uid,
+            "system_layer": layer and config.system_layer,
+            "system_layer_detail": layer_detail if config.system_layer else "disabled by configuration",
+            "network": "on" if config.network and self.slirp else "off",
+            "network_detail": (
+                "slirp4netns, host loopback unreachable"
+                if config.network and self.slirp
+                else ("slirp4netns missing" if config.network else "loopback only")
+            ),
+            "resource_limits": self.cgroups.report(),
+        }
+
+
+class _Pipe:
+    """Feed a StreamReader from a pipe with `add_reader`: cheaper than a transport per command."""
+
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.fd = fd
+        self.loop = loop
+        self.reader = asyncio.StreamReader(limit=2**31, loop=loop)
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, PIPE_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.reader.feed_data(data)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            self.reader.feed_eof()
+
+
+class SandboxProcess:
+    """A command started by the exec agent."""
+
+    def __init__(self, sandbox: SandboxMachine, cid: int, stdout: _Pipe, stderr: _Pipe, stdin: int | None) -> None:
+        self.sandbox = sandbox
+        self.cid = cid
+        self.pid = 0
+        self._out, self._err = stdout, stderr
+        self.stdout = stdout.reader
+        self.stderr = stderr.reader
+        self._stdin = stdin
+        self.exited: asyncio.Future[int] = sandbox.loop.create_future()
+
+    async def write_stdin(self, data: bytes) -> None:
+        if self._stdin is None:
+            raise BrokenPipeError("stdin is closed")
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self._stdin, view)
+                view = view[n:]
+            except BlockingIOError:
+                await asyncio.sleep(0.005)
+
+    async def close_stdin(self) -> None:
+        if self._stdin is not None:
+            os.close(self._stdin)
+            self._stdin = None
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self.exited)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if not self.exited.done():
+            self.sandbox._send([b"K", self.cid, int(sig)])
+
+
+class SandboxMachine(HostFiles):
+    kind = "sandbox"
+    isolated = True
+    os: OS = "linux"
+    root = "/workspace"
+
+    def __init__(
+        self, name: str, sandbox_id: str, host: SandboxHost, config: SandboxConfig, workspace: Path, run: Path
+    ) -> None:
+        self.name = name
+        self.sandbox_id = sandbox_id
+        self.host = host
+        self.config = config
+        self.workspace = workspace
+        self.run = run
+        self.hostname = f"sbx-{sandbox_id[-12:]}".lower()
+        self.owner = (host.uid, host.gid)
+        self.users = {"root": self.owner, str(0): self.owner}
+        self.paths = self._pathmap()
+        self.loop: asyncio.AbstractEventLoop = asyncio.get_event_loop()
+        self.state = "stopped"
+        self.started_at = 0.0
+        self.last_used = time.monotonic()
+        self.running = 0
+        self.network_on = False
+        self.layer_on = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._slirp: subprocess.Popen[bytes] | None = None
+        self._ctl: socket.socket | None = None
+        self._group: SandboxGroup | None = None
+        self._mntns: int | None = None
+        self._next = 0
+        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._procs: dict[int, SandboxProcess] = {}
+        self._ready: asyncio.Future[None] | None = None
+        self._buffer = b""
+
+    def _pathmap(self) -> PathMap:
+        base = self.host.base
+        mounts = [
+            Mount("/workspace", self.workspace),
+            Mount("/tmp", self.run / "tmp"),
+            Mount(SANDBOX_HOME, self.run / "home"),
+            Mount("/usr", Path("/usr"), writable=False),
+            Mount("/etc", base.etc, writable=False),
+        ]
+        aliases = [Alias(f"/{d}", f"/usr/{d}") for d in ("bin", "sbin", "lib", "lib64") if Path(f"/{d}").is_symlink()]
+        return PathMap(mounts, self.root, aliases)
+
+    # lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.state == "running":
+            return
+        self.loop = asyncio.get_running_loop()
+        self._prepare_dirs()
+        started = time.monotonic()
+        try:
+            await self._launch()
+            await asyncio.wait_for(asyncio.shield(self._ready_future()), START_TIMEOUT)
+        except BaseException:
+            await self.stop()
+            raise
+        self.state = "running"
+        self.started_at = time.time()
+        self.last_used = time.monotonic()
+        self.start_seconds = time.monotonic() - started
+
+    def _ready_future(self) -> asyncio.Future[None]:
+        assert self._ready is not None
+        return self._ready
+
+    def _prepare_dirs(self) -> None:
+        for d in (self.workspace, self.run / "tmp", self.run / "home", self.run / "var"):
+            d.mkdir(parents=True, exist_ok=True)
+            self.give(d)
+        os.chmod(self.run / "tmp", 0o1777)
+        os.chmod(self.run, 0o711)
+
+    async def _launch(self) -> None:
+        host, config = self.host, self.config
+        if host.python is None:
+            raise MachineUnavailable("no python3 under the host's /usr for the exec agent")
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        info_r, info_w = os.pipe()
+        opened: list[int] = [child.fileno(), info_w]
+        layer, _ = host.system_layer()
+        self.layer_on = layer and config.system_layer
+        self.network_on = config.network and host.slirp is not None
+
+        def fd_of(path: Path) -> int:
+            fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+            opened.append(fd)
+            return fd
+
+        def data_fd(text: str) -> int:
+            fd = os.memfd_create("agentbox", 0)
+            os.write(fd, text.encode())
+            os.lseek(fd, 0, os.SEEK_SET)
+            opened.append(fd)
+            return fd
+
+        args = [
+            str(host.bwrap),
+            "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
+            "--unshare-cgroup-try",
+            "--uid", "0", "--gid", "0",
+            "--hostname", self.hostname,
+            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
+            "--proc", "/proc", "--dev", "/dev",
+        ]  # fmt: skip
+        merged = None
+        if self.layer_on:
+            assert host.merged_root is not None
+            merged = host.merged_root / self.sandbox_id
+            args += ["--bind", str(merged / "usr"), "/usr", "--bind", str(merged / "etc"), "/etc"]
+            args += ["--bind", str(merged / "var"), "/var"]
+        else:
+            args += ["--ro-bind", "/usr", "/usr", "--ro-bind-fd", str(fd_of(host.base.etc)), "/etc"]
+            args += ["--bind-fd", str(fd_of(self.run / "var")), "/var"]
+        for d in ("bin", "sbin", "lib", "lib64"):
+            if Path(f"/{d}").is_symlink():
+                args += ["--symlink", os.readlink(f"/{d}"), f"/{d}"]
+            elif Path(f"/{d}").is_dir():
+                args += ["--ro-bind", f"/{d}", f"/{d}"]
+        args += [
+            "--ro-bind-data", str(data_fd(resolv_conf(self.network_on))), "/etc/resolv.conf",
+            "--ro-bind-data", str(data_fd(hosts_file(self.hostname))), "/etc/hosts",
+            "--ro-bind-data", str(data_fd(self.hostname + "\n")), "/etc/hostname",
+            "--bind-fd", str(fd_of(self.workspace)), "/workspace",
+            "--bind-fd", str(fd_of(self.run / "tmp")), "/tmp",
+            "--bind-fd", str(fd_of(self.run / "home")), SANDBOX_HOME,
+            "--chdir", "/workspace",
+            "--info-fd", str(info_w),
+            host.python, "-I", "-S", "-c", AGENT_SOURCE, str(child.fileno()),
+        ]  # fmt: skip
+        self._group = host.cgroups.create(f"{self.sandbox_id}-{os.getpid()}", config.limits)
+        argv, preexec = self._launcher(args, merged)
+        try:
+            self._proc = subprocess.Popen(
+                argv, pass_fds=opened, preexec_fn=preexec, stdin=subprocess.DEVNULL, close_fds=True
+            )
+        finally:
+            for fd in opened[1:]:
+                os.close(fd)
+            child.close()
+        self._ctl = parent
+        parent.setblocking(False)
+        self._ready = self.loop.create_future()
+        self.loop.add_reader(parent.fileno(), self._on_control)
+        info = await self.loop.run_in_executor(None, _read_info, info_r)
+        child_pid = info.get("child-pid")
+        if merged is not None:  # the launcher's own mount namespace, never the host's
+            self._mntns = _private_mntns(self._proc.pid)
+        if self.network_on and child_pid:
+            await self._start_network(int(child_pid))
+
+    def _launcher(self, args: list[str], merged: Path | None) -> tuple[list[str], Any]:
+        """The argv to exec and the code to run between fork and exec (as root)."""
+        host = self.host
+        procs = [os.open(d / "cgroup.procs", os.O_WRONLY) for d in (self._group.dirs if self._group else [])]
+        libc = host.libc
+        binds: list[tuple[bytes, bytes]] = []
+        if merged is not None:
+            base = host.base.root
+            binds = [(b"/usr", bytes(base / "usr"))]
+            binds += [(f"/var/{d}".encode(), bytes(base / "var" / d)) for d in ("lib/dpkg", "lib/apt")]
+            upper, work = self.run / "upper", self.run / "work"
+            for d in (upper, work, merged):
+                d.mkdir(parents=True, exist_ok=True)
+            opts = (
+                f"lowerdir={base},upperdir={upper},workdir={work},"
+                f"squash_to_uid={host.uid},squash_to_gid={host.gid},allow_other"
+            )
+            script = (
+                f'{host.fuse} -o "{opts}" "{merged}" || exit 97\n'
+                f'exec setpriv --reuid={host.uid} --regid={host.gid} --clear-groups --inh-caps=-all "$@"\n'
+            )
+            argv = ["/bin/sh", "-c", script, "launcher", *args]
+        else:
+            argv = args
+        switch_uid = host.root and merged is None
+        uid, gid = host.uid, host.gid
+
+        def preexec() -> None:
+            for fd in procs:
+                os.write(fd, b"0")
+            if binds:
+                if libc.unshare(CLONE_NEWNS) != 0 or libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+                    os._exit(96)
+                for src, dst in binds:
+                    if libc.mount(src, dst, None, MS_BIND | MS_REC, None) != 0:
+                        os._exit(95)
+            if switch_uid:
+                os.setgroups([])
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
+
+        def cleanup_fds() -> None:
+            for fd in procs:
+                os.close(fd)
+
+        self._close_after_launch = cleanup_fds
+        return argv, preexec
+
+    async def _start_network(self, child_pid: int) -> None:
+        assert self.host.slirp is not None
+        ready_r, ready_w = os.pipe()
+        try:
+            self._slirp = subprocess.Popen(
+                [
+                    self.host.slirp, "--configure", "--mtu=65520", "--disable-host-loopback",
+                    "--enable-sandbox", "--enable-seccomp", f"--ready-fd={ready_w}",
+                    str(child_pid), "tap0",
+                ],
+                pass_fds=[ready_w], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )  # fmt: skip
+        finally:
+            os.close(ready_w)
+        if self._group is not None:
+            with contextlib.suppress(OSError):
+                self._group.add(self._slirp.pid)
+        ok = await self.loop.run_in_executor(None, os.read, ready_r, 1)
+        os.close(ready_r)
+        if ok != b"1":
+            err = self._slirp.stderr.read().decode(errors="replace") if self._slirp.stderr else ""
+            raise MachineUnavailable(f"slirp4netns failed to start: {err.strip()[-500:]}")
+
+    async def stop(self) -> None:
+        """Kill everything this lifetime started and forget /tmp, $HOME and the system layer."""
+        self.state = "stopped"
+        if self._ctl is not None:
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(self._ctl.fileno())
+            self._ctl.close()
+            self._ctl = None
+        await asyncio.get_running_loop().run_in_executor(None, self._kill_all)
+        error = MachineUnavailable("the sandbox stopped")
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        for proc in self._procs.values():
+            if not proc.exited.done():
+                proc.exited.set_result(137)
+        self._pending.clear()
+        self._procs.clear()
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(MachineUnavailable("the sandbox exited during start"))
+            self._ready.exception()
+        close = getattr(self, "_close_after_launch", None)
+        if close:
+            close()
+            self._close_after_launch = None
+        shutil.rmtree(self.run, ignore_errors=True)
+
+    def _kill_all(self) -> None:
+        if self._slirp is not None:
+            self._slirp.kill()
+            self._slirp.wait()
+            if self._slirp.stderr:
+                self._slirp.stderr.close()
+            self._slirp = None
+        if self._group is not None:
+            self._group.destroy()
+            self._group = None
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+        if self._mntns is not None:
+            kill_mount_namespace(self._mntns)
+            self._mntns = None
+        if self.host.merged_root is not None:
+            merged = self.host.merged_root / self.sandbox_id
+            shutil.rmtree(merged, ignore_errors=True)
+
+    async def close(self) -> None:
+        await self.stop()
+
+    # control channel -------------------------------------------------------------
+
+    def _send(self, fields: list[bytes | str | int], fds: list[int] | None = None) -> None:
+        if self._ctl is None:
+            raise MachineUnavailable("the sandbox is not running")
+        data = b"\0".join(f if isinstance(f, bytes) else str(f).encode() for f in fields)
+        try:
+            if fds:
+                socket.send_fds(self._ctl, [data], fds)
+            else:
+                self._ctl.send(data)
+        except OSError as exc:
+            raise MachineUnavailable(f"the sandbox's exec agent is gone: {exc}") from exc
+
+    def _on_control(self) -> None:
+        assert self._ctl is not None
+        try:
+            data = self._ctl.recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.loop.remove_reader(self._ctl.fileno())
+            self.loop.create_task(self._agent_gone())
+            return
+        op, *rest = data.split(b"\0")
+        if op == b"R":
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(None)
+        elif op == b"P":
+            fut = self._pending.pop(int(rest[0]), None)
+            if fut is not None and not fut.done():
+                fut.set_result(int(rest[1]))
+        elif op == b"E":
+            fut = self._pending.pop(int(rest[0]), None)
+            if fut is not None and not fut.done():
+                fut.set_exception(OSError(int(rest[1]), rest[2].decode(errors="replace")))
+        elif op == b"X":
+            proc = self._procs.pop(int(rest[0]), None)
+            if proc is not None:
+                self.running -= 1
+                if not proc.exited.done():
+                    proc.exited.set_result(int(rest[1]))
+            self.last_used = time.monotonic()
+
+    async def _agent_gone(self) -> None:
+        if self.state == "running":
+            await self.stop()
+
+    # commands ---------------------------------------------------------------------
+
+    def command_env(self, request: ExecRequest) -> dict[str, str]:
+        return {
+            "PATH": SANDBOX_PATH,
+            "HOME": SANDBOX_HOME,
+            "USER": "root",
+            "LOGNAME": "root",
+            "LANG": "C.UTF-8",
+            "HOSTNAME": self.hostname,
+            "TERM": "xterm-256color",
+            **self.config.env,
+            **request.env,
+        }
+
+    async def spawn(self, request: ExecRequest) -> SandboxProcess:
+        if self.state != "running":
+            raise MachineUnavailable("the sandbox is not running")
+        self.last_used = time.monotonic()
+        cwd = self.paths.absolute(request.cwd or self.root)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        fds = [out_w, err_w]
+        stdin_w = None
+        if request.stdin is not None or request.interactive:
+            in_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+            fds.append(in_r)
+        self._next += 1
+        cid = self._next
+        fut: asyncio.Future[int] = self.loop.create_future()
+        self._pending[cid] = fut
+        proc = SandboxProcess(self, cid, _Pipe(out_r, self.loop), _Pipe(err_r, self.loop), stdin_w)
+        self._procs[cid] = proc
+        self.running += 1
+        try:
+            argv = request.args()
+            env = [f"{k}={v}" for k, v in self.command_env(request).items()]
+            self._send([b"S", cid, cwd, len(argv), *argv, *env], fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            proc.pid = await fut
+        except BaseException:
+            self._procs.pop(cid, None)
+            self.running -= 1
+            proc._out.close()
+            proc._err.close()
+            if stdin_w is not None:
+                os.close(stdin_w)
+            raise
+        if request.stdin is not None:
+            await proc.write_stdin(request.stdin)
+            await proc.close_stdin()
+        return proc
+
+    async def exec(self, request: ExecRequest) -> ExecResult:
+        process = await self.spawn(request)
+        result = await collect(process, request.output_limit, request.timeout)
+        self.last_used = time.monotonic()
+        return result
+
+    def busy(self) -> bool:
+        """A running command (or a process it left behind) keeps the sandbox alive."""
+        if self.running > 0:
+            return True
+        if self._group is not None:
+            baseline = 3 + (1 if self._slirp is not None else 0) + (1 if self.layer_on else 0)
+            return len(self._group.pids()) > baseline
+        return False
+
+
+def _read_info(fd: int) -> dict[str, Any]:
+    """bwrap writes one JSON object (with the sandbox's host pid) to --info-fd.
+
+    The descriptor may stay open in the sandbox, so read until the object is complete
+    rather than until EOF.
+    """
+    data = b""
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        while chunk := f.read(4096):
+            data += chunk
+            try:
+                return dict(json.loads(data))
+            except ValueError:
+                continue
+    return {}
+
+
+def _private_mntns(pid: int) -> int | None:
+    with contextlib.suppress(OSError):
+        ino = os.stat(f"/proc/{pid}/ns/mnt").st_ino
+        if ino != os.stat("/proc/self/ns/mnt").st_ino:
+            return ino
+    return None
+
+
+def kill_mount_namespace(ino: int) -> None:
+    """SIGKILL every process in a mount namespace (the system layer's fuse daemon)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{entry.name}/ns/mnt").st_ino == ino:
+                os.kill(int(entry.name), signal.SIGKILL)

@@ -1,0 +1,730 @@
+"""Commands on a machine: sync and async runs, live output, stdin, kill, timeouts, sessions.
+
+One `CommandManager` per machine (per sandbox) is the engine behind `/v2/commands`,
+`/v1/bash/*`, `/v1/shell/*` and the exec tools. It only uses `Machine.spawn` and the
+`Process` it returns, so it works the same for every machine kind.
+
+Every command is a fresh `/bin/sh -c <command>` in its own process group. Each stream is
+drained into an `OutputBuffer` for as long as the pipe is open, whatever was kept, so a
+chatty command never blocks on a full pipe. Waiting (for the end, for new output) wakes on
+an event set by the pumps, never on a polling sleep.
+
+Lifecycle of a `Command` and how its status reads in the v1 APIs:
+
+    status      meaning                                                v1 bash    v1 shell
+    running     spawned, not ended yet                                 running    running
+    completed   ended by itself, whatever its exit code                completed  completed
+    timed_out   our deadline passed; we SIGKILLed its process group    timed_out  hard_timeout
+    killed      it ended after `kill` (or close) was asked for         killed     terminated
+    failed      the machine broke while it ran (`error` says how)      killed     terminated
+
+v1 bash's `pending` is never reported: the record exists only once the process does. A
+command that could not be spawned (missing cwd, machine down) raises `WorkspaceError` and
+leaves no record. `exit_code` is what the process reported: 128+N when signal N ended it
+(137 after our SIGKILL), None when it never came back (see `KILL_GRACE_SECONDS`).
+
+When a command's main process ends, what is left of its process group is SIGKILLed (seed
+001: descendants are cleaned up after the end, not only on stop and timeout), unless the
+caller passes `keep_background=True`. Work meant to outlive its command should be started
+in async mode, or detach with `setsid`. A background child that keeps the output pipes
+open keeps the command `running` on machines whose `Process.wait` waits for the pipes
+(the local kind); where `wait` returns at exit, output is read for `DRAIN_GRACE_SECONDS`
+more and then the record is closed.
+
+Sessions (v1 bash/shell) are light: a working directory that is the default cwd of the
+commands run "in" it, and some bookkeeping (last used, current command, count). There is
+no persistent shell behind them: `cd` or `export` in one command does not carry over to
+the next. That is deliberate and honest, not an emulation that works most of the time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import re
+import secrets
+import signal
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from agentbox.ids import COMMAND, new_id
+from agentbox.machines.base import ExecRequest, Machine, Process
+from agentbox.workspace.errors import WorkspaceError, bad_request, operation
+
+Status = Literal["running", "completed", "timed_out", "killed", "failed"]
+SessionStatus = Literal["ready", "closed"]
+
+#: Bytes kept per stream (stdout and stderr separately) of one command; seed 001's 1 MiB.
+#: The pipe keeps draining past it; the middle of the output is what gets dropped.
+MAX_BUFFERED_OUTPUT = 1024 * 1024
+#: Bytes kept from the start of a stream once it overflows; the rest of the budget keeps
+#: the latest output. The start shows what ran and its first errors, the end shows how it
+#: finished; the middle (progress bars, long logs) is what an agent needs least.
+KEPT_HEAD_BYTES = 64 * 1024
+#: Bytes asked of a pipe per read.
+READ_CHUNK_BYTES = 64 * 1024
+
+#: Deadline of a sync `run` when the caller gives none (seed 001: 120 s).
+DEFAULT_TIMEOUT_SECONDS = 120.0
+#: Longest deadline a command may ask for, and longest single wait (seed 001: 1800 s).
+MAX_TIMEOUT_SECONDS = 1800.0
+#: How long to wait for a process to come back after SIGKILL before closing its record
+#: with exit_code None: only a process outside the group (`setsid`) holding the pipes does that.
+KILL_GRACE_SECONDS = 5.0
+#: How long to keep reading output after the process has ended (a background child that
+#: escaped the cleanup may still hold the pipes).
+DRAIN_GRACE_SECONDS = 5.0
+#: How long one `write_stdin` may wait for the command to read its input.
+STDIN_WRITE_TIMEOUT_SECONDS = 30.0
+
+#: Commands running at once per manager; one more raises `TooManyCommands`.
+MAX_RUNNING_COMMANDS = 32
+#: Finished command records kept per manager; the oldest finished is forgotten first.
+MAX_COMMANDS_KEPT = 200
+#: Open sessions per manager; one more raises `TooManyCommands`.
+MAX_SESSIONS = 64
+
+#: Signals `kill` accepts, by the names the v1 API uses.
+KILL_SIGNALS: dict[str, int] = {
+    "SIGTERM": signal.SIGTERM,
+    "SIGINT": signal.SIGINT,
+    "SIGKILL": signal.SIGKILL,
+}
+
+#: How each status reads in `/v1/bash/*` (`pending` is never produced).
+BASH_STATUS: dict[Status, str] = {
+    "running": "running",
+    "completed": "completed",
+    "timed_out": "timed_out",
+    "killed": "killed",
+    "failed": "killed",
+}
+#: How each status reads in `/v1/shell/*` (the OpenHands set).
+SHELL_STATUS: dict[Status, str] = {
+    "running": "running",
+    "completed": "completed",
+    "timed_out": "hard_timeout",
+    "killed": "terminated",
+    "failed": "terminated",
+}
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class TooManyCommands(WorkspaceError):
+    """A count limit of the manager (running commands, sessions) is reached; retry later."""
+
+
+def _not_found(kind: str, ident: str, op: str) -> WorkspaceError:
+    return WorkspaceError("not_found", f"No {kind} with id {ident!r}", op, exception_type="KeyError")
+
+
+def _too_many(what: str, limit: int, op: str) -> TooManyCommands:
+    return TooManyCommands(
+        "bad_request",
+        f"Too many {what}: at most {limit} at once; wait for one to end or stop one",
+        op,
+        exception_type="TooManyCommands",
+        retryable=True,
+    )
+
+
+@dataclass(frozen=True)
+class OutputSlice:
+    """Bytes of a stream from absolute offset `start`; the next read starts at `next_offset`.
+
+    `skipped` > 0 says that many bytes after the requested offset were dropped by the
+    output cap and are gone; `data` then starts past them.
+    """
+
+    data: bytes
+    start: int
+    next_offset: int
+    skipped: int = 0
+
+
+class OutputBuffer:
+    """One output stream: the first `KEPT_HEAD_BYTES` and the latest bytes, up to a cap.
+
+    Offsets are absolute positions in the whole stream as the command wrote it, so a
+    reader's offset stays valid however much is dropped in between.
+    """
+
+    def __init__(self, cap: int | None = None, head: int | None = None) -> None:
+        self.cap = MAX_BUFFERED_OUTPUT if cap is None else cap
+        self.head_cap = min(KEPT_HEAD_BYTES if head is None else head, self.cap)
+        self.total = 0
+        self.closed = False
+        self._head = bytearray()
+        self._tail: deque[bytes] = deque()
+        self._tail_len = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.cap
+
+    @property
+    def tail_start(self) -> int:
+        """Absolute offset of the first byte kept after the head."""
+        return self.total - self._tail_len
+
+    @property
+    def dropped(self) -> int:
+        """Bytes lost between the head and the tail."""
+        return self.tail_start - len(self._head)
+
+    def append(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.head_cap - len(self._head)
+        if room > 0:
+            self._head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self._tail.append(chunk)
+            self._tail_len += len(chunk)
+        self._trim_tail(self.cap - self.head_cap)
+
+    def _trim_tail(self, keep: int) -> None:
+        while self._tail_len > keep:
+            excess = self._tail_len - keep
+            first = self._tail[0]
+            if len(first) <= excess:
+                self._tail.popleft()
+                self._tail_len -= len(first)
+            else:
+                self._tail[0] = first[excess:]
+                self._tail_len -= excess
+
+    def close(self) -> None:
+        self.closed = True
+
+    def getvalue(self) -> bytes:
+        """Everything kept: the head, then the tail (with the dropped middle missing)."""
+        return bytes(self._head) + b"".join(self._tail)
+
+    def text(self) -> str:
+        """What was kept as text, with a marker where the middle was dropped."""
+        head = bytes(self._head).decode("utf-8", "replace")
+        tail = b"".join(self._tail).decode("utf-8", "replace")
+        if not self.truncated:
+            return head + tail
+        return f"{head}\n[... {self.dropped} bytes of output omitted ...]\n{tail}"
+
+    def read(self, offset: int) -> OutputSlice:
+        """The kept bytes from `offset` on, never spanning the dropped middle.
+
+        An offset inside the dropped middle reads from the tail and reports the skip. An
+        offset past the end reads nothing (more may come). While the stream is open, an
+        incomplete UTF-8 character at the very end is held back for the next read, unless
+        that would leave nothing to return.
+        """
+        if offset < 0:
+            raise bad_request("read", f"offset must be >= 0, got {offset}")
+        head_len = len(self._head)
+        if offset < head_len:
+            data = bytes(self._head[offset:]) if self.truncated else self.getvalue()[offset:]
+            start = offset
+        else:
+            start = max(offset, self.tail_start)
+            data = b"".join(self._tail)[start - self.tail_start :]
+        if not self.closed and start + len(data) == self.total:
+            data = data[: _complete_utf8(data) or len(data)]
+        return OutputSlice(data, start, start + len(data), start - offset)
+
+
+def _complete_utf8(data: bytes) -> int:
+    """Length of `data` without a trailing, incomplete UTF-8 sequence."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return len(data)
+        if byte >= 0xC0:
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return len(data) if back >= need else len(data) - back
+    return len(data)
+
+
+@dataclass(eq=False)
+class Command:
+    """One command run by a `CommandManager`; read its fields, change it through the manager."""
+
+    id: str
+    command: str
+    cwd: str | None
+    env: dict[str, str]
+    timeout: float | None
+    session_id: str | None = None
+    status: Status = "running"
+    exit_code: int | None = None
+    started_at: datetime = field(default_factory=_now)
+    finished_at: datetime | None = None
+    stdout: OutputBuffer = field(default_factory=OutputBuffer)
+    stderr: OutputBuffer = field(default_factory=OutputBuffer)
+    #: Whether `write_stdin` can still reach the process.
+    stdin_open: bool = False
+    #: The last signal `kill` sent, if any.
+    kill_signal: int | None = None
+    #: Why the record is `failed`.
+    error: str | None = None
+    _process: Process | None = field(default=None, repr=False)
+    _task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _sigkilled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _stdin_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.status != "running"
+
+    @property
+    def duration(self) -> float:
+        return ((self.finished_at or _now()) - self.started_at).total_seconds()
+
+    def _notify(self) -> None:
+        """Wake everyone waiting for a change (output, end) and arm a fresh event."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _until(self, predicate: Callable[[], bool], timeout: float | None) -> None:
+        """Return once `predicate()` holds or `timeout` passes, re-checking on every change."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not predicate():
+                    await self._changed.wait()
+        except TimeoutError:
+            pass
+
+
+@dataclass(eq=False)
+class ShellSession:
+    """A v1 bash/shell session: a default working directory and bookkeeping, no live shell."""
+
+    session_id: str
+    working_dir: str
+    created_at: datetime = field(default_factory=_now)
+    last_used_at: datetime = field(default_factory=_now)
+    status: SessionStatus = "ready"
+    #: The command string of the session's newest command that is still running.
+    current_command: str | None = None
+    current_command_id: str | None = None
+    #: The session's newest command, running or not (v1 `bash/output` without `command_id`).
+    last_command_id: str | None = None
+    command_count: int = 0
+
+    @property
+    def age_seconds(self) -> int:
+        return int((_now() - self.created_at).total_seconds())
+
+
+class CommandManager:
+    """Runs and remembers the commands of one machine; bounded in every count."""
+
+    def __init__(self, machine: Machine) -> None:
+        self.machine = machine
+        self._commands: dict[str, Command] = {}
+        self._finished: deque[str] = deque()
+        self._sessions: dict[str, ShellSession] = {}
+        self._starting = 0
+        self._closed = False
+
+    # -- starting --------------------------------------------------------------------
+
+    async def run(
+        self,
+        command: str,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str | None] | None = None,
+        timeout: float | None = None,
+        session_id: str | None = None,
+        keep_background: bool = False,
+    ) -> Command:
+        """Run to the end (sync mode) with stdin at /dev/null and a deadline.
+
+        `timeout` defaults to `DEFAULT_TIMEOUT_SECONDS`. If the caller goes away (the task
+        is cancelled), the command is killed: nobody is left to read its result.
+        """
+        deadline = _check_timeout(DEFAULT_TIMEOUT_SECONDS if timeout is None else timeout)
+        cmd = await self._launch(command, cwd, env, deadline, session_id, False, keep_background)
+        try:
+            await cmd._until(lambda: cmd.finished, None)
+        except asyncio.CancelledError:
+            self.kill(cmd.id, signal.SIGKILL)
+            raise
+        return cmd
+
+    async def start(
+        self,
+        command: str,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str | None] | None = None,
+        timeout: float | None = None,
+        session_id: str | None = None,
+        stdin: bool = True,
+        keep_background: bool = False,
+    ) -> Command:
+        """Start and return at once (async mode), status `running`.
+
+        No deadline unless `timeout` is given: a server started this way runs until it is
+        killed or the manager closes. `stdin=True` keeps a pipe open for `write_stdin`
+        (a command that reads stdin then waits for input or `close_stdin`).
+        """
+        deadline = None if timeout is None else _check_timeout(timeout)
+        return await self._launch(command, cwd, env, deadline, session_id, stdin, keep_background)
+
+    async def _launch(
+        self,
+        command: str,
+        cwd: str | None,
+        env: Mapping[str, str | None] | None,
+        timeout: float | None,
+        session_id: str | None,
+        stdin: bool,
+        keep_background: bool,
+    ) -> Command:
+        self._check_open("exec")
+        _check_command(command, cwd)
+        clean_env = _check_env(env)
+        if self._running_count() + self._starting >= MAX_RUNNING_COMMANDS:
+            raise _too_many("running commands", MAX_RUNNING_COMMANDS, "exec")
+        session = self._session_for(session_id) if session_id is not None else None
+        cwd = cwd or (session.working_dir if session else None)
+        request = ExecRequest(command=command, cwd=cwd, env=clean_env, interactive=stdin)
+        self._starting += 1
+        try:
+            with operation("exec", cwd):
+                process = await self.machine.spawn(request)
+        finally:
+            self._starting -= 1
+        cmd = Command(new_id(COMMAND), command, cwd, clean_env, timeout, session_id, stdin_open=stdin)
+        cmd._process = process
+        self._commands[cmd.id] = cmd
+        if session is not None:
+            _session_started(session, cmd)
+        cmd._task = asyncio.create_task(self._supervise(cmd, process, keep_background))
+        if self._closed:
+            self.kill(cmd.id, signal.SIGKILL)
+        return cmd
+
+    # -- the life of one command -----------------------------------------------------
+
+    async def _supervise(self, cmd: Command, process: Process, keep_background: bool) -> None:
+        """Pump output, enforce the deadline, reap the group, then close the record."""
+        pumps = [
+            asyncio.ensure_future(_pump(cmd, process.stdout, cmd.stdout)),
+            asyncio.ensure_future(_pump(cmd, process.stderr, cmd.stderr)),
+        ]
+        waiter = asyncio.ensure_future(process.wait())
+        status: Status = "failed"
+        code: int | None = None
+        try:
+            status = await _await_exit(cmd, waiter)
+            if status != "completed":
+                process.kill(signal.SIGKILL)
+                await asyncio.wait({waiter}, timeout=KILL_GRACE_SECONDS)
+            if waiter.done():
+                code = waiter.result()
+            if not keep_background:
+                process.kill(signal.SIGKILL)
+            await asyncio.wait(pumps, timeout=DRAIN_GRACE_SECONDS)
+            if status == "completed" and cmd.kill_signal is not None:
+                status = "killed"
+        except asyncio.CancelledError:
+            process.kill(signal.SIGKILL)
+            status = "killed"
+            raise
+        except Exception as exc:
+            process.kill(signal.SIGKILL)
+            status, cmd.error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            for task in (*pumps, waiter):
+                task.cancel()
+            self._finish(cmd, status, code)
+
+    def _finish(self, cmd: Command, status: Status, code: int | None) -> None:
+        cmd.status, cmd.exit_code, cmd.finished_at = status, code, _now()
+        cmd.stdin_open = False
+        cmd._process = None
+        session = self._sessions.get(cmd.session_id or "")
+        if session is not None and session.current_command_id == cmd.id:
+            session.current_command = session.current_command_id = None
+        self._finished.append(cmd.id)
+        while len(self._finished) > MAX_COMMANDS_KEPT:
+            del self._commands[self._finished.popleft()]
+        cmd._notify()
+
+    # -- looking and waiting ---------------------------------------------------------
+
+    def get(self, command_id: str) -> Command:
+        cmd = self._commands.get(command_id)
+        if cmd is None:
+            raise _not_found("command", command_id, "command")
+        return cmd
+
+    async def wait(self, command_id: str, timeout: float | None = None) -> Command:
+        """The command once it has ended, or as it is after `timeout` seconds."""
+        cmd = self.get(command_id)
+        await cmd._until(lambda: cmd.finished, _check_wait(timeout))
+        return cmd
+
+    async def wait_output(
+        self, command_id: str, offset: int = 0, stderr_offset: int = 0, timeout: float | None = None
+    ) -> Command:
+        """Return once either stream has bytes past its offset, the command ended, or `timeout`."""
+        cmd = self.get(command_id)
+
+        def ready() -> bool:
+            return cmd.stdout.total > offset or cmd.stderr.total > stderr_offset or cmd.finished
+
+        await cmd._until(ready, _check_wait(timeout))
+        return cmd
+
+    # -- acting on a running command -------------------------------------------------
+
+    def kill(self, command_id: str, sig: int = signal.SIGKILL) -> Command:
+        """Send `sig` to the command's whole process group; a finished command is left as is."""
+        if sig not in KILL_SIGNALS.values():
+            raise bad_request("kill", f"signal must be one of {', '.join(KILL_SIGNALS)}, got {sig}")
+        cmd = self.get(command_id)
+        if cmd.finished or cmd._process is None:
+            return cmd
+        cmd.kill_signal = sig
+        cmd._process.kill(sig)
+        if sig == signal.SIGKILL:
+            cmd._sigkilled.set()
+        return cmd
+
+    async def write_stdin(self, command_id: str, data: bytes, *, close: bool = False) -> Command:
+        """Write to the command's stdin (then close it if asked), in call order."""
+        cmd = self.get(command_id)
+        async with cmd._stdin_lock:
+            process = self._stdin_of(cmd)
+            try:
+                async with asyncio.timeout(STDIN_WRITE_TIMEOUT_SECONDS):
+                    await process.write_stdin(data)
+            except TimeoutError:
+                raise WorkspaceError(
+                    "io_error",
+                    f"Command {cmd.id} did not read its input within {STDIN_WRITE_TIMEOUT_SECONDS:g} s",
+                    "write",
+                    exception_type="TimeoutError",
+                    retryable=True,
+                ) from None
+            except OSError as exc:
+                cmd.stdin_open = False
+                raise bad_request("write", f"Command {cmd.id} closed its input ({exc})") from exc
+            if close:
+                await self._close_stdin(cmd, process)
+        return cmd
+
+    async def close_stdin(self, command_id: str) -> Command:
+        """Send end-of-file to the command's stdin."""
+        cmd = self.get(command_id)
+        async with cmd._stdin_lock:
+            await self._close_stdin(cmd, self._stdin_of(cmd))
+        return cmd
+
+    def _stdin_of(self, cmd: Command) -> Process:
+        if cmd.finished or not cmd.stdin_open or cmd._process is None:
+            raise bad_request(
+                "write", f"Command {cmd.id} has no open stdin (it ended, or was not started with one)"
+            )
+        return cmd._process
+
+    async def _close_stdin(self, cmd: Command, process: Process) -> None:
+        cmd.stdin_open = False
+        try:
+            await process.close_stdin()
+        except OSError:
+            pass
+
+    def remove(self, command_id: str) -> None:
+        """Forget a finished command; a running one must be killed first."""
+        cmd = self.get(command_id)
+        if not cmd.finished:
+            raise bad_request("command", f"Command {command_id} is still running; kill it first")
+        del self._commands[command_id]
+        self._finished.remove(command_id)
+
+    # -- sessions --------------------------------------------------------------------
+
+    async def open_session(
+        self, session_id: str | None = None, working_dir: str | None = None
+    ) -> ShellSession:
+        """A new session whose commands default to `working_dir` (the machine root by default)."""
+        self._check_open("session")
+        if session_id is not None and session_id in self._sessions:
+            raise WorkspaceError(
+                "already_exists",
+                f"Session {session_id!r} already exists",
+                "session",
+                exception_type="KeyError",
+            )
+        directory = working_dir or self.machine.root
+        with operation("session", directory):
+            info = await self.machine.stat(directory)
+        if info is None:
+            raise _not_found("directory", directory, "session")
+        if not info.is_dir:
+            raise WorkspaceError("invalid_target", f"Not a directory: {directory}", "session", directory)
+        return self._new_session(session_id, info.path)
+
+    def _session_for(self, session_id: str) -> ShellSession:
+        """The session a command names, created on first use as v1 does."""
+        session = self._sessions.get(session_id)
+        return session if session is not None else self._new_session(session_id, self.machine.root)
+
+    def _new_session(self, session_id: str | None, working_dir: str) -> ShellSession:
+        if session_id is None:
+            session_id = f"sh_{secrets.token_hex(8)}"
+        elif not _SESSION_ID.fullmatch(session_id):
+            raise bad_request(
+                "session", f"Invalid session id {session_id!r}: use up to 128 of [A-Za-z0-9._:-]"
+            )
+        if len(self._sessions) >= MAX_SESSIONS:
+            raise _too_many("sessions", MAX_SESSIONS, "session")
+        session = ShellSession(session_id, working_dir)
+        self._sessions[session_id] = session
+        return session
+
+    def session(self, session_id: str) -> ShellSession:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise _not_found("session", session_id, "session")
+        return session
+
+    def sessions(self) -> builtins.list[ShellSession]:
+        return builtins.list(self._sessions.values())
+
+    def session_command(self, session_id: str, command_id: str | None = None) -> Command:
+        """The command a v1 call means: `command_id` if given (it must be the session's), else the newest."""
+        session = self.session(session_id)
+        ident = command_id or session.last_command_id
+        if ident is None:
+            raise _not_found("command in session", session_id, "command")
+        cmd = self.get(ident)
+        if cmd.session_id != session_id:
+            raise _not_found("command", ident, "command")
+        session.last_used_at = _now()
+        return cmd
+
+    def close_session(self, session_id: str) -> ShellSession:
+        """Kill the session's running commands and forget the session (its commands stay readable)."""
+        session = self.session(session_id)
+        for cmd in self._commands.values():
+            if cmd.session_id == session_id and not cmd.finished:
+                self.kill(cmd.id, signal.SIGKILL)
+        session.status = "closed"
+        del self._sessions[session_id]
+        return session
+
+    # -- the whole manager -----------------------------------------------------------
+
+    def list(self) -> builtins.list[Command]:
+        """Every command kept, oldest first."""
+        return builtins.list(self._commands.values())
+
+    async def close(self) -> None:
+        """Kill every running command, wait for their records to close, refuse new ones."""
+        self._closed = True
+        tasks = [cmd._task for cmd in self._commands.values() if cmd._task is not None and not cmd.finished]
+        for cmd in builtins.list(self._commands.values()):
+            self.kill(cmd.id, signal.SIGKILL)
+        if tasks:
+            await asyncio.wait(tasks, timeout=KILL_GRACE_SECONDS + DRAIN_GRACE_SECONDS + 1)
+        for session in self._sessions.values():
+            session.status = "closed"
+        self._sessions.clear()
+
+    def _running_count(self) -> int:
+        return sum(1 for cmd in self._commands.values() if not cmd.finished)
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise WorkspaceError("io_error", "The machine's command manager is closed", op, retryable=True)
+
+
+async def _pump(cmd: Command, stream: asyncio.StreamReader, buffer: OutputBuffer) -> None:
+    """Move a pipe into its buffer until EOF, waking readers on every chunk."""
+    try:
+        while chunk := await stream.read(READ_CHUNK_BYTES):
+            buffer.append(chunk)
+            cmd._notify()
+    finally:
+        buffer.close()
+        cmd._notify()
+
+
+async def _await_exit(cmd: Command, waiter: asyncio.Future[int]) -> Status:
+    """Wait for the process to end, its deadline, or a SIGKILL request; say which came first.
+
+    A SIGTERM or SIGINT the command survives does not stop the wait.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if cmd.timeout is None else loop.time() + cmd.timeout
+    while True:
+        killed = asyncio.ensure_future(cmd._sigkilled.wait())
+        remaining = None if deadline is None else max(0.0, deadline - loop.time())
+        try:
+            watched: set[asyncio.Future[Any]] = {waiter, killed}
+            done, _ = await asyncio.wait(watched, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            killed.cancel()
+        if waiter in done:
+            waiter.result()
+            return "completed"
+        if killed in done:
+            return "killed"
+        return "timed_out"
+
+
+def _session_started(session: ShellSession, cmd: Command) -> None:
+    session.last_used_at = cmd.started_at
+    session.current_command, session.current_command_id = cmd.command, cmd.id
+    session.last_command_id = cmd.id
+    session.command_count += 1
+
+
+def _check_timeout(timeout: float) -> float:
+    if not 0 < timeout <= MAX_TIMEOUT_SECONDS:
+        raise bad_request(
+            "exec", f"timeout must be > 0 and <= {MAX_TIMEOUT_SECONDS:g} seconds, got {timeout}"
+        )
+    return float(timeout)
+
+
+def _check_wait(timeout: float | None) -> float | None:
+    if timeout is not None and not 0 <= timeout <= MAX_TIMEOUT_SECONDS:
+        raise bad_request(
+            "wait", f"wait timeout must be >= 0 and <= {MAX_TIMEOUT_SECONDS:g} seconds, got {timeout}"
+        )
+    return timeout
+
+
+def _check_command(command: str, cwd: str | None) -> None:
+    if not command.strip():
+        raise bad_request("exec", "command is empty")
+    if "\0" in command or (cwd is not None and "\0" in cwd):
+        raise bad_request("exec", "command and cwd may not contain NUL bytes")
+
+
+def _check_env(env: Mapping[str, str | None] | None) -> dict[str, str]:
+    """The variables to set; a None value (v1 allows it) sets nothing."""
+    clean: dict[str, str] = {}
+    for key, value in (env or {}).items():
+        if not key or "=" in key or "\0" in key:
+            raise bad_request("exec", f"invalid environment variable name {key!r}")
+        if value is None:
+            continue
+        if "\0" in value:
+            raise bad_request("exec", f"environment variable {key} contains a NUL byte")
+        clean[key] = value
+    return clean

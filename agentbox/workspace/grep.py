@@ -1,0 +1,451 @@
+"""Content search: `grep` (v1 `/v1/file/grep`, `/v2/fs/grep`) and `search_in_file` (v1 `/v1/file/search`).
+
+Both run ripgrep (`rg --json`) on the host path behind the machine path, so a search costs
+one process on the host and none inside the machine. rg walks the tree without following
+symlinks (a link never leads the search out of the tree) and every path it reports is
+mapped back to an inside path. Its JSON messages arrive per file as
+`begin`, then `context` / `match` lines in file order, then `end`; a final `summary` ends the run.
+
+Choices where the upstream API is silent:
+
+- Results come in path order (`--sort path`), so `offset` pages are stable.
+- A match's `context_before` / `context_after` are the lines around it whatever they are,
+  other matching lines included, exactly as if it had been searched alone.
+- `.gitignore` files are honoured wherever they are (not only inside a git checkout); the
+  server's own global gitignore and rg config are never read.
+- `truncated` is true when more matches exist past `offset + max_results` (rg is read until
+  the next one shows up, then killed) or when a record longer than MAX_RECORD_BYTES was skipped.
+- `match_count` counts the matches returned. `files_matched` counts files with a match up to
+  where rg stopped. `files_searched` is None: rg's JSON summary counts only files with a match.
+- Search starts at the host path behind `path`; other mounts nested below it in the
+  machine's view are not entered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import sysconfig
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from agentbox.machines.base import HostMapped
+from agentbox.workspace.editor import MAX_EDIT_BYTES
+from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
+
+#: Matches returned by default.
+MAX_GREP_RESULTS = 500
+#: The most matches one request may ask for.
+GREP_RESULTS_CEILING = 10_000
+#: Context lines one request may ask for on each side of a match.
+MAX_GREP_CONTEXT_LINES = 100
+#: Characters kept of one line (match or context); longer lines end with LINE_TRUNCATED_MARKER.
+MAX_LINE_CHARS = 2_000
+LINE_TRUNCATED_MARKER = " [... line truncated]"
+#: Seconds one search may take before rg is killed.
+GREP_TIMEOUT_SECONDS = 30.0
+#: Longest rg JSON record read; a longer one (a huge line) is skipped and the result truncated.
+MAX_RECORD_BYTES = 8 * 1024 * 1024
+#: Bytes of rg's stderr kept for the error message.
+MAX_STDERR_BYTES = 16 * 1024
+#: Default of `max_file_size`: larger files are skipped (rg `--max-filesize`).
+DEFAULT_MAX_FILE_SIZE = "1M"
+
+SIZE_FORMAT = re.compile(r"^[0-9]+[KMG]?$")
+#: rg reads no environment we want: no config file, no global gitignore, no colors.
+RG_ENV: dict[str, str] = {}
+
+
+@dataclass
+class GrepMatch:
+    file: str
+    line_number: int
+    line_content: str
+    context_before: list[str] = field(default_factory=list)
+    context_after: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GrepResult:
+    path: str
+    pattern: str
+    matches: list[GrepMatch]
+    match_count: int
+    files_searched: int | None
+    files_matched: int
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class GrepOptions:
+    """Everything `grep` accepts besides the path, as upstream names it."""
+
+    pattern: str
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    case_insensitive: bool = False
+    fixed_strings: bool = False
+    context_before: int = 0
+    context_after: int = 0
+    max_results: int = MAX_GREP_RESULTS
+    max_file_size: str = DEFAULT_MAX_FILE_SIZE
+    multiline: bool = False
+    offset: int = 0
+    file_type: str | None = None
+    recursive: bool = True
+    hidden: bool = False
+    respect_gitignore: bool = True
+
+    def check(self, op: str, path: str) -> None:
+        def refuse(message: str) -> None:
+            raise bad_request(op, message, path)
+
+        if not 1 <= self.max_results <= GREP_RESULTS_CEILING:
+            refuse(f"max_results must be within [1, {GREP_RESULTS_CEILING}]")
+        if self.offset < 0:
+            refuse("offset must not be negative")
+        for name, value in (("context_before", self.context_before), ("context_after", self.context_after)):
+            if not 0 <= value <= MAX_GREP_CONTEXT_LINES:
+                refuse(f"{name} must be within [0, {MAX_GREP_CONTEXT_LINES}]")
+        if not SIZE_FORMAT.match(self.max_file_size):
+            refuse(f"max_file_size must be a byte count, optionally with K, M or G: {self.max_file_size!r}")
+        if any(not g for g in self.include + self.exclude):
+            refuse("include and exclude globs must not be empty")
+        if self.file_type is not None and not self.file_type:
+            refuse("type must not be empty")
+
+    def rg_args(self, host: Path) -> list[str]:
+        args = ["--json", "--no-config", "--no-messages", "--sort", "path", "--crlf"]
+        args += ["--no-ignore-global", "--no-require-git", f"--max-filesize={self.max_file_size}"]
+        args.append("--ignore-case" if self.case_insensitive else "--case-sensitive")
+        if self.fixed_strings:
+            args.append("--fixed-strings")
+        if self.multiline:
+            args.append("--multiline")
+        if self.context_before:
+            args.append(f"--before-context={self.context_before}")
+        if self.context_after:
+            args.append(f"--after-context={self.context_after}")
+        if not self.recursive:
+            args.append("--max-depth=1")
+        if self.hidden:
+            args.append("--hidden")
+        if not self.respect_gitignore:
+            args.append("--no-ignore")
+        if self.file_type:
+            args.append(f"--type={self.file_type}")
+        args += [f"--glob={g}" for g in self.include]
+        args += [f"--glob=!{g}" for g in self.exclude]
+        return [*args, "--regexp", self.pattern, "--", str(host)]
+
+
+def globs(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+@cache
+def rg_binary() -> str:
+    """The `rg` the ripgrep wheel put beside this interpreter, else one on PATH."""
+    found = shutil.which("rg", path=sysconfig.get_path("scripts")) or shutil.which("rg")
+    if found is None:
+        raise FileNotFoundError("ripgrep (rg) is not installed; `pip install ripgrep` provides it")
+    return found
+
+
+# --- reading rg's output ---------------------------------------------------------------
+
+
+def clip_line(text: str) -> str:
+    return text if len(text) <= MAX_LINE_CHARS else text[:MAX_LINE_CHARS] + LINE_TRUNCATED_MARKER
+
+
+def data_text(value: dict[str, str]) -> str:
+    """rg gives text as {"text": ...}, or {"bytes": base64} when it is not UTF-8."""
+    if "text" in value:
+        return value["text"]
+    return base64.b64decode(value.get("bytes", "")).decode("utf-8", "replace")
+
+
+def data_path(value: dict[str, str]) -> Path:
+    if "text" in value:
+        return Path(value["text"])
+    return Path(os.fsdecode(base64.b64decode(value.get("bytes", ""))))
+
+
+def split_lines(text: str) -> list[str]:
+    return [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")]
+
+
+class MatchCollector:
+    """Turns rg's JSON messages into GrepMatches, one page (`skip`, `limit`) of them.
+
+    Context lines are kept by line number: the last `before` lines seen give a new match
+    its `context_before`; matches still short of `after` lines take each later line, so
+    overlapping contexts land in every match they surround.
+    """
+
+    def __init__(
+        self, before: int, after: int, skip: int, limit: int, to_inside: Callable[[Path], str]
+    ) -> None:
+        self.before, self.after, self.skip, self.limit = before, after, skip, limit
+        self.to_inside = to_inside
+        self.matches: list[GrepMatch] = []
+        self.seen = 0
+        self.files_matched = 0
+        self.truncated = False
+        self.done = False
+        self.saw_output = False
+        self._file = ""
+        self._recent: deque[tuple[int, str]] = deque(maxlen=before)
+        self._open: list[tuple[GrepMatch, int]] = []  # matches awaiting context_after, and their last line
+
+    @property
+    def full(self) -> bool:
+        return self.seen >= self.skip + self.limit
+
+    def feed(self, message: dict) -> None:
+        self.saw_output = True
+        kind, data = message.get("type"), message.get("data", {})
+        if kind == "begin":
+            self._begin(data)
+        elif kind in ("match", "context"):
+            self._lines(kind == "match", data)
+        elif kind == "end":
+            self._open.clear()
+        self._settle()
+
+    def skipped_oversized(self) -> None:
+        self.saw_output = True
+        self.truncated = True
+
+    def _begin(self, data: dict) -> None:
+        if self.full:
+            self.truncated = True
+            return
+        self.files_matched += 1
+        self._file = self.to_inside(data_path(data["path"]))
+        self._recent.clear()
+        self._open.clear()
+
+    def _lines(self, is_match: bool, data: dict) -> None:
+        first = int(data["line_number"])
+        lines = [clip_line(line) for line in split_lines(data_text(data["lines"]))]
+        for n, text in enumerate(lines, first):
+            self._give_after(n, text)
+        if is_match:
+            if self.full:
+                self.truncated = True
+            else:
+                self._add(first, lines)
+        self._recent.extend(enumerate(lines, first))
+
+    def _add(self, first: int, lines: list[str]) -> None:
+        self.seen += 1
+        if self.seen <= self.skip:
+            return
+        before = [text for n, text in self._recent if n >= first - self.before]
+        match = GrepMatch(self._file, first, clip_line("\n".join(lines)), before)
+        self.matches.append(match)
+        if self.after:
+            self._open.append((match, first + len(lines) - 1))
+
+    def _give_after(self, n: int, text: str) -> None:
+        still_open = []
+        for match, last in self._open:
+            if last < n <= last + self.after:
+                match.context_after.append(text)
+            if n < last + self.after:
+                still_open.append((match, last))
+        self._open = still_open
+
+    def _settle(self) -> None:
+        self.done = self.full and self.truncated and not self._open
+
+
+async def records(stream: asyncio.StreamReader) -> AsyncGenerator[tuple[bytes, bool], None]:
+    """rg's output split into lines: (record, True), or (its first bytes, False) when too long."""
+    buffer = bytearray()
+    oversized = False
+    while chunk := await stream.read(65536):
+        start = 0
+        while (nl := chunk.find(b"\n", start)) != -1:
+            if not oversized:
+                buffer += chunk[start:nl]
+            yield bytes(buffer[:64]) if oversized else bytes(buffer), not oversized
+            buffer.clear()
+            oversized = False
+            start = nl + 1
+        if not oversized:
+            buffer += chunk[start:]
+            if len(buffer) > MAX_RECORD_BYTES:
+                del buffer[64:]
+                oversized = True
+    if buffer and not oversized:
+        yield bytes(buffer), True
+
+
+async def read_capped_stream(stream: asyncio.StreamReader, limit: int) -> bytes:
+    kept = bytearray()
+    while chunk := await stream.read(65536):
+        kept += chunk[: max(0, limit - len(kept))]
+    return bytes(kept)
+
+
+async def run_rg(
+    args: list[str], cwd: Path, collector: MatchCollector, timeout: float
+) -> tuple[int | None, str]:
+    """Feed rg's records to `collector` until it is done or rg ends; rg never outlives this."""
+    proc = await asyncio.create_subprocess_exec(
+        rg_binary(),
+        *args,
+        cwd=cwd,
+        env=RG_ENV,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    stderr = asyncio.ensure_future(read_capped_stream(proc.stderr, MAX_STDERR_BYTES))
+    try:
+        async with asyncio.timeout(timeout), contextlib.aclosing(records(proc.stdout)) as lines:
+            async for record, whole in lines:
+                if not whole:
+                    if record.startswith(b'{"type":"match"'):
+                        collector.skipped_oversized()
+                    continue
+                collector.feed(json.loads(record))
+                if collector.done:
+                    return None, ""
+            code = await proc.wait()
+            return code, (await stderr).decode("utf-8", "replace")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        stderr.cancel()
+
+
+def rg_message(stderr: str) -> str:
+    lines = [line.removeprefix("rg: ") for line in stderr.strip().splitlines()]
+    return "\n".join(lines) or "ripgrep failed"
+
+
+# --- the operations --------------------------------------------------------------------
+
+
+async def run_search(
+    machine: HostMapped, path: str, options: GrepOptions, op: str, timeout: float, *, file_only: bool = False
+) -> GrepResult:
+    with operation(op, path):
+        options.check(op, path)
+        host = machine.host_path(path)
+        shown = machine.inside_path(machine.host_path(path, follow=False))
+        is_dir = host.is_dir()
+        if not is_dir and not host.exists():
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        if file_only and is_dir:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        collector = MatchCollector(
+            options.context_before,
+            options.context_after,
+            options.offset,
+            options.max_results,
+            machine.inside_path,
+        )
+        try:
+            code, stderr = await run_rg(
+                options.rg_args(host), host if is_dir else host.parent, collector, timeout
+            )
+        except TimeoutError:
+            raise WorkspaceError(
+                "io_error",
+                failed(op, f"search took longer than {timeout:g} s"),
+                op,
+                path,
+                errno.ETIMEDOUT,
+                "ETIMEDOUT",
+                "TimeoutError",
+                retryable=True,
+            ) from None
+        if code == 2 and not collector.saw_output and stderr.strip():
+            raise bad_request(op, rg_message(stderr), path)
+        return GrepResult(
+            path=shown,
+            pattern=options.pattern,
+            matches=collector.matches,
+            match_count=len(collector.matches),
+            files_searched=None,
+            files_matched=collector.files_matched,
+            truncated=collector.truncated,
+        )
+
+
+async def grep(
+    machine: HostMapped,
+    path: str,
+    pattern: str,
+    *,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    case_insensitive: bool = False,
+    fixed_strings: bool = False,
+    context_before: int = 0,
+    context_after: int = 0,
+    max_results: int = MAX_GREP_RESULTS,
+    max_file_size: str | int = DEFAULT_MAX_FILE_SIZE,
+    multiline: bool = False,
+    offset: int = 0,
+    file_type: str | None = None,
+    recursive: bool = True,
+    hidden: bool = False,
+    respect_gitignore: bool = True,
+    timeout: float = GREP_TIMEOUT_SECONDS,
+) -> GrepResult:
+    """Lines matching `pattern` (a Rust regex, or literal with `fixed_strings`) in a file or tree.
+
+    `include` / `exclude` are rg globs relative to `path` (`*.py`, `src/**`); `file_type` is an
+    rg type name (`py`, `rust`); `offset` skips that many matches before `max_results` are kept.
+    """
+    options = GrepOptions(
+        pattern=pattern,
+        include=globs(include),
+        exclude=globs(exclude),
+        case_insensitive=case_insensitive,
+        fixed_strings=fixed_strings,
+        context_before=context_before,
+        context_after=context_after,
+        max_results=max_results,
+        max_file_size=str(max_file_size).upper(),
+        multiline=multiline,
+        offset=offset,
+        file_type=file_type,
+        recursive=recursive,
+        hidden=hidden,
+        respect_gitignore=respect_gitignore,
+    )
+    return await run_search(machine, path, options, "grep", timeout)
+
+
+async def search_in_file(
+    machine: HostMapped, path: str, regex: str, *, timeout: float = GREP_TIMEOUT_SECONDS
+) -> tuple[list[str], list[int]]:
+    """v1 `/v1/file/search`: the lines of one file matching `regex`, with 0-BASED line numbers.
+
+    Runs rg like `grep` (linear-time regexes, a timeout, one dialect for both routes) rather
+    than Python `re`, whose backtracking could stall the server on a hostile pattern. Up to
+    GREP_RESULTS_CEILING lines; files up to MAX_EDIT_BYTES.
+    """
+    options = GrepOptions(pattern=regex, max_results=GREP_RESULTS_CEILING, max_file_size=str(MAX_EDIT_BYTES))
+    result = await run_search(machine, path, options, "search", timeout, file_only=True)
+    return [m.line_content for m in result.matches], [m.line_number - 1 for m in result.matches]
