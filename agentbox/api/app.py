@@ -1,0 +1,115 @@
+"""The HTTP application: sandbox API v2 and v1, mounted at the root and per session.
+
+Every router is included twice: at `/` (acting on the default session's sandbox) and
+under `/sandboxes/{session_id}` (that session's, created lazily), so the AIO SDK's
+`Sandbox(base_url=".../sandboxes/<id>")` works against one session. Auth, error mapping
+and the envelope are here; routes only call layer-2 operations.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+
+from agentbox import __version__
+from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2_fs, v2_sandbox, v2_watch
+from agentbox.api.envelope import BodyError, body_errors, error_response, query_error
+from agentbox.api.sandboxes import Sandboxes
+from agentbox.config import Settings
+from agentbox.machines.errors import MachineError
+from agentbox.machines.registry import Registry
+from agentbox.store.db import Database
+from agentbox.store.markers import MarkersRepo
+from agentbox.workspace.errors import WorkspaceError, translate
+
+ROUTERS = [v2_fs, v2_watch, v2_commands, v2_sandbox, v1_file, v1_shell, v1_bash, v1_sandbox]
+#: Paths served without an API key.
+OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/docs/oauth2-redirect"}
+
+
+def presented_key(request: Request) -> str | None:
+    header = request.headers.get("x-aio-api-key")
+    if header:
+        return header
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.query_params.get("api_key")
+
+
+class ApiKeyAuth(BaseHTTPMiddleware):
+    def __init__(self, app: FastAPI, key: str) -> None:
+        super().__init__(app)
+        self.key = key
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        if request.url.path not in OPEN_PATHS:
+            given = presented_key(request)
+            if given is None or not hmac.compare_digest(given.encode(), self.key.encode()):
+                return JSONResponse(
+                    {"success": False, "message": "missing or invalid API key", "data": None, "hint": None},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await call_next(request)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.home.mkdir(parents=True, exist_ok=True)
+        db = Database.in_home(settings.home)
+        await db.connect()
+        registry = Registry(settings, MarkersRepo(db))
+        await registry.recover()
+        registry.start_janitor()
+        app.state.db = db
+        app.state.registry = registry
+        app.state.sandboxes = Sandboxes(registry)
+        try:
+            yield
+        finally:
+            await app.state.sandboxes.close()
+            await registry.shutdown()
+            await db.close()
+
+    app = FastAPI(title="agentbox", version=__version__, lifespan=lifespan)
+    app.state.settings = settings
+    if settings.api_key:
+        app.add_middleware(ApiKeyAuth, key=settings.api_key)
+
+    @app.exception_handler(WorkspaceError)
+    async def workspace_error(request: Request, exc: WorkspaceError) -> Response:
+        return error_response(request, exc)
+
+    @app.exception_handler(MachineError)
+    async def machine_error(request: Request, exc: MachineError) -> Response:
+        return error_response(request, translate(exc, "open", exc.path))
+
+    @app.exception_handler(BodyError)
+    async def bad_body(request: Request, exc: BodyError) -> Response:
+        return body_errors(exc.errors)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> Response:
+        errors = list(exc.errors())
+        body = [e for e in errors if e.get("loc", ("",))[0] == "body"]
+        if body:
+            return body_errors([{**e, "loc": list(e["loc"])[1:]} for e in body])
+        text = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
+        return query_error(f"Invalid request parameters: {text}")
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    for module in ROUTERS:
+        app.include_router(module.router)
+        app.include_router(module.router, prefix="/sandboxes/{session_id}")
+    return app

@@ -1,0 +1,5 @@
+"""Routes: v2_commands (being written)."""
+
+from fastapi import APIRouter
+
+router = APIRouter()

@@ -1,0 +1,5 @@
+"""Routes: v2_sandbox (being written)."""
+
+from fastapi import APIRouter
+
+router = APIRouter()

@@ -1,0 +1,97 @@
+"""`agentbox`: serve the API, or run one command in a session's sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from agentbox import config as config_mod
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="A self-hosted execution environment for AI agents.")
+
+#: Port of `agentbox serve` by default (the AIO sandbox's internal API port).
+DEFAULT_PORT = 8091
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = DEFAULT_PORT,
+    insecure: Annotated[bool, typer.Option(help="Allow a non-loopback bind without an API key.")] = False,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
+) -> None:
+    """Serve the sandbox API (v2 + AIO v1) on the embedded defaults."""
+    import uvicorn
+
+    from agentbox.api.app import create_app
+
+    settings = config_mod.load()
+    if not is_loopback(host) and not settings.api_key and not insecure:
+        typer.echo(
+            f"refusing to bind {host} without an API key: set AGENTBOX_API_KEY (or api_key in agentbox.toml), "
+            "or pass --insecure",
+            err=True,
+        )
+        raise typer.Exit(2)
+    typer.echo(f"agentbox serving on http://{host}:{port} (home {settings.home})", err=True)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def exec(
+    command: Annotated[list[str], typer.Argument(help="The command and its arguments (after --).")],
+    session: Annotated[str, typer.Option(help="Session whose sandbox runs the command.")] = "default",
+    machine: Annotated[str | None, typer.Option(help="Machine name (default: the configured default).")] = None,
+    cwd: Annotated[str | None, typer.Option(help="Working directory inside the machine.")] = None,
+) -> None:
+    """Run one command in a session's sandbox, stream its output, exit with its code."""
+    code = asyncio.run(_exec(command, session, machine, cwd))
+    raise typer.Exit(code)
+
+
+async def _exec(argv: list[str], session: str, machine_name: str | None, cwd: str | None) -> int:
+    from agentbox.machines.base import ExecRequest, iter_output
+    from agentbox.machines.registry import Registry
+    from agentbox.store.db import Database
+    from agentbox.store.markers import MarkersRepo
+
+    settings = config_mod.load()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    db = Database.in_home(settings.home)
+    await db.connect()
+    registry = Registry(settings, MarkersRepo(db))
+    try:
+        m = await registry.open(session, machine_name)
+        request = ExecRequest(argv=tuple(argv), cwd=cwd) if len(argv) > 1 else ExecRequest(command=argv[0], cwd=cwd)
+        process = await m.spawn(request)
+        async for stream, chunk in iter_output(process):
+            out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+            out.write(chunk)
+            out.flush()
+        return await process.wait()
+    finally:
+        await registry.shutdown()
+        await db.close()
+
+
+def main() -> None:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()
+
+
+if __name__ == "__main__":
+    main()
