@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -50,16 +51,16 @@ START_TIMEOUT = 20.0
 #: Host uid/gid sandbox processes run as when the server is root.
 DEFAULT_SANDBOX_UID = 64999
 SANDBOX_HOME = "/root"
+#: Where the exec agent sees the host's /usr read-only when /usr itself is the fuse layer.
+AGENT_USR = "/.agentbox"
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 AGENT_SOURCE = (Path(__file__).parent / "exec_agent.py").read_text()
 #: Bytes read from a command pipe per wakeup.
 PIPE_CHUNK = 65536
 
-CLONE_NEWNS = 0x00020000
-MS_BIND = 4096
-MS_REC = 16384
-MS_PRIVATE = 1 << 18
-MS_RDONLY = 1
+MNT_DETACH = 2
+#: File in a system layer's mount directory naming the server pid that owns it.
+OWNER_FILE = "owner"
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,9 @@ class SandboxHost:
         self.python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists()), None)
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.merged_root = bwrap_mod.runtime_dir() / "mnt" if self.root else None
+        if self.merged_root is not None:
+            self.merged_root.mkdir(mode=0o700, exist_ok=True)
+            release_orphaned_layers(self.merged_root, self.libc)
 
     def system_layer(self) -> tuple[bool, str]:
         if not self.root:
@@ -215,7 +219,9 @@ class SandboxMachine(HostFiles):
         self._slirp: subprocess.Popen[bytes] | None = None
         self._ctl: socket.socket | None = None
         self._group: SandboxGroup | None = None
-        self._mntns: int | None = None
+        self._fuse: list[subprocess.Popen[bytes]] = []
+        self._mounts: list[Path] = []
+        self._log_fds: list[int] = []
         self._next = 0
         self._pending: dict[int, asyncio.Future[int]] = {}
         self._procs: dict[int, SandboxProcess] = {}
@@ -297,12 +303,12 @@ class SandboxMachine(HostFiles):
             "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
             "--proc", "/proc", "--dev", "/dev",
         ]  # fmt: skip
-        merged = None
         if self.layer_on:
-            assert host.merged_root is not None
-            merged = host.merged_root / self.sandbox_id
-            args += ["--bind", str(merged / "usr"), "/usr", "--bind", str(merged / "etc"), "/etc"]
-            args += ["--bind", str(merged / "var"), "/var"]
+            merged = await self._mount_layer()
+            args += ["--bind-fd", str(fd_of(merged / "usr")), "/usr"]
+            args += ["--bind-fd", str(fd_of(merged / "sys" / "etc")), "/etc"]
+            args += ["--bind-fd", str(fd_of(merged / "sys" / "var")), "/var"]
+            args += ["--ro-bind", "/usr", AGENT_USR + "/usr"]
         else:
             args += ["--ro-bind", "/usr", "/usr", "--ro-bind-fd", str(fd_of(host.base.etc)), "/etc"]
             args += ["--bind-fd", str(fd_of(self.run / "var")), "/var"]
@@ -320,13 +326,14 @@ class SandboxMachine(HostFiles):
             "--bind-fd", str(fd_of(self.run / "home")), SANDBOX_HOME,
             "--chdir", "/workspace",
             "--info-fd", str(info_w),
-            host.python, "-I", "-S", "-c", AGENT_SOURCE, str(child.fileno()),
+            *self._agent_command(), "-I", "-S", "-c", AGENT_SOURCE, str(child.fileno()),
         ]  # fmt: skip
+        if host.root:  # drop to the sandbox uid by exec, so Popen can vfork (no preexec_fn)
+            args = ["setpriv", f"--reuid={host.uid}", f"--regid={host.gid}", "--clear-groups", "--inh-caps=-all", *args]
         self._group = host.cgroups.create(f"{self.sandbox_id}-{os.getpid()}", config.limits)
-        argv, preexec = self._launcher(args, merged)
         try:
             self._proc = subprocess.Popen(
-                argv, pass_fds=opened, preexec_fn=preexec, stdin=subprocess.DEVNULL, close_fds=True
+                args, pass_fds=opened, stdin=subprocess.DEVNULL, stderr=self._log(), close_fds=True
             )
         finally:
             for fd in opened[1:]:
@@ -337,59 +344,67 @@ class SandboxMachine(HostFiles):
         self._ready = self.loop.create_future()
         self.loop.add_reader(parent.fileno(), self._on_control)
         info = await self.loop.run_in_executor(None, _read_info, info_r)
+        if self._group is not None:
+            # Before the agent starts any command, so every command is born inside the group.
+            for pid in [*process_tree(self._proc.pid), *(p.pid for p in self._fuse)]:
+                with contextlib.suppress(OSError):
+                    self._group.add(pid)
         child_pid = info.get("child-pid")
-        if merged is not None:  # the launcher's own mount namespace, never the host's
-            self._mntns = _private_mntns(self._proc.pid)
         if self.network_on and child_pid:
             await self._start_network(int(child_pid))
 
-    def _launcher(self, args: list[str], merged: Path | None) -> tuple[list[str], Any]:
-        """The argv to exec and the code to run between fork and exec (as root)."""
+    def _agent_command(self) -> list[str]:
+        """How to start the agent's python: past the fuse layer when there is one.
+
+        Loading python and its stdlib through a fresh fuse-overlayfs costs tens of
+        milliseconds of cold lookups, so with the system layer the agent runs from a
+        read-only bind of the host's /usr at AGENT_USR, through the host's own loader.
+        """
+        assert self.host.python is not None
+        direct = agent_loader(self.host.python)
+        if not self.layer_on or direct is None:
+            return [self.host.python]
+        loader, libdir, python = direct
+        return [f"{AGENT_USR}{loader}", "--library-path", f"{AGENT_USR}{libdir}", f"{AGENT_USR}{python}"]
+
+    def _log(self) -> int:
+        """The launcher's stderr (bwrap and fuse diagnostics) goes to run/launcher.log."""
+        fd = os.open(self.run / "launcher.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._log_fds.append(fd)
+        return fd
+
+    async def _mount_layer(self) -> Path:
+        """Mount the discardable system layer: fuse-overlayfs over /usr and over the base.
+
+        The mounts live in the host's mount namespace under a root-only directory and are
+        handed to bwrap as descriptors; nothing is bind-mounted under AGENTBOX_HOME, so no
+        recursive delete there can ever reach the host's /usr.
+        """
         host = self.host
-        procs = [os.open(d / "cgroup.procs", os.O_WRONLY) for d in (self._group.dirs if self._group else [])]
-        libc = host.libc
-        binds: list[tuple[bytes, bytes]] = []
-        if merged is not None:
-            base = host.base.root
-            binds = [(b"/usr", bytes(base / "usr"))]
-            binds += [(f"/var/{d}".encode(), bytes(base / "var" / d)) for d in ("lib/dpkg", "lib/apt")]
-            upper, work = self.run / "upper", self.run / "work"
-            for d in (upper, work, merged):
+        assert host.merged_root is not None and host.fuse is not None
+        merged = host.merged_root / self.sandbox_id
+        merged.mkdir(parents=True, exist_ok=True)
+        (merged / OWNER_FILE).write_text(str(os.getpid()))
+        for name, lower in (("usr", Path("/usr")), ("sys", host.base.root)):
+            upper, work, point = self.run / "upper" / name, self.run / "work" / name, merged / name
+            for d in (upper, work, point):
                 d.mkdir(parents=True, exist_ok=True)
             opts = (
-                f"lowerdir={base},upperdir={upper},workdir={work},"
+                f"lowerdir={lower},upperdir={upper},workdir={work},"
                 f"squash_to_uid={host.uid},squash_to_gid={host.gid},allow_other"
             )
-            script = (
-                f'{host.fuse} -o "{opts}" "{merged}" || exit 97\n'
-                f'exec setpriv --reuid={host.uid} --regid={host.gid} --clear-groups --inh-caps=-all "$@"\n'
-            )
-            argv = ["/bin/sh", "-c", script, "launcher", *args]
-        else:
-            argv = args
-        switch_uid = host.root and merged is None
-        uid, gid = host.uid, host.gid
-
-        def preexec() -> None:
-            for fd in procs:
-                os.write(fd, b"0")
-            if binds:
-                if libc.unshare(CLONE_NEWNS) != 0 or libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-                    os._exit(96)
-                for src, dst in binds:
-                    if libc.mount(src, dst, None, MS_BIND | MS_REC, None) != 0:
-                        os._exit(95)
-            if switch_uid:
-                os.setgroups([])
-                os.setresgid(gid, gid, gid)
-                os.setresuid(uid, uid, uid)
-
-        def cleanup_fds() -> None:
-            for fd in procs:
-                os.close(fd)
-
-        self._close_after_launch = cleanup_fds
-        return argv, preexec
+            proc = subprocess.Popen(
+                [host.fuse, "-f", "-o", opts, str(point)], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=self._log(),
+            )  # fmt: skip
+            self._fuse.append(proc)
+            deadline = time.monotonic() + START_TIMEOUT
+            while not os.path.ismount(point):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise MachineUnavailable(f"fuse-overlayfs failed for {name}: see {self.run / 'launcher.log'}")
+                await asyncio.sleep(0.0005)
+            self._mounts.append(point)
+        return merged
 
     async def _start_network(self, child_pid: int) -> None:
         assert self.host.slirp is not None
@@ -436,10 +451,6 @@ class SandboxMachine(HostFiles):
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(MachineUnavailable("the sandbox exited during start"))
             self._ready.exception()
-        close = getattr(self, "_close_after_launch", None)
-        if close:
-            close()
-            self._close_after_launch = None
         shutil.rmtree(self.run, ignore_errors=True)
 
     def _kill_all(self) -> None:
@@ -457,12 +468,25 @@ class SandboxMachine(HostFiles):
                 self._proc.kill()
             self._proc.wait()
             self._proc = None
-        if self._mntns is not None:
-            kill_mount_namespace(self._mntns)
-            self._mntns = None
-        if self.host.merged_root is not None:
-            merged = self.host.merged_root / self.sandbox_id
-            shutil.rmtree(merged, ignore_errors=True)
+        for point in self._mounts:
+            if self.host.libc.umount2(bytes(point), MNT_DETACH) != 0:
+                pass  # already gone (the daemon died): the rmdir below tells
+        for proc in self._fuse:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        for point in self._mounts:  # rmdir, never rmtree: a mount point may still be live
+            with contextlib.suppress(OSError):
+                point.rmdir()
+        if self._mounts:
+            with contextlib.suppress(OSError):
+                (self._mounts[0].parent / OWNER_FILE).unlink()
+                self._mounts[0].parent.rmdir()
+        self._mounts.clear()
+        self._fuse.clear()
+        for fd in self._log_fds:
+            os.close(fd)
+        self._log_fds.clear()
 
     async def close(self) -> None:
         await self.stop()
@@ -606,19 +630,54 @@ def _read_info(fd: int) -> dict[str, Any]:
     return {}
 
 
-def _private_mntns(pid: int) -> int | None:
-    with contextlib.suppress(OSError):
-        ino = os.stat(f"/proc/{pid}/ns/mnt").st_ino
-        if ino != os.stat("/proc/self/ns/mnt").st_ino:
-            return ino
+def release_orphaned_layers(root: Path, libc: Any) -> None:
+    """Unmount system layers left by a server that died (its pid in OWNER_FILE is gone)."""
+    for d in root.iterdir():
+        try:
+            owner = int((d / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if Path(f"/proc/{owner}").exists():
+            continue
+        for point in (d / "usr", d / "sys"):
+            libc.umount2(bytes(point), MNT_DETACH)
+            with contextlib.suppress(OSError):
+                point.rmdir()
+        with contextlib.suppress(OSError):
+            (d / OWNER_FILE).unlink()
+            d.rmdir()
+
+
+def agent_loader(python: str) -> tuple[str, str, str] | None:
+    """(loader, library dir, python) as /usr paths, from the interpreter's PT_INTERP."""
+    real = os.path.realpath(python)
+    try:
+        with open(real, "rb") as f:
+            elf = f.read(1 << 16)
+        if elf[:4] != b"\x7fELF" or elf[4] != 2:
+            return None
+        (phoff,) = struct.unpack_from("<Q", elf, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", elf, 0x36)
+        for i in range(phnum):
+            off = phoff + i * phentsize
+            p_type, _flags, p_offset, _vaddr, _paddr, p_filesz = struct.unpack_from("<IIQQQQ", elf, off)
+            if p_type == 3:  # PT_INTERP
+                interp = os.path.realpath(elf[p_offset : p_offset + p_filesz].rstrip(b"\0").decode())
+                if real.startswith("/usr/") and interp.startswith("/usr/"):
+                    return interp, os.path.dirname(interp), real
+    except (OSError, struct.error, UnicodeError, IndexError):
+        return None
     return None
 
 
-def kill_mount_namespace(ino: int) -> None:
-    """SIGKILL every process in a mount namespace (the system layer's fuse daemon)."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, from /proc/<pid>/task/*/children."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
         with contextlib.suppress(OSError):
-            if os.stat(f"/proc/{entry.name}/ns/mnt").st_ino == ino:
-                os.kill(int(entry.name), signal.SIGKILL)
+            for task in os.scandir(f"/proc/{p}/task"):
+                with open(f"{task.path}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+    return found

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HOST_ETC = Path("/etc")
-#: Host package databases a sandbox's /var starts from (bound read-only as overlay lower dirs).
-VAR_BINDS = ("lib/dpkg", "lib/apt")
+#: Host package databases copied into the base /var, so `apt-get` inside knows what is installed.
+VAR_COPIES = ("lib/dpkg", "lib/apt")
 #: Directories apt and friends expect under /var.
 VAR_DIRS = ("cache/apt/archives/partial", "log/apt", "tmp", "lib/dpkg", "lib/apt", "lib/misc", "spool", "mail")
 #: Names never copied into the curated /etc even when world readable.
@@ -69,6 +69,9 @@ def ensure_base(home: Path) -> Base:
     copy_curated_etc(HOST_ETC, tmp / "etc")
     for d in VAR_DIRS:
         (tmp / "var" / d).mkdir(parents=True, exist_ok=True)
+    for d in VAR_COPIES:
+        if (Path("/var") / d).is_dir():
+            shutil.copytree(Path("/var") / d, tmp / "var" / d, symlinks=True, dirs_exist_ok=True)
     (tmp / ".complete").touch()
     for p in [tmp, *tmp.rglob("*")]:
         if not p.is_symlink():
