@@ -88,6 +88,26 @@ async def _exec(argv: list[str], session: str, machine_name: str | None, cwd: st
         await db.close()
 
 
+@app.command("encrypt-secret")
+def encrypt_secret(value: Annotated[str, typer.Argument(help="A password, key or token to store.")]) -> None:
+    """Print `enc:...` for a machine's secret field in agentbox.toml (key under AGENTBOX_HOME)."""
+    from agentbox.secrets import SecretBox
+
+    settings = config_mod.load()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    typer.echo(SecretBox(settings.home).encrypt(value))
+
+
+@app.command()
+def machines() -> None:
+    """List configured machines (secret fields redacted)."""
+    import json
+
+    from agentbox.machines.registry import Registry
+
+    typer.echo(json.dumps(Registry(config_mod.load()).describe(), indent=2))
+
+
 def main() -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     app()

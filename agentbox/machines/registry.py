@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from agentbox.config import MachineConfig, Settings
+from agentbox.config import SECRET_FIELDS, MachineConfig, Settings
 from agentbox.ids import new_id
 from agentbox.machines.base import Machine
 from agentbox.machines.cgroups import Limits
 from agentbox.machines.errors import MachineDenied, MachineNotFound
 from agentbox.machines.local import LocalMachine
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
+from agentbox.secrets import SecretBox, redact
 
 #: Seconds between janitor sweeps (idle reclaim and workspace purge).
 JANITOR_INTERVAL = 30.0
@@ -153,8 +154,21 @@ class Registry:
             await hook(entry, entry.generation > 1)
         return entry
 
+    def describe(self) -> list[dict[str, Any]]:
+        """Machine configuration for ordinary queries: secret fields never in plaintext."""
+        return [
+            {"name": c.name, "kind": c.kind, "level": c.required_level, "per_session": c.per_session,
+             "options": redact(c.options, SECRET_FIELDS), "env": sorted(c.env)}
+            for c in self.settings.machines.values()
+        ]  # fmt: skip
+
+    def secrets(self, config: MachineConfig) -> dict[str, Any]:
+        """The entry's options with `enc:` secrets decrypted: only when opening it."""
+        return SecretBox(self.settings.home).decrypt_fields(config.options, SECRET_FIELDS)
+
     async def _create(self, config: MachineConfig, session_id: str | None) -> Entry:
         env = self._env(config, session_id)
+        config = MachineConfig(config.name, config.kind, self.secrets(config), config.level, config.env)
         if config.kind == "local":
             root = Path(config.options.get("root") or self.settings.home / "local")
             return Entry(LocalMachine(config.name, root, env), config, None)
