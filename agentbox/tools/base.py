@@ -1,0 +1,161 @@
+"""What a model-facing tool is, what it returns, and what it may ask of its context.
+
+A tool is a thin function over layer-2 operations with a pydantic input model (its JSON
+schema) and an `Action` that tells the permission layer what kind of thing it does. Tools
+never decide policy themselves: a file-changing tool *plans* `Operation`s and hands them
+to `ctx.commit`, which applies them now or stages them in a change set depending on the
+tier; a tool that needs a human says so through `ctx.authorize`. Errors a model can act on
+come back as `ToolResult(is_error=True)`, never as exceptions (mini-swe-agent's rule:
+recoverable conditions go back to the model as messages).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel
+
+
+class Action(enum.StrEnum):
+    """What a call does, as seed 001's permission table distinguishes it."""
+
+    READ = "read"  # read / list / search inside the workspace
+    READ_EXTERNAL = "read_external"  # read outside the workspace root
+    WRITE = "write"  # edit / write / move / delete: produces Operations
+    EXEC = "exec"  # run a command
+    WEB = "web"  # web search / fetch (external research)
+    BROWSER_READ = "browser_read"
+    BROWSER_WRITE = "browser_write"
+    MCP = "mcp"  # a tool of an external MCP server
+    TASK = "task"  # delegate to a subagent
+    META = "meta"  # the model's own bookkeeping: todo list, skills, delivery
+
+
+@dataclass(frozen=True)
+class TextBlock:
+    text: str
+    type: Literal["text"] = "text"
+
+
+@dataclass(frozen=True)
+class ImageBlock:
+    media_type: str
+    data: str  # base64
+    type: Literal["image"] = "image"
+
+
+Block = TextBlock | ImageBlock
+
+
+@dataclass
+class ToolResult:
+    content: list[Block]
+    is_error: bool = False
+    data: dict[str, Any] = field(default_factory=dict)
+    """Structured extras for events and APIs (delivered files, change set ids, ...)."""
+
+    @classmethod
+    def text(cls, text: str, **data: Any) -> ToolResult:
+        return cls([TextBlock(text)], False, data)
+
+    @classmethod
+    def error(cls, text: str, **data: Any) -> ToolResult:
+        return cls([TextBlock(text)], True, data)
+
+    def as_text(self) -> str:
+        return "\n".join(b.text if isinstance(b, TextBlock) else f"[image {b.media_type}]" for b in self.content)
+
+
+OperationKind = Literal["write", "edit", "mkdir", "move", "rename", "delete"]
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One planned change to the workspace; applied now or reviewed later as part of a change set.
+
+    `before`/`after` are the full texts for `write`/`edit` (for the diff and the stale check);
+    `dest` is the target of `move`/`rename`. `expect` fingerprints the file as it was planned
+    against, so applying a stale operation fails instead of clobbering newer content.
+    """
+
+    kind: OperationKind
+    path: str
+    dest: str | None = None
+    before: str | None = None
+    after: str | None = None
+    expect: str | None = None
+    summary: str = ""
+
+
+@dataclass
+class ToolConfig:
+    """Settings tools read; every field has a default so a bare session works."""
+
+    web_search_url: str | None = None
+    """An HTTP endpoint answering `GET ?q=...&n=...` with JSON results; None = web_search unavailable."""
+    skill_dirs: list[str] = field(default_factory=list)
+    """Extra host directories holding skills (besides the workspace's .agents/skills)."""
+    exec_env_allow: list[str] = field(default_factory=list)
+    """Variable names kept even though they look secret (KEY, TOKEN, SECRET, PASSWORD, ...)."""
+
+
+class TodoStore(Protocol):
+    async def get(self, session_id: str) -> list[dict[str, Any]]: ...
+
+    async def put(self, session_id: str, items: list[dict[str, Any]]) -> None: ...
+
+
+class FileStore(Protocol):
+    """The durable file store of seed 000 (uploads and deliveries), content-addressed blobs."""
+
+    async def put_path(self, host_path: Any, filename: str, *, session_id: str | None, source: str) -> dict[str, Any]:
+        """Store a copy of a host file; returns its record ({id, filename, bytes, sha256, created_at})."""
+        ...
+
+
+class ToolContext(Protocol):
+    """What a tool may use. Built by the runner; tests build real ones."""
+
+    machine: Any  # a Machine that is also HostMapped (agentbox.machines.base)
+    session_id: str
+    turn_id: str | None
+    config: ToolConfig
+    reads: dict[str, str]
+    """Inside path -> fingerprint of the file when the model last read it (stale-write check)."""
+    todos: TodoStore
+    files: FileStore | None
+    deliveries: int
+    """Files delivered in this turn so far (seed 000: at most 10 a turn)."""
+
+    async def commit(self, operations: list[Operation], tool: str) -> ToolResult:
+        """Apply now or stage as a pending change set, as the tier says; returns what to tell the model."""
+        ...
+
+    async def authorize(self, action: Action, tool: str, detail: dict[str, Any]) -> str | None:
+        """None when allowed (possibly after a human approved); else the refusal text for the model."""
+        ...
+
+
+Run = Callable[[ToolContext, Any], Awaitable[ToolResult]]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One model-facing tool: a name, a schema, a paragraph a model can act on, and a function."""
+
+    name: str
+    description: str
+    params: type[BaseModel]
+    action: Action
+    run: Run
+    read_only: bool = True
+    destructive: bool = False
+
+    def schema(self) -> dict[str, Any]:
+        return self.params.model_json_schema()
+
+    def renamed(self, name: str, description: str | None = None) -> Tool:
+        return Tool(name, description or self.description, self.params, self.action, self.run, self.read_only, self.destructive)

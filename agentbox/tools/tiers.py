@@ -1,0 +1,85 @@
+"""Seed 001's permission table, exactly, as data.
+
+    action \\ tier     read-only      workspace-write   full-ask          full-auto
+    read (workspace)  allow          allow             allow             allow
+    read_external     forbid         forbid            ask (each time)   allow
+    write             forbid         change set        change set        apply
+    exec              forbid         forbid            ask (each time)   allow
+    web               forbid         forbid            ask (each time)   allow
+    browser_read      forbid         forbid            ask               allow
+    browser_write     forbid         forbid            ask               allow
+    mcp               forbid         forbid            ask               allow
+    task              allow (children get the intersection of their own and the parent's rights)
+    meta              allow
+
+`plan` overrides any tier: workspace read-only, no exec, no browser changes, no MCP, no
+change application; in the two full tiers it still allows read-only external research
+(web, external reads, browser read snapshots), asking in full-ask. What the first two tiers
+forbid can never be allowed by a single approval. Seed 004 adds: writes outside the
+machine's root always need approval except in full-auto.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from agentbox.tools.base import Action
+
+
+class Tier(enum.StrEnum):
+    READ_ONLY = "read-only"
+    WORKSPACE_WRITE = "workspace-write"
+    FULL_ASK = "full-ask"
+    FULL_AUTO = "full-auto"
+
+
+class Decision(enum.StrEnum):
+    ALLOW = "allow"
+    ASK = "ask"  # a pending approval; the call waits for it
+    STAGE = "stage"  # writes become a pending change set
+    FORBID = "forbid"
+
+
+A, Q, S, F = Decision.ALLOW, Decision.ASK, Decision.STAGE, Decision.FORBID
+
+TABLE: dict[Action, tuple[Decision, Decision, Decision, Decision]] = {
+    Action.READ: (A, A, A, A),
+    Action.READ_EXTERNAL: (F, F, Q, A),
+    Action.WRITE: (F, S, S, A),
+    Action.EXEC: (F, F, Q, A),
+    Action.WEB: (F, F, Q, A),
+    Action.BROWSER_READ: (F, F, Q, A),
+    Action.BROWSER_WRITE: (F, F, Q, A),
+    Action.MCP: (F, F, Q, A),
+    Action.TASK: (A, A, A, A),
+    Action.META: (A, A, A, A),
+}
+ORDER = (Tier.READ_ONLY, Tier.WORKSPACE_WRITE, Tier.FULL_ASK, Tier.FULL_AUTO)
+#: What plan mode still allows in the full tiers: read-only external research.
+PLAN_RESEARCH = {Action.READ_EXTERNAL, Action.WEB, Action.BROWSER_READ}
+
+
+def decide(tier: Tier, action: Action, *, plan: bool = False) -> Decision:
+    base = TABLE[action][ORDER.index(tier)]
+    if not plan:
+        return base
+    if action in (Action.READ, Action.TASK, Action.META):
+        return base
+    if action in PLAN_RESEARCH and tier in (Tier.FULL_ASK, Tier.FULL_AUTO):
+        return base
+    return Decision.FORBID
+
+
+def default_tier(isolated: bool) -> Tier:
+    """full-auto where the sandbox is the boundary; full-ask on a machine that isn't isolated."""
+    return Tier.FULL_AUTO if isolated else Tier.FULL_ASK
+
+
+def outside_root_write(tier: Tier) -> Decision:
+    """Seed 004: a write outside the machine's root asks, except in full-auto."""
+    return Decision.ALLOW if tier == Tier.FULL_AUTO else Decision.ASK
+
+
+def intersect(parent: Tier, child: Tier) -> Tier:
+    """A subagent's tier: never more than its parent's."""
+    return ORDER[min(ORDER.index(parent), ORDER.index(child))]
