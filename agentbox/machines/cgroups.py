@@ -42,6 +42,15 @@ def own_cgroups() -> dict[str, str]:
     return groups
 
 
+def is_zombie(pid: int) -> bool:
+    """A dead process not yet reaped by its parent: still listed, nothing left to kill."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
 class SandboxGroup:
     """The cgroup(s) of one sandbox: join at launch, kill everything, remove."""
 
@@ -83,10 +92,17 @@ class SandboxGroup:
         return 0
 
     def destroy(self) -> None:
-        """Freeze, SIGKILL every member, thaw, then remove the groups."""
+        """Kill every member, then remove the groups."""
+        self.kill_all()
+        for d in self.dirs:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+    def kill_all(self) -> None:
+        """Freeze, SIGKILL every member, thaw; repeated until the group is empty."""
         freezer = next((d for d in self.dirs if "freezer" in d.parts or (d / "cgroup.freeze").exists()), None)
         for _ in range(TEARDOWN_ATTEMPTS):
-            members = self.pids()
+            members = {p for p in self.pids() if not is_zombie(p)}
             if not members:
                 break
             self._freeze(freezer, True)
@@ -95,9 +111,6 @@ class SandboxGroup:
                     os.kill(pid, signal.SIGKILL)
             self._freeze(freezer, False)
             time.sleep(0.002)
-        for d in self.dirs:
-            with contextlib.suppress(OSError):
-                d.rmdir()
 
     @staticmethod
     def _freeze(freezer: Path | None, frozen: bool) -> None:

@@ -46,6 +46,8 @@ from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.pathmap import Alias, Mount, PathMap
 from agentbox.machines.sysroot import Base, ensure_base, hosts_file, resolv_conf
 
+#: Where a root host keeps the curated base system (rebuilt when the host's /etc or dpkg changes).
+SHARED_BASE_DIR = Path("/var/cache/agentbox")
 #: Seconds a sandbox may take from launch to its agent saying "ready".
 START_TIMEOUT = 20.0
 #: Host uid/gid sandbox processes run as when the server is root.
@@ -87,7 +89,8 @@ class SandboxHost:
         self.gid = (gid if gid is not None else uid) if self.root else os.getegid()
         self.bwrap = bwrap_mod.usable_binary(bwrap_mod.runtime_dir() if self.root else None)
         self.cgroups = Cgroups()
-        self.base: Base = ensure_base(home)
+        # A cache keyed by host state: shared by every server on a root host.
+        self.base: Base = ensure_base(SHARED_BASE_DIR if self.root else home)
         self.fuse = shutil.which("fuse-overlayfs")
         self.slirp = shutil.which("slirp4netns")
         self.python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists()), None)
@@ -226,6 +229,8 @@ class SandboxMachine(HostFiles):
         self._pending: dict[int, asyncio.Future[int]] = {}
         self._procs: dict[int, SandboxProcess] = {}
         self._ready: asyncio.Future[None] | None = None
+        self._child_pid = 0
+        self._slirp_exit: int | None = None
         self._buffer = b""
 
     def _pathmap(self) -> PathMap:
@@ -251,6 +256,11 @@ class SandboxMachine(HostFiles):
         try:
             await self._launch()
             await asyncio.wait_for(asyncio.shield(self._ready_future()), START_TIMEOUT)
+            # Only now: bwrap configures the sandbox's loopback over netlink until the agent
+            # runs, and slirp4netns configuring tap0 at the same time makes one of them fail.
+            if self.network_on and self._child_pid:
+                await self._start_network(self._child_pid)
+            self._join_group()
         except BaseException:
             await self.stop()
             raise
@@ -258,6 +268,21 @@ class SandboxMachine(HostFiles):
         self.started_at = time.time()
         self.last_used = time.monotonic()
         self.start_seconds = time.monotonic() - started
+
+    def _join_group(self) -> None:
+        """Move every process of this sandbox into its cgroup.
+
+        Done once the agent has said ready and before it is asked to start anything, so the
+        whole tree is present and every command is born inside the group.
+        """
+        if self._group is None or self._proc is None:
+            return
+        pids = [*process_tree(self._proc.pid), *(p.pid for p in self._fuse)]
+        if self._slirp is not None:
+            pids.append(self._slirp.pid)
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                self._group.add(pid)
 
     def _ready_future(self) -> asyncio.Future[None]:
         assert self._ready is not None
@@ -344,14 +369,7 @@ class SandboxMachine(HostFiles):
         self._ready = self.loop.create_future()
         self.loop.add_reader(parent.fileno(), self._on_control)
         info = await self.loop.run_in_executor(None, _read_info, info_r)
-        if self._group is not None:
-            # Before the agent starts any command, so every command is born inside the group.
-            for pid in [*process_tree(self._proc.pid), *(p.pid for p in self._fuse)]:
-                with contextlib.suppress(OSError):
-                    self._group.add(pid)
-        child_pid = info.get("child-pid")
-        if self.network_on and child_pid:
-            await self._start_network(int(child_pid))
+        self._child_pid = int(info.get("child-pid") or 0)
 
     def _agent_command(self) -> list[str]:
         """How to start the agent's python: past the fuse layer when there is one.
@@ -407,28 +425,30 @@ class SandboxMachine(HostFiles):
         return merged
 
     async def _start_network(self, child_pid: int) -> None:
+        """slirp4netns on the sandbox's netns: outbound only, never the host's loopback.
+
+        Its exit fd's write end stays in this process, so slirp4netns dies with the server.
+        """
         assert self.host.slirp is not None
         ready_r, ready_w = os.pipe()
+        exit_r, self._slirp_exit = os.pipe2(os.O_CLOEXEC)
         try:
             self._slirp = subprocess.Popen(
                 [
                     self.host.slirp, "--configure", "--mtu=65520", "--disable-host-loopback",
-                    "--enable-sandbox", "--enable-seccomp", f"--ready-fd={ready_w}",
+                    "--enable-sandbox", "--enable-seccomp", f"--ready-fd={ready_w}", f"--exit-fd={exit_r}",
                     str(child_pid), "tap0",
                 ],
-                pass_fds=[ready_w], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
+                pass_fds=[ready_w, exit_r], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=self._log(),
             )  # fmt: skip
         finally:
             os.close(ready_w)
-        if self._group is not None:
-            with contextlib.suppress(OSError):
-                self._group.add(self._slirp.pid)
+            os.close(exit_r)
         ok = await self.loop.run_in_executor(None, os.read, ready_r, 1)
         os.close(ready_r)
         if ok != b"1":
-            err = self._slirp.stderr.read().decode(errors="replace") if self._slirp.stderr else ""
-            raise MachineUnavailable(f"slirp4netns failed to start: {err.strip()[-500:]}")
+            raise MachineUnavailable(f"slirp4netns failed to start: see {self.run / 'launcher.log'}")
 
     async def stop(self) -> None:
         """Kill everything this lifetime started and forget /tmp, $HOME and the system layer."""
@@ -457,12 +477,12 @@ class SandboxMachine(HostFiles):
         if self._slirp is not None:
             self._slirp.kill()
             self._slirp.wait()
-            if self._slirp.stderr:
-                self._slirp.stderr.close()
             self._slirp = None
+        if self._slirp_exit is not None:
+            os.close(self._slirp_exit)
+            self._slirp_exit = None
         if self._group is not None:
-            self._group.destroy()
-            self._group = None
+            self._group.kill_all()
         if self._proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
@@ -484,6 +504,9 @@ class SandboxMachine(HostFiles):
                 self._mounts[0].parent.rmdir()
         self._mounts.clear()
         self._fuse.clear()
+        if self._group is not None:  # after reaping: a zombie still holds its cgroup
+            self._group.destroy()
+            self._group = None
         for fd in self._log_fds:
             os.close(fd)
         self._log_fds.clear()
