@@ -12,7 +12,9 @@ import typer
 
 from agentbox import config as config_mod
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="A self-hosted execution environment for AI agents.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="A self-hosted execution environment for AI agents."
+)
 
 #: Port of `agentbox serve` by default (the AIO sandbox's internal API port).
 DEFAULT_PORT = 8091
@@ -55,7 +57,9 @@ def serve(
 def exec(
     command: Annotated[list[str], typer.Argument(help="The command and its arguments (after --).")],
     session: Annotated[str, typer.Option(help="Session whose sandbox runs the command.")] = "default",
-    machine: Annotated[str | None, typer.Option(help="Machine name (default: the configured default).")] = None,
+    machine: Annotated[
+        str | None, typer.Option(help="Machine name (default: the configured default).")
+    ] = None,
     cwd: Annotated[str | None, typer.Option(help="Working directory inside the machine.")] = None,
 ) -> None:
     """Run one command in a session's sandbox, stream its output, exit with its code."""
@@ -76,7 +80,9 @@ async def _exec(argv: list[str], session: str, machine_name: str | None, cwd: st
     registry = Registry(settings, MarkersRepo(db))
     try:
         m = await registry.open(session, machine_name)
-        request = ExecRequest(argv=tuple(argv), cwd=cwd) if len(argv) > 1 else ExecRequest(command=argv[0], cwd=cwd)
+        request = (
+            ExecRequest(argv=tuple(argv), cwd=cwd) if len(argv) > 1 else ExecRequest(command=argv[0], cwd=cwd)
+        )
         process = await m.spawn(request)
         async for stream, chunk in iter_output(process):
             out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
@@ -86,6 +92,33 @@ async def _exec(argv: list[str], session: str, machine_name: str | None, cwd: st
     finally:
         await registry.shutdown()
         await db.close()
+
+
+@app.command("mcp")
+def mcp_command(
+    session: Annotated[str, typer.Option(help="Session whose machine the tools act on.")] = "default",
+    toolset: Annotated[str, typer.Option(help="Toolset: default, workbench or flue.")] = "default",
+    machine: Annotated[
+        str | None, typer.Option(help="Machine name (default: the configured default).")
+    ] = None,
+    client_approves: Annotated[
+        bool,
+        typer.Option(
+            help="The MCP client confirms every call with its user: serve full-auto even on a machine "
+            "that is not isolated (otherwise calls that need approval there are refused)."
+        ),
+    ] = False,
+) -> None:
+    """Serve a session's tools over MCP on stdin/stdout (for Claude Code, Cursor, any MCP client)."""
+    from agentbox.machines.errors import MachineError
+    from agentbox.mcp import ChoiceError, serve_stdio
+
+    settings = config_mod.load()
+    try:
+        asyncio.run(serve_stdio(settings, session, toolset, machine, client_approves=client_approves))
+    except (ChoiceError, MachineError) as exc:
+        typer.echo(f"agentbox mcp: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("encrypt-secret")

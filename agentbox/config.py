@@ -129,7 +129,9 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
         default_machine=env.get("AGENTBOX_DEFAULT_MACHINE") or data.get("default_machine", "sandbox"),
         delegable=list(data.get("delegable", ["sandbox"])),
         machines=machines,
-        idle_minutes=float(env.get("AGENTBOX_IDLE_MINUTES") or data.get("idle_minutes", DEFAULT_IDLE_MINUTES)),
+        idle_minutes=float(
+            env.get("AGENTBOX_IDLE_MINUTES") or data.get("idle_minutes", DEFAULT_IDLE_MINUTES)
+        ),
         purge_days=float(env.get("AGENTBOX_PURGE_DAYS") or data.get("purge_days", DEFAULT_PURGE_DAYS)),
         sandbox_uid=int(env.get("AGENTBOX_SANDBOX_UID") or data.get("sandbox_uid", 64999)),
     )

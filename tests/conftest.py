@@ -7,12 +7,19 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from agentbox.config import Settings
+    from agentbox.machines.registry import Registry
+    from agentbox.machines.sandbox import SandboxHost, SandboxMachine
+    from agentbox.store.db import Database
 
 #: Seconds a freshly started server may take to answer /health.
 SERVER_START_TIMEOUT = 30.0
@@ -72,8 +79,167 @@ def stop_server(server: Server) -> None:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server for the whole test session (sandboxes are per test via session ids)."""
-    home = tmp_path_factory.mktemp("srv") / "home"
+    home = (
+        traversable(tmp_path_factory.mktemp("srv"), tmp_path_factory) / "home"
+    )  # sandbox uids bind below it
     home.mkdir()
     s = start_server(home)
     yield s
     stop_server(s)
+
+
+# --- real bubblewrap sandboxes (test_sandbox_*.py, test_pathmap.py, test_registry.py) -------------
+
+#: Seconds any sandbox condition (a process gone, a file written) may take before a test fails;
+#: tests poll for the condition and only fail when this passes.
+SANDBOX_DEADLINE = 20.0
+
+
+def traversable(path: Path, factory: pytest.TempPathFactory) -> Path:
+    """Let every uid search (not list) `path` and its ancestors up to pytest-of-<user>.
+
+    pytest makes its temp dirs 0700; a root server's sandboxes run as an unprivileged uid,
+    and bwrap resolves the sources of its binds by path as that uid, so a home below a
+    0700 directory cannot be bound (see test_sandbox_lifecycle's test on that).
+    """
+    top = factory.getbasetemp().resolve().parent  # /tmp/pytest-of-<user> is 0700 too
+    for p in [path.resolve(), *path.resolve().parents]:
+        p.chmod(p.stat().st_mode | 0o011)
+        if p == top:
+            break
+    return path
+
+
+@pytest.fixture
+def sandbox_tmp(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test's tmp_path, reachable by the sandbox uid: the place for a test's AGENTBOX home."""
+    return traversable(tmp_path, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def sandbox_host(tmp_path_factory: pytest.TempPathFactory) -> SandboxHost:
+    """One SandboxHost per module: building its base /etc costs ~0.2 s; sandboxes stay per test."""
+    from agentbox.machines.sandbox import SandboxHost
+
+    return SandboxHost(traversable(tmp_path_factory.mktemp("sandbox-home"), tmp_path_factory))
+
+
+SandboxFactory = Callable[..., Awaitable["SandboxMachine"]]
+
+
+@pytest.fixture
+async def make_sandbox(sandbox_host: SandboxHost, sandbox_tmp: Path) -> AsyncIterator[SandboxFactory]:
+    """Start sandboxes (network off unless a config says otherwise); all are stopped after the test.
+
+    Each gets its own workspace and run directory under the test's (traversable) tmp_path.
+    """
+    from agentbox.ids import SANDBOX, new_id
+    from agentbox.machines.sandbox import SandboxConfig, SandboxMachine
+
+    made: list[SandboxMachine] = []
+
+    async def make(config: SandboxConfig | None = None) -> SandboxMachine:
+        sandbox_id = new_id(SANDBOX)
+        d = sandbox_tmp / sandbox_id
+        m = SandboxMachine(
+            "sandbox",
+            sandbox_id,
+            sandbox_host,
+            config or SandboxConfig(network=False),
+            d / "workspace",
+            d / "run",
+        )
+        made.append(m)
+        await m.start()
+        return m
+
+    yield make
+    for m in made:
+        await m.stop()
+
+
+def host_pid_of(inside_pid: int, pid_namespace: int) -> int | None:
+    """The host pid of the process that is `inside_pid` in the pid namespace with inode `pid_namespace`.
+
+    Both numbers come from inside (`$$`, `readlink /proc/self/ns/pid`); the match uses the
+    NSpid line of /proc/<pid>/status, whose last field is the pid in the innermost namespace.
+    """
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry.name}/ns/pid").st_ino != pid_namespace:
+                continue
+            status = Path(f"/proc/{entry.name}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("NSpid:") and int(line.split()[-1]) == inside_pid:
+                return int(entry.name)
+    return None
+
+
+def sandbox_settings(home: Path, **sandbox_options: object) -> Settings:
+    """Settings with a per-session `sandbox` (network off unless given) and a shared `local`."""
+    from agentbox.config import MachineConfig, Settings
+
+    return Settings(
+        home=home,
+        machines={
+            "sandbox": MachineConfig("sandbox", "sandbox", {"network": "off", **sandbox_options}),
+            "local": MachineConfig("local", "local", {"root": str(home / "local")}),
+        },
+    )
+
+
+@dataclass
+class RegistryKit:
+    """A registry over a real SQLite file in its home, as a server holds it."""
+
+    registry: Registry
+    db: Database
+    settings: Settings
+
+    @property
+    def home(self) -> Path:
+        return self.settings.home
+
+    async def close(self) -> None:
+        """What a server's shutdown does: machines closed, markers left as they are."""
+        await self.registry.shutdown()
+        await self.db.close()
+
+
+RegistryFactory = Callable[..., Awaitable[RegistryKit]]
+
+
+@pytest.fixture
+async def make_registry(sandbox_tmp: Path) -> AsyncIterator[RegistryFactory]:
+    """Registries (one home per test: `sandbox_tmp/home`), all closed after the test."""
+    from agentbox.machines.registry import Registry
+    from agentbox.store.db import Database
+    from agentbox.store.markers import MarkersRepo
+
+    kits: list[RegistryKit] = []
+
+    async def make(settings: Settings | None = None) -> RegistryKit:
+        settings = settings or sandbox_settings(sandbox_tmp / "home")
+        db = await Database.in_home(settings.home).connect()
+        registry = Registry(settings, MarkersRepo(db))
+        kits.append(RegistryKit(registry, db, settings))
+        return kits[-1]
+
+    yield make
+    for kit in reversed(kits):
+        await kit.close()
+
+
+async def sandbox_host_pid(m: SandboxMachine, inside_pid: int) -> int:
+    """The host pid of the sandbox's process `inside_pid` (a pid as the sandbox numbers it)."""
+    from agentbox.machines.base import ExecRequest
+
+    probe = await m.exec(ExecRequest(command="readlink /proc/self/ns/pid", timeout=SANDBOX_DEADLINE))
+    namespace = int(probe.stdout.decode().strip().removeprefix("pid:[").rstrip("]"))
+    found = host_pid_of(inside_pid, namespace)
+    assert found is not None, f"no host process is pid {inside_pid} of the sandbox"
+    return found

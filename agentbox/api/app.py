@@ -15,7 +15,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.middleware.base import RequestResponseEndpoint
+from starlette.routing import Route
 
 from agentbox import __version__
 from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2_fs, v2_sandbox, v2_watch
@@ -24,6 +25,7 @@ from agentbox.api.sandboxes import Sandboxes
 from agentbox.config import Settings
 from agentbox.machines.errors import MachineError
 from agentbox.machines.registry import Registry
+from agentbox.mcp import McpHttp
 from agentbox.store.db import Database
 from agentbox.store.markers import MarkersRepo
 from agentbox.workspace.errors import WorkspaceError, translate
@@ -43,24 +45,17 @@ def presented_key(request: Request) -> str | None:
     return request.query_params.get("api_key")
 
 
-class ApiKeyAuth(BaseHTTPMiddleware):
-    def __init__(self, app: FastAPI, key: str) -> None:
-        super().__init__(app)
-        self.key = key
-
-    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
-        if request.url.path not in OPEN_PATHS:
-            given = presented_key(request)
-            if given is None or not hmac.compare_digest(given.encode(), self.key.encode()):
-                return JSONResponse(
-                    {"success": False, "message": "missing or invalid API key", "data": None, "hint": None},
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-        return await call_next(request)
+def unauthorized() -> JSONResponse:
+    return JSONResponse(
+        {"success": False, "message": "missing or invalid API key", "data": None, "hint": None},
+        status_code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def create_app(settings: Settings) -> FastAPI:
+    mcp_http = McpHttp()  # `/mcp`: the tools over MCP (streamable HTTP), see agentbox/mcp.py
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.home.mkdir(parents=True, exist_ok=True)
@@ -73,7 +68,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.registry = registry
         app.state.sandboxes = Sandboxes(registry)
         try:
-            yield
+            async with mcp_http.running():
+                yield
         finally:
             await app.state.sandboxes.close()
             await registry.shutdown()
@@ -82,7 +78,16 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="agentbox", version=__version__, lifespan=lifespan)
     app.state.settings = settings
     if settings.api_key:
-        app.add_middleware(ApiKeyAuth, key=settings.api_key)
+        key = settings.api_key.encode()
+
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next: RequestResponseEndpoint) -> Response:
+            given = presented_key(request)
+            if request.url.path not in OPEN_PATHS and (
+                given is None or not hmac.compare_digest(given.encode(), key)
+            ):
+                return unauthorized()
+            return await call_next(request)
 
     @app.exception_handler(WorkspaceError)
     async def workspace_error(request: Request, exc: WorkspaceError) -> Response:
@@ -112,4 +117,7 @@ def create_app(settings: Settings) -> FastAPI:
     for module in ROUTERS:
         app.include_router(module.router)
         app.include_router(module.router, prefix="/sandboxes/{session_id}")
+
+    # MCP over streamable HTTP: an ASGI app on the exact path `/mcp` (as the SDK routes it).
+    app.router.routes.append(Route("/mcp", endpoint=mcp_http, include_in_schema=False))
     return app

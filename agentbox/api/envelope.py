@@ -13,6 +13,7 @@ list (never a string); a malformed query string is 400 plain text.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -38,6 +39,8 @@ STATUS_BY_TYPE = {
 MAX_JSON_BODY = 16 * 1024 * 1024
 
 M = TypeVar("M", bound=BaseModel)
+#: A `\\uD800`-`\\uDFFF` escape in raw JSON: the cheap test before looking for lone surrogates.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def ok(data: Any = None, message: str = "Operation successful", **extra: Any) -> JSONResponse:
@@ -86,14 +89,55 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise BodyError([{"loc": [], "msg": f"body larger than {MAX_JSON_BODY} bytes", "type": "too_large"}])
     try:
         payload = json.loads(raw) if raw.strip() else {}
-    except ValueError as exc:
-        raise BodyError([{"loc": [], "msg": f"body is not valid JSON: {exc}", "type": "json_invalid"}]) from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+        raise BodyError(
+            [{"loc": [], "msg": f"body is not valid JSON: {exc}", "type": "json_invalid"}]
+        ) from exc
     if not isinstance(payload, dict):
         raise BodyError([{"loc": [], "msg": "body must be a JSON object", "type": "dict_type"}])
+    if _SURROGATE_ESCAPE.search(raw) and has_lone_surrogate(payload):
+        raise BodyError([{"loc": [], "msg": "body has a lone UTF-16 surrogate", "type": "string_unicode"}])
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
         raise BodyError([dict(e) for e in exc.errors(include_url=False, include_input=False)]) from exc
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """Whether a parsed JSON value holds a string no UTF-8 can carry (`"\\ud800"` alone).
+
+    JSON allows such escapes and Python keeps them; paths, file content and even the error
+    message echoing them would then fail far from here, so bodies with them are refused.
+    Iterative, since a body may nest as deep as the JSON parser allows.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` that documents a JSON body the route parses itself with `parse_body`.
+
+    A declared FastAPI body parameter would be parsed before the route runs (an empty body
+    becomes a 422 without the envelope); this puts the same model in the OpenAPI document
+    without that. Models must be flat: nested models' `$defs` would not reach the document.
+    """
+    schema = model.model_json_schema()
+    if "$defs" in schema:
+        raise TypeError(f"{model.__name__}: a documented body model must not nest other models")
+    content = {"application/json": {"schema": schema}}
+    return {"requestBody": {"required": bool(schema.get("required")), "content": content}}
 
 
 def is_v1(request: Request) -> bool:

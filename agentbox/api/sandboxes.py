@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from agentbox.machines.base import Machine
 from agentbox.machines.errors import MachineError, PathEscape
@@ -73,4 +74,8 @@ async def current(request: Request) -> Sandbox:
     return await sandboxes.get(request.path_params.get("session_id"))
 
 
-__all__ = ["MachineError", "Sandbox", "Sandboxes", "current"]
+#: A route parameter that receives the current sandbox: `sandbox: CurrentSandbox`.
+CurrentSandbox = Annotated[Sandbox, Depends(current)]
+
+
+__all__ = ["CurrentSandbox", "MachineError", "Sandbox", "Sandboxes", "current"]

@@ -1,5 +1,664 @@
-"""Routes: v1_file (being written)."""
+"""AIO `/v1/file/*`: file operations, transfers and watchers, wire-compatible with upstream AIO.
 
-from fastapi import APIRouter
+Routes only parse, call a layer-2 operation (`workspace.files`, `editor`, `grep`, `watch`)
+and shape its result; blocking file work runs in a thread. Every success `data` carries the
+fields the AIO SDK 0.0.30 requires of it (aio-api.md §7).
 
-router = APIRouter()
+Failures, three styles (aio-api.md §4, seed 002):
+
+- file operations (read, write, replace, search, find, grep, glob, list, upload,
+  str_replace_editor, mkdir): HTTP 200, `success: false`, `data` = the error object (the
+  app's `WorkspaceError` handler). SDK 0.0.30 cannot parse that `data` on most methods
+  (it raises `pydantic.ValidationError`); that is upstream's own incompatibility.
+- download: HTTP status codes (404, 403, 400, 416, 409), since the SDK would hand a 200
+  JSON error body to its caller as the file's bytes.
+- watch routes: resource-style, the envelope with the HTTP status of its `error_type`
+  (an unknown watcher is 404; `watch/wait` with nothing happening is 503).
+
+Choices where upstream is silent or this server differs:
+
+- `sudo` is accepted and ignored: the file API has one identity per sandbox.
+- `write` creates missing parent directories (as upstream 1.11 documents).
+- `find` is `files.search`: files only, hidden names only when the glob spells the dot.
+- `upload` without `path` lands in `<machine root>/<filename>` (`/workspace/<filename>` in a
+  sandbox; the SDK names raw bytes `upload`). A `path` ending in `/` or naming an existing
+  directory receives `<filename>` inside it. The form is spooled by Starlette (memory, then
+  a temporary file) before it is staged beside the target.
+- `download?change_policy=abort` pins the file's (inode, size, mtime) when it is opened:
+  409 if it changed before the first byte left, a cut connection if it changes later.
+- Watch responses are the wrapper with `data` AND the same keys at the top level
+  (`data.watcher_id` and `watcher_id`), for both readings of upstream's docs. Poll accepts
+  `since` (SDK 0.0.30) and `cursor` (1.9.4); `cursor` wins. `debounce` is accepted and
+  ignored (events are reported one to one); `include_patterns` is refused when non-empty.
+- The SSE stream (`watch/{id}/events`) sends `watch_started`, then `file_change` events with
+  `id: <watcher_id>:<seq>` (and `overflow` markers); `Last-Event-ID` resumes after that seq;
+  a comment line is sent every HEARTBEAT_SECONDS so proxies keep the stream open (the stream
+  is v2's, `agentbox.api.v2_watch.sse`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import posixpath
+from collections.abc import AsyncIterator, Generator, Iterator
+from email.utils import formatdate
+from typing import Annotated, Any, Literal, Protocol, cast
+from urllib.parse import quote
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.datastructures import UploadFile
+
+from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body
+from agentbox.api.sandboxes import CurrentSandbox, Sandbox
+from agentbox.api.v2_watch import HEARTBEAT_SECONDS, SSE_HEADERS, resume_position, sse
+from agentbox.machines.base import HostMapped
+from agentbox.workspace import editor as editor_mod
+from agentbox.workspace import files, grep
+from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
+from agentbox.workspace.watch import DEFAULT_POLL_LIMIT, wait_for
+
+router = APIRouter(prefix="/v1/file", tags=["file"])
+
+#: Longest a watch long-poll (`poll` timeout, `wait` timeout) blocks, so that it answers
+#: before the AIO SDK's 60-second request timeout.
+MAX_LONG_POLL_SECONDS = 50.0
+#: `watch/wait` timeout when the caller names none (upstream's default).
+DEFAULT_WAIT_SECONDS = 30.0
+#: Room for the multipart framing around a file of `files.MAX_UPLOAD_BYTES`; a request
+#: declaring more than both is refused before any byte is read.
+MULTIPART_SLACK_BYTES = 64 * 1024
+#: Upload form limits: the one file part and the `path` field, with room for one stray field.
+MAX_FORM_FILES = 1
+MAX_FORM_FIELDS = 2
+#: Bytes read from a spooled upload at a time.
+UPLOAD_CHUNK_BYTES = 1024 * 1024
+
+ChangePolicy = Literal["ignore", "abort"]
+
+
+class FileMachine(files.HostMachine, editor_mod.HostMachine, Protocol):
+    """A machine whose files the server reaches directly (local and sandbox kinds)."""
+
+
+def machine_of(sb: Sandbox) -> FileMachine:
+    if not isinstance(sb.machine, HostMapped):
+        raise WorkspaceError(
+            "invalid_target", "This machine's files cannot be reached by the file API", "open",
+            exception_type="NotHostMapped",
+        )  # fmt: skip
+    return cast(FileMachine, sb.machine)
+
+
+def resource_error(error: WorkspaceError, status: int | None = None) -> JSONResponse:
+    """The envelope with an HTTP status (download and watch routes), not v1's 200."""
+    response = failure(error)
+    if status is not None:
+        response.status_code = status
+    return response
+
+
+def mirrored(data: dict[str, Any], message: str = "Operation successful") -> JSONResponse:
+    """The wrapper with `data`, and `data`'s keys again at the top level (watch routes)."""
+    return ok(data, message, **data)
+
+
+# ---------------------------------------------------------------- bodies
+
+
+class ReadBody(BaseModel):
+    file: str
+    start_line: int | None = None
+    end_line: int | None = None
+    sudo: bool | None = None
+
+
+class WriteBody(BaseModel):
+    file: str
+    content: str
+    encoding: str | None = None
+    append: bool | None = None
+    leading_newline: bool | None = None
+    trailing_newline: bool | None = None
+    sudo: bool | None = None
+
+
+class ReplaceBody(BaseModel):
+    file: str
+    old_str: str
+    new_str: str
+    sudo: bool | None = None
+
+
+class SearchBody(BaseModel):
+    file: str
+    regex: str
+    sudo: bool | None = None
+
+
+class FindBody(BaseModel):
+    path: str
+    glob: str
+
+
+class GrepBody(BaseModel):
+    path: str
+    pattern: str
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+    case_insensitive: bool | None = None
+    fixed_strings: bool | None = None
+    context_before: int | None = None
+    context_after: int | None = None
+    max_results: int | None = None
+    max_file_size: str | None = None
+    multiline: bool | None = None
+    offset: int | None = None
+    type: str | None = None
+    recursive: bool | None = None
+
+
+class GlobBody(BaseModel):
+    path: str
+    pattern: str
+    exclude: list[str] | None = None
+    include_hidden: bool | None = None
+    files_only: bool | None = None
+    include_metadata: bool | None = None
+    max_results: int | None = None
+    sort_by: str | None = None
+    sort_desc: bool | None = None
+
+
+class ListBody(BaseModel):
+    path: str
+    recursive: bool | None = None
+    show_hidden: bool | None = None
+    file_types: list[str] | None = None
+    max_depth: int | None = None
+    include_size: bool | None = None
+    include_permissions: bool | None = None
+    sort_by: str | None = None
+    sort_desc: bool | None = None
+
+
+class MkdirBody(BaseModel):
+    path: str
+    parents: bool | None = None
+
+
+class EditorBody(BaseModel):
+    command: str
+    path: str
+    file_text: str | None = None
+    old_str: str | None = None
+    new_str: str | None = None
+    insert_line: int | None = None
+    view_range: list[int] | None = None
+    replace_mode: str | None = None
+    page_range: list[int] | None = None
+    sheet_name: str | None = None
+    row_range: list[int] | None = None
+    slide_range: list[int] | None = None
+    enable_metadata: bool | None = None
+
+
+class WatchBody(BaseModel):
+    path: str
+    recursive: bool | None = None
+    exclude: list[str] | None = None
+    debounce: int | None = None
+    include_patterns: list[str] | None = None
+
+
+class PollBody(BaseModel):
+    cursor: int | None = None
+    since: int | None = None
+    limit: int | None = None
+    timeout: float | None = None
+
+
+class WaitBody(BaseModel):
+    path: str
+    timeout: float | None = None
+    event_types: list[str] | None = None
+
+
+# ---------------------------------------------------------------- read, write, replace, search
+
+
+@router.post("/read", openapi_extra=json_body(ReadBody))
+async def read(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """Text of a file, or lines [start_line, end_line) of it (0-based, end exclusive)."""
+    body = await parse_body(request, ReadBody)
+    result = await asyncio.to_thread(
+        files.read_text, machine_of(sb), body.file, body.start_line, body.end_line
+    )
+    return ok({"content": result.content, "file": result.path, "line_count": result.line_count})
+
+
+@router.post("/write", openapi_extra=json_body(WriteBody))
+async def write(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    body = await parse_body(request, WriteBody)
+    machine = machine_of(sb)
+    data = files.decode_content(
+        body.content,
+        cast(files.Encoding, body.encoding or "utf-8"),
+        leading_newline=bool(body.leading_newline),
+        trailing_newline=bool(body.trailing_newline),
+        path=body.file,
+    )
+    result = await asyncio.to_thread(write_making_parents, machine, body.file, data, bool(body.append))
+    return ok({"file": result.path, "bytes_written": result.bytes_written})
+
+
+def ensure_parent(machine: FileMachine, path: str, op: str) -> None:
+    """Create the missing directories above `path` (write and upload do, as upstream does)."""
+    parent = posixpath.dirname(path)
+    with operation(op, path):
+        missing = bool(parent) and files.lstat_or_none(machine.host_path(parent)) is None
+    if missing:
+        files.mkdir(machine, parent, parents=True)
+
+
+def write_making_parents(machine: FileMachine, path: str, data: bytes, append: bool) -> files.WriteResult:
+    ensure_parent(machine, path, "write")
+    return files.write_file(machine, path, data, append=append)
+
+
+@router.post("/replace", openapi_extra=json_body(ReplaceBody))
+async def replace(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """Replace every occurrence of `old_str`, literally; zero occurrences is a success with 0."""
+    body = await parse_body(request, ReplaceBody)
+    machine = machine_of(sb)
+    count = await editor_mod.replace_in_file(machine, body.file, body.old_str, body.new_str)
+    return ok({"file": shown(machine, body.file, "replace"), "replaced_count": count})
+
+
+@router.post("/search", openapi_extra=json_body(SearchBody))
+async def search(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """Lines of one file matching a regex, with 0-based line numbers (upstream's older route)."""
+    body = await parse_body(request, SearchBody)
+    machine = machine_of(sb)
+    matches, numbers = await grep.search_in_file(machine, body.file, body.regex)
+    return ok({"file": shown(machine, body.file, "search"), "matches": matches, "line_numbers": numbers})
+
+
+def shown(machine: FileMachine, path: str, op: str) -> str:
+    with operation(op, path):
+        return files.shown_path(machine, path)
+
+
+# ---------------------------------------------------------------- find, grep, glob, list, mkdir
+
+
+@router.post("/find", openapi_extra=json_body(FindBody))
+async def find(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    body = await parse_body(request, FindBody)
+    result = await asyncio.to_thread(files.search, machine_of(sb), body.path, body.glob)
+    return ok({"path": result.path, "files": result.files, "truncated": result.truncated})
+
+
+@router.post("/grep", openapi_extra=json_body(GrepBody))
+async def grep_files(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """Content search with ripgrep; each match's `line_number` counts from 1."""
+    body = await parse_body(request, GrepBody)
+    result = await grep.grep(
+        machine_of(sb),
+        body.path,
+        body.pattern,
+        include=body.include,
+        exclude=body.exclude,
+        case_insensitive=bool(body.case_insensitive),
+        fixed_strings=bool(body.fixed_strings),
+        context_before=body.context_before or 0,
+        context_after=body.context_after or 0,
+        max_results=grep.MAX_GREP_RESULTS if body.max_results is None else body.max_results,
+        max_file_size=body.max_file_size or grep.DEFAULT_MAX_FILE_SIZE,
+        multiline=bool(body.multiline),
+        offset=body.offset or 0,
+        file_type=body.type,
+        recursive=body.recursive is not False,
+    )
+    return ok(
+        {
+            "path": result.path,
+            "pattern": result.pattern,
+            "matches": [vars(m) for m in result.matches],
+            "match_count": result.match_count,
+            "files_searched": result.files_searched,
+            "files_matched": result.files_matched,
+            "truncated": result.truncated,
+        }
+    )
+
+
+@router.post("/glob", openapi_extra=json_body(GlobBody))
+async def glob(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    body = await parse_body(request, GlobBody)
+    result = await asyncio.to_thread(
+        lambda: files.glob_files(
+            machine_of(sb),
+            body.path,
+            body.pattern,
+            exclude=body.exclude,
+            include_hidden=bool(body.include_hidden),
+            files_only=body.files_only is not False,
+            include_metadata=body.include_metadata is not False,
+            max_results=body.max_results,
+            sort_by=cast(files.GlobSort, body.sort_by or "path"),
+            sort_desc=bool(body.sort_desc),
+        )
+    )
+    return ok(
+        {
+            "path": result.path,
+            "pattern": result.pattern,
+            "files": [vars(f) for f in result.files],
+            "total_count": result.total_count,
+            "truncated": result.truncated,
+        }
+    )
+
+
+@router.post("/list", openapi_extra=json_body(ListBody))
+async def list_path(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    body = await parse_body(request, ListBody)
+    result = await asyncio.to_thread(
+        lambda: files.list_dir(
+            machine_of(sb),
+            body.path,
+            recursive=bool(body.recursive),
+            max_depth=body.max_depth,
+            show_hidden=body.show_hidden is not False,
+            file_types=body.file_types,
+            sort_by=cast(files.ListSort, body.sort_by or "name"),
+            sort_desc=bool(body.sort_desc),
+            include_size=body.include_size is not False,
+            include_permissions=bool(body.include_permissions),
+        )
+    )
+    return ok(
+        {
+            "path": result.path,
+            "files": [vars(e) for e in result.files],
+            "total_count": result.total_count,
+            "directory_count": result.directory_count,
+            "file_count": result.file_count,
+            "truncated": result.truncated,
+        }
+    )
+
+
+@router.post("/mkdir", openapi_extra=json_body(MkdirBody))
+async def mkdir(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """Not upstream (seed 002 uses it): create a directory, with `parents` like `mkdir -p`."""
+    body = await parse_body(request, MkdirBody)
+    result = await asyncio.to_thread(files.mkdir, machine_of(sb), body.path, parents=bool(body.parents))
+    return ok({"path": result.path, "created": result.created})
+
+
+# ---------------------------------------------------------------- the editor
+
+
+@router.post("/str_replace_editor", openapi_extra=json_body(EditorBody))
+async def str_replace_editor(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """The Anthropic/OpenHands text-editor tool: view, create, str_replace, insert, undo_edit."""
+    body = await parse_body(request, EditorBody)
+    if body.page_range or body.sheet_name or body.row_range or body.slide_range:
+        raise bad_request(
+            "edit",
+            "document views (page_range, sheet_name, row_range, slide_range) are not supported",
+            body.path,
+        )
+    result = await run_editor(sb.editor, machine_of(sb), body)
+    data: dict[str, Any] = {
+        "output": result.output,
+        "error": None,
+        "path": result.path,
+        "prev_exist": result.prev_exist,
+        "old_content": result.old_content,
+        "new_content": result.new_content,
+    }
+    if body.enable_metadata:
+        text = result.new_content
+        data["metadata"] = {"command": body.command, "line_count": editor_mod.line_count(text) if text else 0}
+    return ok(data)
+
+
+async def run_editor(
+    editor: editor_mod.Editor, machine: FileMachine, body: EditorBody
+) -> editor_mod.EditResult:
+    def need(value: Any, name: str) -> Any:
+        if value is None:
+            raise bad_request("edit", f"`{name}` is required for command `{body.command}`", body.path)
+        return value
+
+    if body.command == "view":
+        return await editor.view(machine, body.path, body.view_range or None)
+    if body.command == "create":
+        return await editor.create(machine, body.path, need(body.file_text, "file_text"))
+    if body.command == "str_replace":
+        old = need(body.old_str, "old_str")
+        return await editor.str_replace(machine, body.path, old, body.new_str or "", body.replace_mode)
+    if body.command == "insert":
+        line = need(body.insert_line, "insert_line")
+        return await editor.insert(machine, body.path, line, need(body.new_str, "new_str"))
+    if body.command == "undo_edit":
+        return await editor.undo_edit(machine, body.path)
+    raise bad_request(
+        "edit",
+        f"Unknown command {body.command!r}: use view, create, str_replace, insert or undo_edit",
+        body.path,
+    )
+
+
+# ---------------------------------------------------------------- upload, download
+
+
+@router.post("/upload")
+async def upload(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """Multipart `file` (and optional `path`), staged beside the target and renamed over it."""
+    machine = machine_of(sb)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > files.MAX_UPLOAD_BYTES + MULTIPART_SLACK_BYTES:
+        raise files.limit_exceeded(
+            "upload", None, f"body is larger than the limit of {files.MAX_UPLOAD_BYTES} bytes"
+        )
+    async with request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS) as form:
+        part = form.get("file")
+        if not isinstance(part, UploadFile):
+            missing = {
+                "loc": ["file"],
+                "msg": "Field required: a multipart file part named `file`",
+                "type": "missing",
+            }
+            raise BodyError([missing])
+        path = form.get("path")
+        target = upload_target(machine, path if isinstance(path, str) else None, part.filename)
+        await asyncio.to_thread(ensure_parent, machine, target, "upload")
+        result = await files.upload(machine, target, spooled(part))
+    return ok({"file_path": result.file_path, "file_size": result.file_size, "success": True})
+
+
+def upload_target(machine: FileMachine, path: str | None, filename: str | None) -> str:
+    """Where an upload goes: `path`, or the part's file name inside `path` / the machine root."""
+    if path and not path.endswith("/"):
+        with operation("upload", path):
+            if not machine.host_path(path).is_dir():
+                return path
+    name = posixpath.basename(filename or "")
+    if name in ("", ".", ".."):
+        raise bad_request("upload", "the file part has no usable file name; give `path`", path)
+    return posixpath.join(path or machine.root, name)
+
+
+async def spooled(part: UploadFile) -> AsyncIterator[bytes]:
+    while chunk := await part.read(UPLOAD_CHUNK_BYTES):
+        yield chunk
+
+
+class FileChanged(WorkspaceError):
+    """`change_policy=abort` and the file is not what it was when the download opened it."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            "io_error", failed("download", "the file changed during the download"), "download", path,
+            exception_type="FileChanged", retryable=True,
+        )  # fmt: skip
+
+
+def unchanged(target: files.DownloadTarget) -> bool:
+    try:
+        st = target.host_path.stat()
+    except OSError:
+        return False
+    return (st.st_ino, st.st_size, st.st_mtime) == (target.inode, target.size, target.mtime)
+
+
+@router.get("/download")
+async def download(
+    request: Request,
+    path: Annotated[str, Query()],
+    sb: CurrentSandbox,
+    change_policy: Annotated[ChangePolicy, Query()] = "ignore",
+) -> Response:
+    """Stream a file's bytes; `Range` gives 206; failures are HTTP errors, not a 200 envelope."""
+    try:
+        target = await asyncio.to_thread(files.download, machine_of(sb), path)
+        span = files.parse_range(request.headers.get("range"), target.size, path)
+        start, end = span if span is not None else (0, max(target.size - 1, 0))
+        chunks = files.iter_download(target, start, end if span is not None else None)
+        first = await asyncio.to_thread(next, chunks, b"")
+        if change_policy == "abort" and not await asyncio.to_thread(unchanged, target):
+            raise FileChanged(path)
+    except files.RangeNotSatisfiable as exc:
+        response = resource_error(exc, 416)
+        response.headers["Content-Range"] = f"bytes */{exc.size}"
+        return response
+    except FileChanged as exc:
+        close(chunks)
+        return resource_error(exc, 409)
+    except WorkspaceError as exc:
+        return resource_error(exc)
+    length = end - start + 1 if target.size else 0
+    headers = {
+        "Content-Length": str(length),
+        "Accept-Ranges": "bytes",
+        "Content-Disposition": f"attachment; filename*=UTF-8''{quote(posixpath.basename(target.path))}",
+        "ETag": f'"{target.inode:x}-{target.size:x}-{int(target.mtime * 1e9):x}"',
+        "Last-Modified": formatdate(target.mtime, usegmt=True),
+    }
+    if span is not None:
+        headers["Content-Range"] = f"bytes {start}-{end}/{target.size}"
+    body = stream(first, chunks, target if change_policy == "abort" else None)
+    return StreamingResponse(
+        body,
+        status_code=206 if span is not None else 200,
+        headers=headers,
+        media_type="application/octet-stream",
+    )
+
+
+def stream(first: bytes, rest: Iterator[bytes], pinned: files.DownloadTarget | None) -> Iterator[bytes]:
+    """The chunks of a download. With a pinned target each chunk is checked after it is read and
+    before it is sent; once the file has changed the generator raises, which cuts the response."""
+    try:
+        if first:
+            yield first
+        for chunk in rest:
+            if pinned is not None and not unchanged(pinned):
+                raise FileChanged(pinned.path)
+            yield chunk
+    finally:
+        close(rest)
+
+
+def close(chunks: Iterator[bytes]) -> None:
+    """Close a download's generator now (and with it the file), not when it is collected."""
+    if isinstance(chunks, Generator):
+        chunks.close()
+
+
+# ---------------------------------------------------------------- watchers
+
+
+@router.get("/watch")
+async def watch_list(sb: CurrentSandbox) -> JSONResponse:
+    return mirrored({"watchers": [w.to_dict() for w in sb.watches.list()]})
+
+
+@router.post("/watch", openapi_extra=json_body(WatchBody))
+async def watch_create(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """Start recording changes under a path; answers `watcher_id` (top level and in `data`)."""
+    body = await parse_body(request, WatchBody)
+    try:
+        if body.include_patterns:
+            raise bad_request("watch", "include_patterns is not supported; use exclude", body.path)
+        if body.debounce is not None and body.debounce < 0:
+            raise bad_request("watch", f"debounce must not be negative, got {body.debounce}", body.path)
+        watcher = sb.watches.create(body.path, recursive=body.recursive is not False, exclude=body.exclude)
+    except WorkspaceError as exc:
+        return resource_error(exc)
+    return mirrored({**watcher.to_dict(), "initial_cursor": watcher.last_seq})
+
+
+@router.post("/watch/wait", openapi_extra=json_body(WaitBody))
+async def watch_wait(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """The next change of exactly `path` (an existing path answers `create` at once); 503 on timeout."""
+    body = await parse_body(request, WaitBody)
+    timeout = DEFAULT_WAIT_SECONDS if body.timeout is None else body.timeout
+    try:
+        if timeout < 0:
+            raise bad_request("watch", f"timeout must not be negative, got {timeout}", body.path)
+        types = (
+            body.event_types
+            if body.event_types is not None
+            else ["create", "write", "remove", "rename", "chmod"]
+        )
+        event = await wait_for(sb.watches, body.path, min(timeout, MAX_LONG_POLL_SECONDS), types)
+        if event is None:
+            raise WorkspaceError(
+                "io_error", "timed out waiting for file event", "watch", body.path,
+                errno.ETIMEDOUT, "ETIMEDOUT", "TimeoutError", retryable=True,
+            )  # fmt: skip
+    except WorkspaceError as exc:
+        return resource_error(exc, 503 if exc.errno == errno.ETIMEDOUT else None)
+    return mirrored({"event": event.to_dict()})
+
+
+@router.post("/watch/{watcher_id}/poll", openapi_extra=json_body(PollBody))
+async def watch_poll(watcher_id: str, request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """Events after the cursor (`cursor`, or SDK 0.0.30's `since`), long-polling up to `timeout` s."""
+    body = await parse_body(request, PollBody)
+    cursor = body.cursor if body.cursor is not None else (body.since or 0)
+    timeout = min(max(body.timeout or 0.0, 0.0), MAX_LONG_POLL_SECONDS)
+    try:
+        page = await sb.watches.get(watcher_id).poll(cursor, timeout, body.limit or DEFAULT_POLL_LIMIT)
+    except WorkspaceError as exc:
+        return resource_error(exc)
+    return mirrored(page.to_dict())
+
+
+@router.get("/watch/{watcher_id}/events")
+async def watch_events(watcher_id: str, request: Request, sb: CurrentSandbox) -> Response:
+    """Server-sent events: `watch_started`, then `file_change` / `overflow` as they happen."""
+    try:
+        watcher = sb.watches.get(watcher_id)
+        after = resume_position(watcher, request.headers.get("last-event-id"), None)
+    except WorkspaceError as exc:
+        return resource_error(exc)
+    return StreamingResponse(
+        sse(watcher, after, HEARTBEAT_SECONDS), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+@router.delete("/watch/{watcher_id}")
+async def watch_stop(watcher_id: str, sb: CurrentSandbox) -> JSONResponse:
+    try:
+        sb.watches.delete(watcher_id)
+    except WorkspaceError as exc:
+        return resource_error(exc)
+    return mirrored({"watcher_id": watcher_id, "deleted": True})

@@ -1,5 +1,64 @@
-"""Routes: v2_sandbox (being written)."""
+"""What a sandbox is and can do: `GET /v2/sandbox` and `GET /v1/capabilities` (seed 002).
+
+Seed 002 asks that both list `files`. `/v2/sandbox` adds the session, the machine
+(name, kind, os, root) and, for a bubblewrap sandbox, how it is isolated as the host
+measured it (`SandboxHost.capabilities`). `/v1/capabilities` is not upstream AIO (no SDK
+method calls it); its list is in `data.capabilities` and, for a caller that reads the
+reply as the list's holder, at the top level too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
-router = APIRouter()
+from agentbox import __version__
+from agentbox.api.envelope import ok
+from agentbox.api.sandboxes import CurrentSandbox, Sandbox
+from agentbox.machines.sandbox import SandboxMachine
+
+router = APIRouter(tags=["sandbox"])
+
+#: Feature groups this server offers on every sandbox: `/v2/fs/*` and `/v1/file/*`,
+#: `/v2/watch`, `/v2/commands`.
+CAPABILITIES: tuple[str, ...] = ("files", "watch", "commands")
+
+
+def machine_info(sandbox: Sandbox) -> dict[str, Any]:
+    machine = sandbox.machine
+    return {
+        "name": machine.name,
+        "kind": machine.kind,
+        "os": machine.os,
+        "root": machine.root,
+        "isolated": machine.isolated,
+    }
+
+
+def isolation(sandbox: Sandbox) -> dict[str, Any] | None:
+    """How the machine is isolated, for the sandbox kind; None for shared machines."""
+    machine = sandbox.machine
+    if isinstance(machine, SandboxMachine):
+        return machine.host.capabilities(machine.config)
+    return None
+
+
+@router.get("/v2/sandbox")
+async def describe(sandbox: CurrentSandbox) -> JSONResponse:
+    return ok(
+        {
+            "session_id": sandbox.session_id,
+            "version": __version__,
+            "capabilities": list(CAPABILITIES),
+            "machine": machine_info(sandbox),
+            "isolation": isolation(sandbox),
+        }
+    )
+
+
+@router.get("/v1/capabilities")
+async def capabilities() -> JSONResponse:
+    names = list(CAPABILITIES)
+    return ok({"capabilities": names, "version": __version__}, capabilities=names)

@@ -12,6 +12,7 @@ A command's own failure (non-zero exit, killed by a signal) is a normal `ExecRes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ OS = Literal["linux", "darwin", "windows"]
 
 #: Bytes of stdout (and separately of stderr) that `exec` keeps; the pipes keep draining past it.
 DEFAULT_OUTPUT_LIMIT = 1024 * 1024
+#: Seconds a finished (or killed) command's pipes may stay open before they are abandoned.
+DRAIN_GRACE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -148,51 +151,59 @@ class HostMapped(Protocol):
 Listener = Callable[[str, str], None]
 
 
-async def collect(
-    process: Process, limit: int, timeout: float | None
-) -> ExecResult:
-    """Drain a process to its end, keeping the first `limit` bytes of each stream.
+async def collect(process: Process, limit: int, timeout: float | None) -> ExecResult:
+    """Run a process to its end, keeping the first `limit` bytes of each stream.
 
     Output past the limit is read and dropped so the command never blocks on a full pipe.
-    On timeout the process group is killed and the result says so.
+    The timeout bounds the whole command, output included; on timeout or cancellation the
+    whole process group is killed. A command that ends while a background child still
+    holds its pipes returns after DRAIN_GRACE_SECONDS with the output so far, and the child
+    keeps running (it keeps its sandbox busy); the tool layer, which must clean up
+    descendants (seed 001), kills the group itself.
     """
     loop = asyncio.get_running_loop()
     started = loop.time()
+    kept = {"stdout": bytearray(), "stderr": bytearray()}
+    cut = {"stdout": False, "stderr": False}
 
-    async def drain(stream: asyncio.StreamReader) -> tuple[bytes, bool]:
-        kept = bytearray()
-        truncated = False
+    async def drain(name: str, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(65536):
-            room = limit - len(kept)
+            room = limit - len(kept[name])
             if room > 0:
-                kept += chunk[:room]
+                kept[name] += chunk[:room]
             if len(chunk) > max(room, 0):
-                truncated = True
-        return bytes(kept), truncated
+                cut[name] = True
 
-    out_task = asyncio.ensure_future(drain(process.stdout))
-    err_task = asyncio.ensure_future(drain(process.stderr))
+    drains = asyncio.gather(drain("stdout", process.stdout), drain("stderr", process.stderr))
+
+    async def run() -> int:
+        code = await process.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(drains), DRAIN_GRACE_SECONDS)
+        return code
+
     timed_out = False
     try:
         try:
-            code = await asyncio.wait_for(process.wait(), timeout)
+            code = await asyncio.wait_for(run(), timeout)
         except TimeoutError:
             timed_out = True
             process.kill(signal.SIGKILL)
             code = await process.wait()
-        (out, out_cut), (err, err_cut) = await asyncio.gather(out_task, err_task)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(drains), DRAIN_GRACE_SECONDS)
     except BaseException:
         process.kill(signal.SIGKILL)
-        out_task.cancel()
-        err_task.cancel()
+        drains.cancel()
         raise
+    drains.cancel()
     return ExecResult(
         exit_code=code,
-        stdout=out,
-        stderr=err,
+        stdout=bytes(kept["stdout"]),
+        stderr=bytes(kept["stderr"]),
         timed_out=timed_out,
-        stdout_truncated=out_cut,
-        stderr_truncated=err_cut,
+        stdout_truncated=cut["stdout"],
+        stderr_truncated=cut["stderr"],
         duration=loop.time() - started,
     )
 

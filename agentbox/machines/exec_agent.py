@@ -11,6 +11,7 @@ every sandbox's cold start):
                       E id errno msg  could not spawn
                       X id code       exited (128+N for signal N)
     server -> agent   K id signal     signal the command's process group
+                      G pgid signal   signal a group whose leader has already exited
     agent -> server   R               ready, once at start
 
 The server creates each command's pipes and reads them itself, so output never passes
@@ -27,11 +28,14 @@ import select
 import sys
 
 MAX_MESSAGE = 1 << 20
+#: Received descriptors arrive close-on-exec: a command gets only its own stdin/out/err.
+MSG_CMSG_CLOEXEC = 0x40000000
 FD_SIZE = 4
 
 
 def main():
     ctl = _socket.socket(fileno=int(sys.argv[1]))
+    os.set_inheritable(ctl.fileno(), False)  # commands must never reach the control channel
     poller = select.epoll()
     poller.register(ctl.fileno(), select.EPOLLIN)
     devnull = os.open("/dev/null", os.O_RDWR)
@@ -76,12 +80,14 @@ def main():
         send(b"X", cid, 128 - code if code < 0 else code)
 
     def receive():
-        data, ancdata, _flags, _addr = ctl.recvmsg(MAX_MESSAGE, 64)
+        data, ancdata, _flags, _addr = ctl.recvmsg(MAX_MESSAGE, 64, MSG_CMSG_CLOEXEC)
         fds = []
         for level, kind, payload in ancdata:
             if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
                 usable = len(payload) - len(payload) % FD_SIZE
-                fds += [int.from_bytes(payload[i : i + FD_SIZE], sys.byteorder) for i in range(0, usable, FD_SIZE)]
+                fds += [
+                    int.from_bytes(payload[i : i + FD_SIZE], sys.byteorder) for i in range(0, usable, FD_SIZE)
+                ]
         return data, fds
 
     send(b"R")
@@ -101,11 +107,16 @@ def main():
             fields = data.split(b"\0")
             if fields[0] == b"S":
                 spawn(fields, fds)
+            elif fields[0] == b"G":  # a group whose leader already exited (children remain)
+                try:
+                    os.killpg(int(fields[1]), int(fields[2]))
+                except OSError:
+                    pass
             elif fields[0] == b"K":
-                pid = by_id.get(fields[1])
-                if pid is not None:
+                target = by_id.get(fields[1])
+                if target is not None:
                     try:
-                        os.killpg(pid, int(fields[2]))
+                        os.killpg(target, int(fields[2]))
                     except OSError:
                         pass
 

@@ -14,7 +14,7 @@ import stat as stat_mod
 from pathlib import Path
 
 from agentbox.machines.base import FileEntry, FileStat
-from agentbox.machines.errors import OwnerUnsupported
+from agentbox.machines.errors import MachineError, OwnerUnsupported
 from agentbox.machines.pathmap import PathMap, open_nofollow
 
 
@@ -94,11 +94,13 @@ class HostFiles:
         entries = []
         with os.scandir(host) as it:
             for e in it:
-                try:
-                    st = e.stat(follow_symlinks=True)
-                except OSError:
-                    st = e.stat(follow_symlinks=False)
                 child = inside.rstrip("/") + "/" + e.name
+                st = e.stat(follow_symlinks=False)
+                if e.is_symlink():  # the target as the machine sees it, never the host's
+                    try:
+                        st = self.host_path(child).stat()
+                    except (OSError, MachineError):
+                        pass
                 entries.append(FileEntry(e.name, child, to_stat(child, st, e.is_symlink())))
         return sorted(entries, key=lambda e: e.name)
 
@@ -128,7 +130,9 @@ class HostFiles:
             self.give(host)
 
     async def rename(self, src: str, dst: str) -> None:
-        os.rename(self.host_path(src, write=True, follow=False), self.host_path(dst, write=True, follow=False))
+        os.rename(
+            self.host_path(src, write=True, follow=False), self.host_path(dst, write=True, follow=False)
+        )
 
     async def chown(self, path: str, user: str) -> None:
         host = self.host_path(path, write=True, follow=False)

@@ -76,7 +76,9 @@ class LocalMachine(HostFiles):
             *request.args(),
             cwd=cwd,
             env={**self.base_env(), **request.env},
-            stdin=asyncio.subprocess.PIPE if request.stdin is not None or request.interactive else asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE
+            if request.stdin is not None or request.interactive
+            else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,

@@ -90,7 +90,9 @@ class PathMap:
                     break  # the rest does not exist yet; nothing below can be a link
                 if stat_mod.S_ISLNK(st.st_mode) and (follow or not last):
                     target = os.readlink(host)
-                    base = target if target.startswith("/") else posixpath.join(posixpath.dirname(here), target)
+                    base = (
+                        target if target.startswith("/") else posixpath.join(posixpath.dirname(here), target)
+                    )
                     redirected = posixpath.normpath(posixpath.join(base, *parts[i + 1 :]))
                     redirected = "/" + redirected.lstrip("/")
                     break

@@ -53,7 +53,9 @@ EnvProvider = Callable[[str, str | None], dict[str, str]]
 class MarkerLog(Protocol):
     """Durable session markers (implemented by `agentbox.store.markers.MarkersRepo`)."""
 
-    async def append(self, session_id: str, machine: str, kind: str, sandbox_id: str, data: dict[str, Any]) -> None: ...
+    async def append(
+        self, session_id: str, machine: str, kind: str, sandbox_id: str, data: dict[str, Any]
+    ) -> None: ...
 
     async def clear(self, session_id: str, machine: str) -> None: ...
 
@@ -79,6 +81,7 @@ class Registry:
         self.providers: list[EnvProvider] = []
         self._entries: dict[tuple[str, str | None], Entry] = {}
         self._opening: dict[tuple[str, str | None], asyncio.Future[Entry]] = {}
+        self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
         self._host: SandboxHost | None = None
         self._janitor: asyncio.Task[None] | None = None
         self.on_ready: list[Callable[[Entry, bool], Awaitable[None]]] = []
@@ -121,7 +124,9 @@ class Registry:
 
     # the open flow --------------------------------------------------------------------
 
-    async def open(self, session_id: str | None = None, name: str | None = None, *, level: int = MAX_LEVEL) -> Machine:
+    async def open(
+        self, session_id: str | None = None, name: str | None = None, *, level: int = MAX_LEVEL
+    ) -> Machine:
         return (await self.open_entry(session_id, name, level=level)).machine
 
     async def open_entry(
@@ -140,7 +145,12 @@ class Registry:
         fut: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         self._opening[key] = fut
         try:
-            entry = await (self._resume(entry) if entry is not None else self._create(config, sid))
+            async with self._lock(key):  # never while the same machine is being suspended
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = await self._create(config, sid)
+                elif entry.state != "running":
+                    entry = await self._resume(entry)
             self._entries[key] = entry
             fut.set_result(entry)
         except BaseException as exc:
@@ -234,10 +244,14 @@ class Registry:
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
+    def _lock(self, key: tuple[str, str | None]) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
+
     async def suspend(self, entry: Entry) -> None:
-        if isinstance(entry.machine, SandboxMachine) and entry.state == "running":
-            entry.state = "suspended"
-            await entry.machine.stop()
+        async with self._lock((entry.config.name, entry.session_id)):
+            if isinstance(entry.machine, SandboxMachine) and entry.state == "running":
+                entry.state = "suspended"
+                await entry.machine.stop()
 
     async def close_session(self, session_id: str, *, purge: bool = False) -> None:
         """Close every machine of a session (and with `purge`, delete its workspace)."""
@@ -252,7 +266,7 @@ class Registry:
 
     async def recover(self) -> list[str]:
         """After a restart: clean up what dead sandboxes left; they rebuild lazily."""
-        recovered = []
+        recovered: list[str] = []
         if self.markers is None:
             return recovered
         for marker in await self.markers.live():
@@ -267,15 +281,16 @@ class Registry:
         idle = self.settings.idle_minutes * 60
         for entry in self.entries():
             m = entry.machine
-            if isinstance(m, SandboxMachine) and entry.state == "running":
-                if not m.busy() and now - m.last_used > idle:
-                    await self.suspend(entry)
+            if not isinstance(m, SandboxMachine) or entry.state != "running":
+                continue
+            if not m.busy() and now - m.last_used > idle:
+                await self.suspend(entry)
         self.purge_inactive()
 
     def purge_inactive(self, wall_now: float | None = None) -> list[str]:
         wall_now = time.time() if wall_now is None else wall_now
         limit = self.settings.purge_days * 86400
-        purged = []
+        purged: list[str] = []
         sessions = self.settings.home / "sessions"
         if not sessions.is_dir():
             return purged

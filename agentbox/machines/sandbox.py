@@ -56,6 +56,8 @@ SANDBOX_HOME = "/root"
 #: Where the exec agent sees the host's /usr read-only when /usr itself is the fuse layer.
 AGENT_USR = "/.agentbox"
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The whole environment of every process the server starts for a sandbox.
+LAUNCH_ENV = {"PATH": SANDBOX_PATH}
 AGENT_SOURCE = (Path(__file__).parent / "exec_agent.py").read_text()
 #: Bytes read from a command pipe per wakeup.
 PIPE_CHUNK = 65536
@@ -93,12 +95,35 @@ class SandboxHost:
         self.base: Base = ensure_base(SHARED_BASE_DIR if self.root else home)
         self.fuse = shutil.which("fuse-overlayfs")
         self.slirp = shutil.which("slirp4netns")
-        self.python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists()), None)
+        self.python = next(
+            (p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists()), None
+        )
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.merged_root = bwrap_mod.runtime_dir() / "mnt" if self.root else None
         if self.merged_root is not None:
-            self.merged_root.mkdir(mode=0o700, exist_ok=True)
+            # Searchable, not listable: bwrap (as the sandbox uid) resolves the mounts by path.
+            self.merged_root.mkdir(exist_ok=True)
+            os.chmod(self.merged_root, 0o711)
             release_orphaned_layers(self.merged_root, self.libc)
+
+    def check_reachable(self, path: Path) -> None:
+        """bwrap resolves bind sources by path as the sandbox uid, even for --bind-fd.
+
+        So every directory above a session's files must be searchable by that uid (the
+        default root home, /var/lib/agentbox, is); say so plainly instead of failing later.
+        """
+        if not self.root:
+            return
+        for p in [path, *path.parents]:
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            if st.st_uid != self.uid and not st.st_mode & 0o001:
+                raise MachineUnavailable(
+                    f"{p} is not searchable by the sandbox uid {self.uid}; sandboxes under it cannot start. "
+                    f"Use an AGENTBOX_HOME whose parents are (e.g. /var/lib/agentbox), or `chmod o+x {p}`"
+                )
 
     def system_layer(self) -> tuple[bool, str]:
         if not self.root:
@@ -158,7 +183,9 @@ class _Pipe:
 class SandboxProcess:
     """A command started by the exec agent."""
 
-    def __init__(self, sandbox: SandboxMachine, cid: int, stdout: _Pipe, stderr: _Pipe, stdin: int | None) -> None:
+    def __init__(
+        self, sandbox: SandboxMachine, cid: int, stdout: _Pipe, stderr: _Pipe, stdin: int | None
+    ) -> None:
         self.sandbox = sandbox
         self.cid = cid
         self.pid = 0
@@ -166,6 +193,7 @@ class SandboxProcess:
         self.stdout = stdout.reader
         self.stderr = stderr.reader
         self._stdin = stdin
+        self.argv0 = ""
         self.exited: asyncio.Future[int] = sandbox.loop.create_future()
 
     async def write_stdin(self, data: bytes) -> None:
@@ -188,8 +216,12 @@ class SandboxProcess:
         return await asyncio.shield(self.exited)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if not self.exited.done():
-            self.sandbox._send([b"K", self.cid, int(sig)])
+        """Signal the command's process group, also after its leader exited (children remain)."""
+        with contextlib.suppress(MachineUnavailable):
+            if not self.exited.done():
+                self.sandbox._send([b"K", self.cid, int(sig)])
+            elif self.pid:
+                self.sandbox._send([b"G", self.pid, int(sig)])
 
 
 class SandboxMachine(HostFiles):
@@ -231,6 +263,8 @@ class SandboxMachine(HostFiles):
         self._ready: asyncio.Future[None] | None = None
         self._child_pid = 0
         self._slirp_exit: int | None = None
+        self._baseline = 0
+        self._stopping: asyncio.Task[None] | None = None
         self._buffer = b""
 
     def _pathmap(self) -> PathMap:
@@ -242,7 +276,9 @@ class SandboxMachine(HostFiles):
             Mount("/usr", Path("/usr"), writable=False),
             Mount("/etc", base.etc, writable=False),
         ]
-        aliases = [Alias(f"/{d}", f"/usr/{d}") for d in ("bin", "sbin", "lib", "lib64") if Path(f"/{d}").is_symlink()]
+        aliases = [
+            Alias(f"/{d}", f"/usr/{d}") for d in ("bin", "sbin", "lib", "lib64") if Path(f"/{d}").is_symlink()
+        ]
         return PathMap(mounts, self.root, aliases)
 
     # lifecycle ---------------------------------------------------------------
@@ -250,7 +286,10 @@ class SandboxMachine(HostFiles):
     async def start(self) -> None:
         if self.state == "running":
             return
+        if self._stopping is not None:  # a stop in progress must finish before a new lifetime
+            await asyncio.shield(self._stopping)
         self.loop = asyncio.get_running_loop()
+        self.host.check_reachable(self.workspace)
         self._prepare_dirs()
         started = time.monotonic()
         try:
@@ -283,6 +322,7 @@ class SandboxMachine(HostFiles):
         for pid in pids:
             with contextlib.suppress(OSError):
                 self._group.add(pid)
+        self._baseline = len(self._group.pids())
 
     def _ready_future(self) -> asyncio.Future[None]:
         assert self._ready is not None
@@ -354,11 +394,23 @@ class SandboxMachine(HostFiles):
             *self._agent_command(), "-I", "-S", "-c", AGENT_SOURCE, str(child.fileno()),
         ]  # fmt: skip
         if host.root:  # drop to the sandbox uid by exec, so Popen can vfork (no preexec_fn)
-            args = ["setpriv", f"--reuid={host.uid}", f"--regid={host.gid}", "--clear-groups", "--inh-caps=-all", *args]
+            args = [
+                "setpriv",
+                f"--reuid={host.uid}",
+                f"--regid={host.gid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                *args,
+            ]
         self._group = host.cgroups.create(f"{self.sandbox_id}-{os.getpid()}", config.limits)
         try:
             self._proc = subprocess.Popen(
-                args, pass_fds=opened, stdin=subprocess.DEVNULL, stderr=self._log(), close_fds=True
+                args,
+                pass_fds=opened,
+                stdin=subprocess.DEVNULL,
+                stderr=self._log(),
+                close_fds=True,
+                env=LAUNCH_ENV,  # bwrap is pid 1 inside: its environ is readable there
             )
         finally:
             for fd in opened[1:]:
@@ -384,6 +436,14 @@ class SandboxMachine(HostFiles):
             return [self.host.python]
         loader, libdir, python = direct
         return [f"{AGENT_USR}{loader}", "--library-path", f"{AGENT_USR}{libdir}", f"{AGENT_USR}{python}"]
+
+    def _log_tail(self, limit: int = 500) -> str:
+        try:
+            return (self.run / "launcher.log").read_text(errors="replace").strip()[
+                -limit:
+            ] or "no diagnostics"
+        except OSError:
+            return "no diagnostics"
 
     def _log(self) -> int:
         """The launcher's stderr (bwrap and fuse diagnostics) goes to run/launcher.log."""
@@ -413,13 +473,15 @@ class SandboxMachine(HostFiles):
             )
             proc = subprocess.Popen(
                 [host.fuse, "-f", "-o", opts, str(point)], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=self._log(),
+                stdout=subprocess.DEVNULL, stderr=self._log(), env=LAUNCH_ENV,
             )  # fmt: skip
             self._fuse.append(proc)
             deadline = time.monotonic() + START_TIMEOUT
             while not os.path.ismount(point):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise MachineUnavailable(f"fuse-overlayfs failed for {name}: see {self.run / 'launcher.log'}")
+                    raise MachineUnavailable(
+                        f"fuse-overlayfs failed for {name}: see {self.run / 'launcher.log'}"
+                    )
                 await asyncio.sleep(0.0005)
             self._mounts.append(point)
         return merged
@@ -440,7 +502,7 @@ class SandboxMachine(HostFiles):
                     str(child_pid), "tap0",
                 ],
                 pass_fds=[ready_w, exit_r], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=self._log(),
+                stderr=self._log(), env=LAUNCH_ENV,
             )  # fmt: skip
         finally:
             os.close(ready_w)
@@ -451,7 +513,20 @@ class SandboxMachine(HostFiles):
             raise MachineUnavailable(f"slirp4netns failed to start: see {self.run / 'launcher.log'}")
 
     async def stop(self) -> None:
-        """Kill everything this lifetime started and forget /tmp, $HOME and the system layer."""
+        """Kill everything this lifetime started and forget /tmp, $HOME and the system layer.
+
+        Concurrent calls share one teardown, and `start` waits for it to finish.
+        """
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        task = self._stopping
+        try:
+            await asyncio.shield(task)
+        finally:
+            if self._stopping is task and task.done():
+                self._stopping = None
+
+    async def _stop(self) -> None:
         self.state = "stopped"
         if self._ctl is not None:
             with contextlib.suppress(Exception):
@@ -538,6 +613,11 @@ class SandboxMachine(HostFiles):
             data = b""
         if not data:
             self.loop.remove_reader(self._ctl.fileno())
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(
+                    MachineUnavailable(f"the sandbox exited during start: {self._log_tail()}")
+                )
+                self._ready.exception()
             self.loop.create_task(self._agent_gone())
             return
         op, *rest = data.split(b"\0")
@@ -549,9 +629,12 @@ class SandboxMachine(HostFiles):
             if fut is not None and not fut.done():
                 fut.set_result(int(rest[1]))
         elif op == b"E":
-            fut = self._pending.pop(int(rest[0]), None)
+            cid = int(rest[0])
+            fut = self._pending.pop(cid, None)
+            proc = self._procs.get(cid)
             if fut is not None and not fut.done():
-                fut.set_exception(OSError(int(rest[1]), rest[2].decode(errors="replace")))
+                name = proc.argv0 if proc is not None else None
+                fut.set_exception(OSError(int(rest[1]), rest[2].decode(errors="replace"), name))
         elif op == b"X":
             proc = self._procs.pop(int(rest[0]), None)
             if proc is not None:
@@ -596,6 +679,7 @@ class SandboxMachine(HostFiles):
         fut: asyncio.Future[int] = self.loop.create_future()
         self._pending[cid] = fut
         proc = SandboxProcess(self, cid, _Pipe(out_r, self.loop), _Pipe(err_r, self.loop), stdin_w)
+        proc.argv0 = request.args()[0]
         self._procs[cid] = proc
         self.running += 1
         try:
@@ -631,8 +715,7 @@ class SandboxMachine(HostFiles):
         if self.running > 0:
             return True
         if self._group is not None:
-            baseline = 3 + (1 if self._slirp is not None else 0) + (1 if self.layer_on else 0)
-            return len(self._group.pids()) > baseline
+            return len(self._group.pids()) > self._baseline
         return False
 
 

@@ -2,7 +2,7 @@
 
 The curated `/etc` holds only what any unprivileged host user could read anyway (world
 readable files, symlinks), minus host identity (`machine-id`, `hostname`) and accounts of
-real people (uids 1000–65533 in `passwd` / `group`). It is built once per host state into
+real people (uids 1000-65533 in `passwd` / `group`). It is built once per host state into
 `base/` under the agentbox home and reused by every sandbox; `/var` starts from the host's
 package databases (`/var/lib/dpkg`, `/var/lib/apt`) so that `apt-get` inside works.
 
@@ -23,7 +23,16 @@ HOST_ETC = Path("/etc")
 #: Host package databases copied into the base /var, so `apt-get` inside knows what is installed.
 VAR_COPIES = ("lib/dpkg", "lib/apt")
 #: Directories apt and friends expect under /var.
-VAR_DIRS = ("cache/apt/archives/partial", "log/apt", "tmp", "lib/dpkg", "lib/apt", "lib/misc", "spool", "mail")
+VAR_DIRS = (
+    "cache/apt/archives/partial",
+    "log/apt",
+    "tmp",
+    "lib/dpkg",
+    "lib/apt",
+    "lib/misc",
+    "spool",
+    "mail",
+)
 #: Names never copied into the curated /etc even when world readable.
 ETC_DENY = {"machine-id", "hostname", "hosts", "resolv.conf", "mtab", "subuid", "subgid", "agentbox"}
 #: Account ids of real people, left out of the sandbox's passwd / group.

@@ -66,7 +66,9 @@ class ToolResult:
         return cls([TextBlock(text)], True, data)
 
     def as_text(self) -> str:
-        return "\n".join(b.text if isinstance(b, TextBlock) else f"[image {b.media_type}]" for b in self.content)
+        return "\n".join(
+            b.text if isinstance(b, TextBlock) else f"[image {b.media_type}]" for b in self.content
+        )
 
 
 OperationKind = Literal["write", "edit", "mkdir", "move", "rename", "delete"]
@@ -100,6 +102,9 @@ class ToolConfig:
     """Extra host directories holding skills (besides the workspace's .agents/skills)."""
     exec_env_allow: list[str] = field(default_factory=list)
     """Variable names kept even though they look secret (KEY, TOKEN, SECRET, PASSWORD, ...)."""
+    web_allow_private: bool = False
+    """Let web_fetch reach loopback, private and link-local addresses. web_fetch runs in the server,
+    not in the sandbox: off, a model cannot use it to reach the server's own network or host services."""
 
 
 class TodoStore(Protocol):
@@ -111,7 +116,16 @@ class TodoStore(Protocol):
 class FileStore(Protocol):
     """The durable file store of seed 000 (uploads and deliveries), content-addressed blobs."""
 
-    async def put_path(self, host_path: Any, filename: str, *, session_id: str | None, source: str) -> dict[str, Any]:
+    async def put_path(
+        self,
+        host_path: Any,
+        filename: str,
+        *,
+        session_id: str | None,
+        source: str,
+        turn_id: str | None = None,
+        tool_use_id: str | None = None,
+    ) -> dict[str, Any]:
         """Store a copy of a host file; returns its record ({id, filename, bytes, sha256, created_at})."""
         ...
 
@@ -158,4 +172,12 @@ class Tool:
         return self.params.model_json_schema()
 
     def renamed(self, name: str, description: str | None = None) -> Tool:
-        return Tool(name, description or self.description, self.params, self.action, self.run, self.read_only, self.destructive)
+        return Tool(
+            name,
+            description or self.description,
+            self.params,
+            self.action,
+            self.run,
+            self.read_only,
+            self.destructive,
+        )

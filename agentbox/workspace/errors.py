@@ -109,13 +109,23 @@ def translate(exc: BaseException, operation: str, path: str | None) -> Workspace
         return exc
     if isinstance(exc, PermissionRequired):
         return WorkspaceError(
-            "permission_denied", failed(operation, exc.message), operation, path,
-            errno_mod.EACCES, "EACCES", "PermissionRequired",
+            "permission_denied",
+            failed(operation, exc.message),
+            operation,
+            path,
+            errno_mod.EACCES,
+            "EACCES",
+            "PermissionRequired",
         )
     if isinstance(exc, PathEscape):
         return WorkspaceError(
-            "invalid_path", failed(operation, exc.message), operation, path,
-            errno_mod.EACCES, "EACCES", "PathEscape",
+            "invalid_path",
+            failed(operation, exc.message),
+            operation,
+            path,
+            errno_mod.EACCES,
+            "EACCES",
+            "PathEscape",
         )
     if isinstance(exc, OwnerUnsupported):
         return WorkspaceError(
@@ -123,23 +133,39 @@ def translate(exc: BaseException, operation: str, path: str | None) -> Workspace
         )
     if isinstance(exc, MachineError):
         return WorkspaceError(
-            "io_error", failed(operation, exc.message), operation, path,
-            exception_type=type(exc).__name__, retryable=True,
+            "io_error",
+            failed(operation, exc.message),
+            operation,
+            path,
+            exception_type=type(exc).__name__,
+            retryable=True,
         )
     if isinstance(exc, UnicodeError):
         return WorkspaceError(
-            "decode_error", failed(operation, f"content is not valid text: {exc}"), operation, path,
+            "decode_error",
+            failed(operation, f"content is not valid text: {exc}"),
+            operation,
+            path,
             exception_type=type(exc).__name__,
         )
     if isinstance(exc, OSError) and exc.errno is not None:
         code = exc.errno
         detail = f"{os.strerror(code)} (os error {code})"
         return WorkspaceError(
-            ERRNO_TYPES.get(code, "io_error"), failed(operation, detail), operation, path, code,
-            errno_mod.errorcode.get(code), type(exc).__name__, code in RETRYABLE_ERRNOS,
+            ERRNO_TYPES.get(code, "io_error"),
+            failed(operation, detail),
+            operation,
+            path,
+            code,
+            errno_mod.errorcode.get(code),
+            type(exc).__name__,
+            code in RETRYABLE_ERRNOS,
         )
     return WorkspaceError(
-        "io_error", failed(operation, str(exc) or type(exc).__name__), operation, path,
+        "io_error",
+        failed(operation, str(exc) or type(exc).__name__),
+        operation,
+        path,
         exception_type=type(exc).__name__,
     )
 

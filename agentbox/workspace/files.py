@@ -391,7 +391,7 @@ def decode_content(
             data = content.encode("utf-8")
         else:
             raise bad_request("write", f"unknown encoding {encoding!r}", path)
-    except (binascii.Error, UnicodeError) as exc:
+    except (binascii.Error, UnicodeError, ValueError) as exc:  # ValueError: non-ASCII base64
         raise WorkspaceError(
             "decode_error", failed("write", f"content is not valid {encoding}: {exc}"), "write", path,
             exception_type=type(exc).__name__,

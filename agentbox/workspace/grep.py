@@ -332,8 +332,16 @@ async def run_rg(
     finally:
         if proc.returncode is None:
             proc.kill()
+            # wait() also waits for the pipes to close: a stdout left paused with a full
+            # buffer would never see EOF, so drain it before waiting.
+            while await proc.stdout.read(PIPE_DRAIN_CHUNK):
+                pass
             await proc.wait()
         stderr.cancel()
+
+
+#: Bytes read at a time while draining a killed rg's stdout.
+PIPE_DRAIN_CHUNK = 1 << 16
 
 
 def rg_message(stderr: str) -> str:

@@ -1,0 +1,579 @@
+"""Applying planned workspace changes, and the change sets that hold them for review.
+
+File-changing tools never write: they plan `Operation`s. `apply_operations` is the one place
+that puts them on disk, for `full-auto` (at once) and for an approved change set operation
+(later) alike. Its rules are seed 001's, where the safer reading wins:
+
+- write: creates a new file and never replaces one, unless the operation was planned as an
+  overwrite (`before` is not None, or `expect` fingerprints an existing file), which then
+  must still match the file (below). The
+  parent must exist (a folder is its own `mkdir` operation).
+- edit: rewrites the file in place (same inode, so links, watchers and owners stay).
+- mkdir: creates the folder and missing ancestors; an existing folder is fine.
+- move / rename: never onto an existing target (`renameat2(RENAME_NOREPLACE)`); across
+  devices it fails and the source stays (no copy-then-delete).
+- delete: moves the path into the trash, never removes it. The trash is a folder inside
+  the machine, `<root>/.agentbox-trash/<UTC time>-<random>/<path relative to root>`, so it
+  lives as long as the workspace, the model and the user can both see and restore it (move
+  it back), and it is on the workspace's own device, so the rename is cheap. A delete whose
+  move into the trash fails is a failed delete: it never falls back to removing for good.
+- Refused for every kind: the machine's root (and `/`), a path inside the workspace that
+  reaches outside it through a link, overlapping source and target (a folder into itself),
+  moving or deleting a mount point (a sandbox's `/tmp`) or the trash folder itself, and any
+  operation that is stale: `expect` (the fingerprint the
+  file had when planned) differs from the file now, or, without one, its text differs from
+  `before`. A refused or failed operation changes nothing.
+
+Text is what the file's bytes decode to as UTF-8, a BOM included as the first character and
+CRLF kept, so `after.encode("utf-8")` is exactly the bytes written.
+
+`ChangeSets` records staged operations (`agentbox.store.changes`) with what a reviewer needs
+(unified diff, character counts, affected files, warnings) and applies or rejects them one
+by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import difflib
+import errno
+import os
+import posixpath
+import stat as stat_mod
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal, Protocol
+
+from agentbox.machines.base import HostMapped
+from agentbox.machines.errors import MachineError
+from agentbox.machines.pathmap import PathMap, open_nofollow
+from agentbox.store.changes import (
+    ChangeSet,
+    ChangesRepo,
+    OperationNotPending,
+    OperationRecord,
+    PlannedOperation,
+)
+from agentbox.tools.base import Operation
+from agentbox.tools.fingerprint import ABSENT, fingerprint
+from agentbox.workspace import files as ws_files
+from agentbox.workspace.editor import give, write_in_place
+from agentbox.workspace.errors import WorkspaceError, translate
+
+#: The trash folder, directly under the machine's root.
+TRASH_DIR = ".agentbox-trash"
+#: Files counted inside a folder that is moved or deleted; past it the count says "more than".
+MAX_COUNTED_FILES = 10_000
+#: Unchanged lines shown around each change in a unified diff.
+DIFF_CONTEXT_LINES = 3
+
+STALE = "file changed since planned"
+NO_NEWLINE = "\\ No newline at end of file\n"
+SKIPPED = "not applied: an earlier operation of the same call failed"
+
+KINDS = ("write", "edit", "mkdir", "move", "rename", "delete")
+AppliedStatus = Literal["applied", "failed", "skipped"]
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+_libc = ctypes.CDLL(None, use_errno=True)
+#: Applies are serialized so a stale check and the write after it never interleave with
+#: another apply (they run in a worker thread).
+_apply_lock = threading.Lock()
+
+
+class GovernedMachine(HostMapped, Protocol):
+    """What applying needs of a machine: host paths, its root and its path map."""
+
+    name: str
+    root: str
+    paths: PathMap
+
+    def owner_of(self, user: str) -> tuple[int, int]: ...
+
+
+class Refused(Exception):
+    """An operation that cannot be applied as planned; the message is for the model and reviewer."""
+
+
+@dataclass(frozen=True)
+class Applied:
+    """How one operation went: `applied`, `failed` (with the reason) or `skipped`."""
+
+    operation: Operation
+    status: AppliedStatus
+    reason: str | None = None
+    trash_path: str | None = None
+    """The inside path an applied delete moved the path to."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "applied"
+
+
+def describe(op: Operation) -> str:
+    """The operation's summary, or a plain one when the tool gave none."""
+    if op.summary:
+        return op.summary
+    return f"{op.kind} {op.path} → {op.dest}" if op.dest is not None else f"{op.kind} {op.path}"
+
+
+# ---------------------------------------------------------------- apply
+
+
+async def apply_operations(machine: GovernedMachine, ops: Sequence[Operation]) -> list[Applied]:
+    """Apply `ops` in order; after the first failure the rest are `skipped` (they may depend on it)."""
+    return await asyncio.to_thread(_apply_all, machine, list(ops))
+
+
+def _apply_all(machine: GovernedMachine, ops: list[Operation]) -> list[Applied]:
+    results: list[Applied] = []
+    with _apply_lock:
+        for op in ops:
+            if results and not results[-1].ok:
+                results.append(Applied(op, "skipped", SKIPPED))
+                continue
+            try:
+                trash = _apply_one(machine, op)
+            except Refused as exc:
+                results.append(Applied(op, "failed", str(exc)))
+            except (OSError, MachineError, WorkspaceError, UnicodeError) as exc:
+                results.append(Applied(op, "failed", translate(exc, _noun(op.kind), op.path).message))
+            else:
+                results.append(Applied(op, "applied", trash_path=trash))
+    return results
+
+
+def _noun(kind: str) -> str:
+    return {"move": "rename", "delete": "remove"}.get(kind, kind if kind in ("write", "mkdir") else "edit")
+
+
+def _apply_one(machine: GovernedMachine, op: Operation) -> str | None:
+    check(machine, op)
+    if op.kind == "write":
+        _write(machine, op)
+    elif op.kind == "edit":
+        _edit(machine, op)
+    elif op.kind == "mkdir":
+        ws_files.mkdir(machine, op.path, parents=True)
+    elif op.kind in ("move", "rename"):
+        _move(machine, op)
+    else:
+        return _delete(machine, op)
+    return None
+
+
+def check(machine: GovernedMachine, op: Operation) -> None:
+    """Raise `Refused` for what is never applied, whatever the file's state: the root, an
+    escaping link, overlapping paths, the trash itself. Run again at apply time."""
+    if op.kind not in KINDS:
+        raise Refused(f"unknown operation kind {op.kind!r}")
+    source = _inside(machine, op.path)
+    _not_root(machine, source, op.kind)
+    follow = op.kind in ("write", "edit")
+    real = _real(machine, source, follow=follow)
+    if machine.paths.within_root(source) and not machine.paths.within_root(real):
+        raise Refused(f"refused: {source} leads outside the workspace through a link ({real})")
+    if op.kind in ("move", "rename", "delete") and real in _mount_points(machine):
+        raise Refused(
+            f"refused: {source} is where the machine mounts a folder; it cannot be {_past(op.kind)}"
+        )
+    if op.kind in ("move", "rename", "delete") and real == _trash_root(machine):
+        raise Refused(
+            f"refused: {source} is the trash; what is in it can be moved back or deleted one by one"
+        )
+    if op.kind in ("move", "rename"):
+        if op.dest is None:
+            raise Refused(f"refused: {op.kind} of {source} names no destination")
+        dest = _inside(machine, op.dest)
+        _not_root(machine, dest, op.kind)
+        real_dest = _real(machine, dest, follow=False)
+        if machine.paths.within_root(dest) and not machine.paths.within_root(real_dest):
+            raise Refused(f"refused: {dest} leads outside the workspace through a link ({real_dest})")
+        if _overlaps(real, real_dest):
+            raise Refused(
+                f"refused: {source} and {dest} overlap (a folder cannot move into itself or onto its parent)"
+            )
+
+
+def _inside(machine: GovernedMachine, path: str) -> str:
+    try:
+        return machine.paths.absolute(path)
+    except MachineError as exc:
+        raise Refused(f"refused: {exc.message}") from exc
+
+
+def _real(machine: GovernedMachine, inside: str, *, follow: bool) -> str:
+    """The inside path `inside` really names once links are followed (all but a final one
+    when not `follow`)."""
+    try:
+        return machine.inside_path(machine.host_path(inside, follow=follow))
+    except MachineError as exc:
+        raise Refused(f"refused: {exc.message}") from exc
+
+
+def _mount_points(machine: GovernedMachine) -> set[str]:
+    return {mount.inside for mount in machine.paths.mounts}
+
+
+def _past(kind: str) -> str:
+    return {"move": "moved", "rename": "renamed", "delete": "deleted"}.get(kind, kind)
+
+
+def _not_root(machine: GovernedMachine, inside: str, kind: str) -> None:
+    if inside in ("/", machine.root.rstrip("/") or "/"):
+        raise Refused(f"refused: {kind} of {inside}, the root of the machine or workspace")
+
+
+def _overlaps(a: str, b: str) -> bool:
+    return a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/")
+
+
+def _stale_check(host: Path, op: Operation) -> None:
+    """Refuse when the file is no longer what the operation was planned against."""
+    if op.expect is not None:
+        if fingerprint(host) != op.expect:
+            raise Refused(f"{STALE}: {op.path} is not what it was when this {op.kind} was planned; "
+                          "read it again and plan the change anew (nothing was changed)")  # fmt: skip
+    elif op.before is not None and op.kind in ("write", "edit"):
+        current = _current_text(host)
+        if current != op.before:
+            raise Refused(f"{STALE}: {op.path} no longer has the text this {op.kind} was planned against; "
+                          "read it again and plan the change anew (nothing was changed)")  # fmt: skip
+
+
+def _current_text(host: Path) -> str | None:
+    try:
+        fd = open_nofollow(host, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _encoded(op: Operation) -> bytes:
+    if op.after is None:
+        raise Refused(f"refused: {op.kind} of {op.path} has no new text")
+    try:
+        return op.after.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise Refused(f"refused: the new text of {op.path} is not valid Unicode: {exc}") from exc
+
+
+def _write(machine: GovernedMachine, op: Operation) -> None:
+    host = machine.host_path(op.path, write=True)
+    data = _encoded(op)
+    if is_overwrite(op):
+        if ws_files.lstat_or_none(host) is None:
+            raise Refused(
+                f"{STALE}: {op.path} was to be overwritten but no longer exists (nothing was written)"
+            )
+        _stale_check(host, op)
+        _require_file(host, op.path)
+        write_in_place(machine, host, data)
+        return
+    try:
+        fd = open_nofollow(host, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError as exc:
+        raise Refused(f"refused: {op.path} already exists and write never replaces a file; "
+                      "edit it, or read it and plan an overwrite") from exc  # fmt: skip
+    except FileNotFoundError as exc:
+        raise Refused(f"refused: the folder of {op.path} does not exist; create it first") from exc
+    try:
+        ws_files.write_all(fd, data)
+    finally:
+        os.close(fd)
+    give(machine, host)
+
+
+def is_overwrite(op: Operation) -> bool:
+    """A write planned against an existing file: it has the old text, or that file's fingerprint
+    (a file too large to diff is planned with `expect` only)."""
+    return op.kind == "write" and (op.before is not None or op.expect not in (None, ABSENT))
+
+
+def _edit(machine: GovernedMachine, op: Operation) -> None:
+    host = machine.host_path(op.path, write=True)
+    data = _encoded(op)
+    if ws_files.lstat_or_none(host) is None:
+        raise Refused(f"{STALE}: {op.path} no longer exists (nothing was changed)")
+    _require_file(host, op.path)
+    _stale_check(host, op)
+    write_in_place(machine, host, data)
+
+
+def _require_file(host: Path, path: str) -> None:
+    if not stat_mod.S_ISREG(host.stat().st_mode):
+        raise Refused(f"refused: {path} is not a regular file")
+
+
+def _move(machine: GovernedMachine, op: Operation) -> None:
+    assert op.dest is not None
+    src = machine.host_path(op.path, write=True, follow=False)
+    dst = machine.host_path(op.dest, write=True, follow=False)
+    if ws_files.lstat_or_none(src) is None:
+        raise Refused(f"{STALE}: {op.path} no longer exists (nothing was moved)")
+    if op.expect is not None:
+        _stale_check(src, op)
+    try:
+        rename_noreplace(src, dst)
+    except FileExistsError as exc:
+        raise Refused(f"refused: {op.dest} already exists and a {op.kind} never replaces anything") from exc
+    except FileNotFoundError as exc:
+        raise Refused(f"refused: the folder of {op.dest} does not exist; create it first") from exc
+    except OSError as exc:
+        if exc.errno == errno.EXDEV:
+            raise Refused(f"refused: {op.path} and {op.dest} are on different devices; "
+                          f"a {op.kind} never copies, so {op.path} stays where it is") from exc  # fmt: skip
+        raise
+
+
+def _trash_root(machine: GovernedMachine) -> str:
+    return posixpath.join(machine.root, TRASH_DIR)
+
+
+def trash_path_for(machine: GovernedMachine, inside: str, moment: datetime | None = None) -> str:
+    """Where a delete of `inside` goes: a fresh folder per delete, the path kept below it."""
+    stamp = (moment or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S.%fZ")
+    root = machine.root.rstrip("/")
+    relative = inside[len(root) + 1 :] if inside.startswith(root + "/") else inside.lstrip("/")
+    return posixpath.join(_trash_root(machine), f"{stamp}-{uuid.uuid4().hex[:8]}", relative)
+
+
+def _delete(machine: GovernedMachine, op: Operation) -> str:
+    inside = _inside(machine, op.path)
+    src = machine.host_path(inside, write=True, follow=False)
+    if ws_files.lstat_or_none(src) is None:
+        raise Refused(f"{STALE}: {op.path} no longer exists (nothing was deleted)")
+    if op.expect is not None:
+        _stale_check(src, op)
+    target = trash_path_for(machine, inside)
+    folder = posixpath.dirname(target)
+    ws_files.mkdir(machine, folder, parents=True)
+    dst = machine.host_path(target, write=True, follow=False)
+    try:
+        rename_noreplace(src, dst)
+    except OSError as exc:
+        _remove_empty_dirs(machine, folder)
+        if exc.errno == errno.EXDEV:
+            raise Refused(f"refused: {op.path} is on another device than the trash; it was not deleted "
+                          "(a delete only ever moves to the trash)") from exc  # fmt: skip
+        raise Refused(f"refused: {op.path} could not be moved to the trash ({os.strerror(exc.errno or 0)}); "
+                      "it was not deleted") from exc  # fmt: skip
+    return target
+
+
+def _remove_empty_dirs(machine: GovernedMachine, folder: str) -> None:
+    """Undo the trash folders a failed delete made (only while empty; never anything else)."""
+    stop = _trash_root(machine)
+    while folder.startswith(stop + "/"):
+        try:
+            machine.host_path(folder, write=True, follow=False).rmdir()
+        except OSError:
+            return
+        folder = posixpath.dirname(folder)
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """`rename(2)` that fails with EEXIST instead of replacing `dst`, atomically.
+
+    Uses `renameat2(RENAME_NOREPLACE)`; where the file system does not support the flag
+    (EINVAL) it checks and renames, which is only racy against a concurrent creator.
+    """
+    result = _libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+    if result == 0:
+        return
+    code = ctypes.get_errno()
+    if code not in (errno.EINVAL, errno.ENOSYS):
+        raise OSError(code, os.strerror(code), str(src), None, str(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
+# ---------------------------------------------------------------- review records
+
+
+def unified_diff(path: str, before: str | None, after: str | None) -> str:
+    """A unified diff from `before` (None: no file) to `after`, marking a missing final newline."""
+    old = (before or "").splitlines(keepends=True)
+    new = (after or "").splitlines(keepends=True)
+    lines = difflib.unified_diff(
+        old,
+        new,
+        fromfile="/dev/null" if before is None else f"a{path}",
+        tofile=f"b{path}",
+        n=DIFF_CONTEXT_LINES,
+    )
+    out = []
+    for line in lines:
+        out.append(line if line.endswith("\n") else line + "\n" + NO_NEWLINE)
+    return "".join(out)
+
+
+def count_files(host: Path, limit: int = MAX_COUNTED_FILES) -> tuple[int, int, bool]:
+    """(files, hidden files, capped) under a folder, links not followed; stops past `limit`."""
+    files = hidden = 0
+    stack: list[tuple[Path, bool]] = [(host, False)]
+    while stack:
+        folder, in_hidden = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            is_hidden = in_hidden or entry.name.startswith(".")
+            if entry.is_dir(follow_symlinks=False):
+                stack.append((Path(entry.path), is_hidden))
+                continue
+            if files == limit:
+                return files, hidden, True
+            files += 1
+            hidden += is_hidden
+    return files, hidden, False
+
+
+def review(
+    machine: GovernedMachine, op: Operation, tool: str, pending: Sequence[OperationRecord] = ()
+) -> PlannedOperation:
+    """The record a reviewer sees for `op`: diff, counts, affected files and warnings.
+
+    `pending` are the operations already waiting in the same change set (an operation on the
+    same path makes one of the two stale once the other is applied).
+    """
+    warnings: list[str] = []
+    inside = _inside(machine, op.path)
+    files = 0
+    if op.kind in ("write", "edit"):
+        files = 1
+        host = machine.host_path(inside)
+        if op.expect is not None and fingerprint(host) != op.expect:
+            warnings.append(f"{STALE}: {inside} differs from the version this change was planned against")
+        if is_overwrite(op):
+            warnings.append(f"overwrites the existing file {inside}")
+    elif op.kind in ("move", "rename", "delete"):
+        host = machine.host_path(inside, follow=False)
+        st = ws_files.lstat_or_none(host)
+        files = 1
+        if st is not None and stat_mod.S_ISDIR(st.st_mode):
+            files, hidden, capped = count_files(host)
+            warnings.append(
+                f"folder {inside} holds {'more than ' if capped else ''}{files} file(s)"
+                + (f", {hidden} of them hidden" if hidden else "")
+            )
+        if op.expect is not None and fingerprint(host) != op.expect:
+            warnings.append(f"{STALE}: {inside} differs from the version this change was planned against")
+    for other in (op.path, op.dest):
+        if other is not None and not machine.paths.within_root(other):
+            warnings.append(f"{_inside(machine, other)} is outside the workspace root {machine.root}")
+    for earlier in pending:
+        if earlier.status == "pending" and inside in (earlier.path, earlier.dest):
+            warnings.append(
+                f"operation {earlier.id} also changes {inside}: applying one may make the other stale"
+            )
+    diff = unified_diff(inside, op.before, op.after) if op.kind in ("write", "edit") else ""
+    return PlannedOperation(
+        tool=tool,
+        kind=op.kind,
+        path=inside,
+        dest=_inside(machine, op.dest) if op.dest is not None else None,
+        before=op.before,
+        after=op.after,
+        expect=op.expect,
+        summary=describe(op),
+        diff=diff,
+        before_chars=len(op.before or ""),
+        after_chars=len(op.after or ""),
+        files=files,
+        warnings=tuple(warnings),
+    )
+
+
+def to_operation(record: OperationRecord) -> Operation:
+    """The plan a recorded operation stands for, to apply it."""
+    return Operation(
+        kind=record.kind,  # type: ignore[arg-type]
+        path=record.path,
+        dest=record.dest,
+        before=record.before,
+        after=record.after,
+        expect=record.expect,
+        summary=record.summary,
+    )
+
+
+class ChangeSets:
+    """Staging operations into the turn's change set, and applying or rejecting them one by one.
+
+    One per server (it serializes applies, so an operation is never applied twice at once).
+    """
+
+    def __init__(self, repo: ChangesRepo) -> None:
+        self.repo = repo
+        self._lock = asyncio.Lock()
+
+    async def stage(
+        self,
+        machine: GovernedMachine,
+        session_id: str,
+        turn_id: str | None,
+        tool: str,
+        ops: Sequence[Operation],
+    ) -> tuple[ChangeSet, list[OperationRecord]]:
+        """Record `ops` in the change set of (session, turn); refuses (`Refused`) what could never apply."""
+        for op in ops:
+            check(machine, op)
+        current = await self.repo.for_turn(session_id, turn_id)
+        pending = list(current.operations) if current is not None else []
+        planned = [review(machine, op, tool, pending) for op in ops]
+        return await self.repo.add(session_id, turn_id, planned)
+
+    async def apply(self, machine: GovernedMachine, operation_ids: Sequence[str]) -> list[OperationRecord]:
+        """Apply each operation on its own, in the order given; each ends `applied` or `failed`.
+
+        Raises `OperationNotPending` (before doing anything) if one was decided already.
+        """
+        async with self._lock:
+            records = [await self.repo.operation(op_id) for op_id in operation_ids]
+            for record in records:
+                if record.status != "pending":
+                    raise OperationNotPending(record)
+            done = []
+            for record in records:
+                [result] = await apply_operations(machine, [to_operation(record)])
+                status: Literal["applied", "failed"] = "applied" if result.ok else "failed"
+                done.append(
+                    await self.repo.finish(
+                        record.id, status, reason=result.reason, trash_path=result.trash_path
+                    )
+                )
+            return done
+
+    async def apply_set(self, machine: GovernedMachine, change_set_id: str) -> list[OperationRecord]:
+        """Apply every pending operation of a change set, in planning order."""
+        change_set = await self.repo.get(change_set_id)
+        return await self.apply(machine, [op.id for op in change_set.pending()])
+
+    async def reject(self, operation_ids: Sequence[str], message: str | None = None) -> list[OperationRecord]:
+        """Reject operations (nothing touches the disk); `message` is kept as the reason."""
+        async with self._lock:
+            records = [await self.repo.operation(op_id) for op_id in operation_ids]
+            for record in records:
+                if record.status != "pending":
+                    raise OperationNotPending(record)
+            return [await self.repo.finish(r.id, "rejected", reason=message) for r in records]
+
+    async def reject_set(self, change_set_id: str, message: str | None = None) -> list[OperationRecord]:
+        change_set = await self.repo.get(change_set_id)
+        return await self.reject([op.id for op in change_set.pending()], message)

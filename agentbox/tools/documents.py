@@ -1,0 +1,269 @@
+"""What `read` makes of files that are not plain text: PDF pages, DOCX blocks, images, binaries.
+
+Pure functions over bytes, so the knowledge search can cite the same page and block
+numbers `read` accepts: `pdf_pages` and `docx_blocks` are the one definition of both.
+
+- PDF (pypdf): one text per page, numbered from 1. A page without a text layer says so
+  instead of coming back empty, so a model knows it is looking at a scan.
+- DOCX (python-docx): the body's paragraphs and tables in document order, numbered from 1
+  as structural blocks. Empty paragraphs are not blocks (they carry no content and would
+  shift numbers whenever someone adds a blank line). A heading's section runs from the
+  heading to the next heading of the same or a higher level (seed 001).
+- Images: recognised by their bytes, not their name (a `.png` that is not a PNG is refused).
+  SVG is refused: it is a vector format that cannot be handed to a vision model as pixels.
+- Anything else that is not text gets a short descriptor instead of its bytes.
+
+Every failure a model can act on is a `DocumentError` whose message says what to do.
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import docx
+import pypdf
+from docx.table import Table
+from docx.text.paragraph import Paragraph
+
+#: Largest PDF or DOCX `read` parses; every read parses the whole file again.
+MAX_DOCUMENT_BYTES = 32 * 1024 * 1024
+#: Largest image `read` / `read_image` hands to the model (seed 001: "over 20 MB refused").
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+#: Headings named in the error for a `heading` that matches none.
+MAX_LISTED_HEADINGS = 30
+#: Style inheritance steps followed to find a heading level (custom styles based on "Heading 2").
+MAX_STYLE_DEPTH = 8
+
+#: Media types by file extension, for the names seed 001 lists.
+IMAGE_EXTENSIONS: dict[str, str] = {
+    ".png": "image/png",
+    ".jpg": "image/jpeg",
+    ".jpeg": "image/jpeg",
+    ".webp": "image/webp",
+    ".gif": "image/gif",
+}
+PDF_MAGIC = b"%PDF-"
+#: Leading bytes of common binary formats, for the descriptor of a refused binary file.
+BINARY_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"\x7fELF", "ELF executable or library"),
+    (b"PK\x03\x04", "zip archive (also docx/xlsx/pptx/jar)"),
+    (b"\x1f\x8b", "gzip archive"),
+    (b"BZh", "bzip2 archive"),
+    (b"\xfd7zXZ\x00", "xz archive"),
+    (b"7z\xbc\xaf\x27\x1c", "7z archive"),
+    (b"SQLite format 3\x00", "SQLite database"),
+    (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", "legacy Office document (doc/xls/ppt)"),
+    (b"\x00asm", "WebAssembly module"),
+    (b"\xca\xfe\xba\xbe", "Java class or Mach-O fat binary"),
+    (b"MZ", "Windows executable"),
+    (b"ID3", "MP3 audio"),
+    (b"OggS", "Ogg media"),
+    (b"fLaC", "FLAC audio"),
+    (b"\x1aE\xdf\xa3", "Matroska/WebM video"),
+    (b"BM", "BMP image"),
+    (b"II*\x00", "TIFF image"),
+    (b"MM\x00*", "TIFF image"),
+    (b"\x00\x00\x01\x00", "ICO image"),
+)
+SVG_START = re.compile(
+    rb"^\s*(<\?xml[^>]*>\s*)?(<!--.*?-->\s*)*(<!DOCTYPE svg[^>]*>\s*)?<svg[\s>]", re.S | re.I
+)
+
+
+class DocumentError(Exception):
+    """A document or image that cannot be read as asked; the message is for the model."""
+
+
+# --- images and binaries ---------------------------------------------------------------
+
+
+def image_type(head: bytes) -> str | None:
+    """The media type of a png / jpeg / gif / webp by its leading bytes, else None."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if head.startswith((b"GIF87a", b"GIF89a")):
+        return "image/gif"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    return None
+
+
+def is_svg(name: str, head: bytes) -> bool:
+    return posixpath.splitext(name)[1].lower() in (".svg", ".svgz") or bool(SVG_START.match(head))
+
+
+def binary_kind(head: bytes) -> str | None:
+    """What a binary file looks like (for the refusal), or None when it looks like text."""
+    for magic, kind in BINARY_MAGIC:
+        if head.startswith(magic):
+            return kind
+    if b"\x00" in head:
+        return "binary data"
+    return None
+
+
+# --- PDF -------------------------------------------------------------------------------
+
+
+def pdf_pages(data: bytes) -> list[str]:
+    """The text of every page, in order; an unreadable file is a DocumentError."""
+    try:
+        reader = pypdf.PdfReader(io.BytesIO(data))
+        if reader.is_encrypted and not reader.decrypt(""):
+            raise DocumentError("the PDF is encrypted with a password; it cannot be read")
+        pages = list(reader.pages)
+    except DocumentError:
+        raise
+    except Exception as exc:  # untrusted bytes: pypdf fails in many ways (PyPdfError, ValueError, ...)
+        raise DocumentError(f"the file is not a readable PDF ({type(exc).__name__}: {exc})") from exc
+    return [page_text(page) for page in pages]
+
+
+def page_text(page: Any) -> str:
+    try:
+        return str(page.extract_text() or "").strip()
+    except Exception as exc:  # one broken page must not hide the others
+        return f"[the text of this page could not be extracted: {type(exc).__name__}]"
+
+
+def page_range(count: int, page: int | None, page_end: int | None) -> tuple[int, int]:
+    """The pages (first, last; 1-based, inclusive) `page` / `pageEnd` select, or a clear refusal."""
+    first = page if page is not None else 1
+    last = page_end if page_end is not None else (first if page is not None else count)
+    if count == 0:
+        raise DocumentError("the PDF has no pages")
+    if not 1 <= first <= count:
+        raise DocumentError(f"page {first} is out of range: the PDF has {count} page(s), 1-{count}")
+    if last < first:
+        raise DocumentError(f"pageEnd {last} is before page {first}")
+    if last > count:
+        raise DocumentError(f"pageEnd {last} is out of range: the PDF has {count} page(s), 1-{count}")
+    return first, last
+
+
+def render_pages(pages: list[str], first: int, last: int) -> str:
+    parts = []
+    for number in range(first, last + 1):
+        text = pages[number - 1] or "[no text layer on this page; it may be a scan or a picture]"
+        parts.append(f"[page {number}]\n{text}")
+    return "\n\n".join(parts)
+
+
+# --- DOCX ------------------------------------------------------------------------------
+
+BlockKind = Literal["heading", "paragraph", "table"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One structural block of a DOCX body. `level` is set for headings (0 = Title)."""
+
+    number: int
+    kind: BlockKind
+    text: str
+    level: int | None = None
+
+
+def docx_blocks(data: bytes) -> list[Block]:
+    """The body's non-empty paragraphs and its tables, numbered from 1 in document order."""
+    try:
+        document = docx.Document(io.BytesIO(data))
+        items = list(document.iter_inner_content())
+    except Exception as exc:  # untrusted bytes: BadZipFile, KeyError, ValueError, lxml errors, ...
+        raise DocumentError(f"the file is not a readable DOCX ({type(exc).__name__}: {exc})") from exc
+    blocks: list[Block] = []
+    for item in items:
+        block = to_block(item, len(blocks) + 1)
+        if block is not None:
+            blocks.append(block)
+    return blocks
+
+
+def to_block(item: Paragraph | Table, number: int) -> Block | None:
+    if isinstance(item, Table):
+        rows = [" | ".join(cell.text.strip() for cell in row.cells) for row in item.rows]
+        return Block(number, "table", "\n".join(rows))
+    text = item.text.strip()
+    if not text:
+        return None
+    level = heading_level(item)
+    return Block(number, "heading" if level is not None else "paragraph", text, level)
+
+
+def heading_level(paragraph: Paragraph) -> int | None:
+    """0 for "Title", N for "Heading N" (or a style based on it), None for body text."""
+    style: Any = paragraph.style
+    for _ in range(MAX_STYLE_DEPTH):
+        if style is None:
+            return None
+        name = str(style.name or "")
+        if name == "Title":
+            return 0
+        match = re.fullmatch(r"Heading (\d)", name)
+        if match:
+            return int(match.group(1))
+        style = style.base_style
+    return None
+
+
+def block_at(blocks: list[Block], number: int) -> Block:
+    if not blocks:
+        raise DocumentError("the document has no text blocks")
+    if not 1 <= number <= len(blocks):
+        raise DocumentError(
+            f"block {number} is out of range: the document has {len(blocks)} block(s), 1-{len(blocks)}"
+        )
+    return blocks[number - 1]
+
+
+def normal(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def heading_section(blocks: list[Block], heading: str) -> list[Block]:
+    """The heading whose text is `heading` (else the one containing it) and its body.
+
+    The section ends before the next heading of the same or a higher level.
+    """
+    headings = [b for b in blocks if b.kind == "heading"]
+    wanted = normal(heading)
+    found = [b for b in headings if normal(b.text) == wanted] or [
+        b for b in headings if wanted in normal(b.text)
+    ]
+    if not headings:
+        raise DocumentError("the document has no headings; read it by block instead")
+    if not found:
+        names = "; ".join(f"{b.text!r} (block {b.number})" for b in headings[:MAX_LISTED_HEADINGS])
+        more = (
+            f" and {len(headings) - MAX_LISTED_HEADINGS} more" if len(headings) > MAX_LISTED_HEADINGS else ""
+        )
+        raise DocumentError(f"no heading matches {heading!r}. Headings: {names}{more}")
+    if len({normal(b.text) for b in found}) > 1:
+        names = "; ".join(f"{b.text!r} (block {b.number})" for b in found[:MAX_LISTED_HEADINGS])
+        raise DocumentError(f"{heading!r} matches several headings: {names}. Give the full heading text.")
+    start = found[0]
+    assert start.level is not None
+    end = next(
+        (b.number for b in blocks[start.number :] if b.kind == "heading" and (b.level or 0) <= start.level),
+        len(blocks) + 1,
+    )
+    return blocks[start.number - 1 : end - 1]
+
+
+def render_blocks(blocks: list[Block]) -> str:
+    parts = []
+    for b in blocks:
+        if b.kind == "heading":
+            label = "title" if b.level == 0 else f"heading {b.level}"
+            parts.append(f"[block {b.number}, {label}] {b.text}")
+        elif b.kind == "table":
+            parts.append(f"[block {b.number}, table]\n{b.text}")
+        else:
+            parts.append(f"[block {b.number}] {b.text}")
+    return "\n\n".join(parts)

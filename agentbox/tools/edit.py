@@ -1,0 +1,316 @@
+"""`edit`: change text files and move, rename or delete files and folders (seed 001).
+
+Modes:
+- `replace`: `oldText` → `newText`. The text must occur once, or `occurrence` picks the
+  N-th (1-based, non-overlapping), or `replaceAll` takes every one. Flue's messages for
+  0 and for several matches. Replacement is literal.
+- `append`: `text` added verbatim at the end.
+- `multi_replace`: `edits`, applied in order to the result of the previous one; if any
+  fails, nothing is planned (all or nothing).
+- `move` (`destination` is the new path, or an existing folder to move into) and
+  `rename` (`destination` is the new name, same folder). Never onto an existing path.
+- `delete`: the file or folder goes to the trash (the governance module moves it there;
+  it never deletes permanently).
+
+Text is handled by the editor engine's `TextFile`: a UTF-8 BOM stays in front, and in a
+file whose line ends are all CRLF a bare LF in `oldText`/`newText`/`text` stands for CRLF,
+so the file stays CRLF. Refused: the workspace root and mount points, paths whose links
+lead out of the workspace, overlapping paths (a folder into itself), moves across
+filesystems, `oldText == newText`.
+
+Nothing is written here: each call plans one Operation (`edit` with the full before and
+after texts and the fingerprint it was planned against; `move`/`rename` with `dest`;
+`delete`) and returns what `ctx.commit` says.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import stat as stat_mod
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from agentbox.machines.errors import MachineError
+from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolResult
+from agentbox.tools.fingerprint import fingerprint
+from agentbox.tools.read import FAILURES, Resolved, escape_message, escapes, problem, remember, resolve
+from agentbox.workspace.editor import TextFile, checked_encode, occurrence_lines, read_capped
+
+Mode = Literal["replace", "append", "multi_replace", "move", "rename", "delete"]
+
+
+class Refused(Exception):
+    """An edit that cannot be planned; the message is for the model."""
+
+
+class EditSpec(BaseModel):
+    oldText: str = Field(description="Exact text to find (whitespace and indentation included).")
+    newText: str = Field(description="Text to put in its place.")
+    occurrence: int | None = Field(
+        default=None, ge=1, description="Which occurrence to replace (1-based) when oldText is not unique."
+    )
+
+
+class EditParams(BaseModel):
+    path: str = Field(description="The file (or, for move/rename/delete, file or folder) to change.")
+    mode: Mode = Field(
+        default="replace",
+        description="replace (default), append, multi_replace, move, rename or delete.",
+    )
+    oldText: str | None = Field(default=None, description="replace: the exact text to find.")
+    newText: str | None = Field(default=None, description="replace: the replacement text.")
+    occurrence: int | None = Field(
+        default=None,
+        ge=1,
+        description="replace: which occurrence (1-based) when oldText occurs more than once.",
+    )
+    replaceAll: bool = Field(default=False, description="replace: replace every occurrence.")
+    text: str | None = Field(default=None, description="append: text added verbatim at the end of the file.")
+    edits: list[EditSpec] | None = Field(
+        default=None, description="multi_replace: replacements applied in order; all succeed or none is made."
+    )
+    destination: str | None = Field(
+        default=None,
+        description="move: the new path, or an existing folder to move into. rename: the new name.",
+    )
+
+
+# --- text ----------------------------------------------------------------------------------
+
+
+def positions(text: str, old: str) -> list[int]:
+    """Where `old` starts in `text`, non-overlapping, in order."""
+    found: list[int] = []
+    at = text.find(old)
+    while at != -1:
+        found.append(at)
+        at = text.find(old, at + len(old))
+    return found
+
+
+def replaced(text: str, old: str, new: str, occurrence: int | None, replace_all: bool, path: str) -> str:
+    """`text` with the chosen occurrence(s) of `old` replaced, or Refused with Flue's wording."""
+    if not old:
+        raise Refused("oldText must not be empty.")
+    if old == new:
+        raise Refused("oldText and newText are identical; there is nothing to change.")
+    if occurrence is not None and replace_all:
+        raise Refused("Use either occurrence or replaceAll, not both.")
+    found = positions(text, old)
+    if not found:
+        raise Refused(
+            f"Could not find the exact text in {path}. "
+            "Make sure your oldText matches exactly, including whitespace and indentation."
+        )
+    if replace_all:
+        return text.replace(old, new)
+    if occurrence is None and len(found) > 1:
+        lines = ", ".join(str(n) for n in occurrence_lines(text, old))
+        raise Refused(
+            f"Found {len(found)} occurrences of the text in {path}. Provide more surrounding context to make "
+            f"the match unique, or use replaceAll, or pick one with occurrence=N (they start on lines {lines})."
+        )
+    if occurrence is not None and occurrence > len(found):
+        raise Refused(
+            f"occurrence {occurrence} is out of range: the text occurs {len(found)} time(s) in {path}."
+        )
+    at = found[(occurrence or 1) - 1]
+    return text[:at] + new + text[at + len(old) :]
+
+
+def missing_params(p: EditParams) -> str | None:
+    """What the mode needs and did not get, checked before the file is touched."""
+    if p.mode == "append" and not p.text:
+        return "append needs a non-empty `text`."
+    if p.mode == "multi_replace" and not p.edits:
+        return "multi_replace needs a non-empty `edits` list."
+    if p.mode == "replace" and (p.oldText is None or p.newText is None):
+        return "replace needs `oldText` and `newText`."
+    return None
+
+
+def new_text(file: TextFile, p: EditParams, path: str) -> str:
+    """The file's text (without BOM) after the edit `p` asks for (`missing_params` passed)."""
+    if p.mode == "append":
+        return file.text + file.adapt(p.text or "")
+    if p.mode == "multi_replace":
+        edits = p.edits or []
+        text = file.text
+        for n, e in enumerate(edits, 1):
+            try:
+                text = replaced(text, file.adapt(e.oldText), file.adapt(e.newText), e.occurrence, False, path)
+            except Refused as exc:
+                raise Refused(f"Edit {n} of {len(edits)} failed, so no edit was made: {exc}") from None
+        return text
+    old, new = file.adapt(p.oldText or ""), file.adapt(p.newText or "")
+    return replaced(file.text, old, new, p.occurrence, p.replaceAll, path)
+
+
+def plan_text_edit(machine: Any, p: EditParams) -> Operation:
+    missing = missing_params(p)
+    if missing is not None:
+        raise Refused(missing)
+    target = resolve(machine, p.path, write=True)
+    if escapes(machine, target):
+        raise Refused(escape_message(target))
+    if target.host.is_dir():
+        raise Refused(f"{target.requested} is a folder; {p.mode} works on text files.")
+    expect = fingerprint(target.host)  # before reading: a change in between fails the apply
+    raw = read_capped(target.host, target.requested, "edit")
+    if raw is None:
+        raise Refused(f"{target.requested} does not exist; use write to create it.")
+    try:
+        file = TextFile.decode(raw)
+    except UnicodeDecodeError:
+        raise Refused(f"{target.requested} is not UTF-8 text; edit changes text files only.") from None
+    text = new_text(file, p, target.requested)
+    checked_encode(file, text, "edit", target.requested)
+    after = file.whole(text)
+    return Operation(
+        "edit",
+        target.inside,
+        before=file.content,
+        after=after,
+        expect=expect,
+        summary=f"{p.mode} in {target.inside} ({len(file.content)} -> {len(after)} characters)",
+    )
+
+
+# --- files and folders ------------------------------------------------------------------------
+
+
+def is_mount_point(machine: Any, host: Path) -> bool:
+    """True for a host directory whose parent the machine does not expose (/workspace, /tmp)."""
+    if host.parent == host:
+        return True
+    try:
+        machine.inside_path(host.parent)
+    except MachineError:
+        return True
+    return False
+
+
+def source(machine: Any, path: str, mode: str) -> Resolved:
+    """The file or folder to move or delete: a final symlink is the link itself."""
+    src = resolve(machine, path, write=True, follow=False)
+    if escapes(machine, src):
+        raise Refused(escape_message(src))
+    if src.inside in ("/", machine.root) or is_mount_point(machine, src.host):
+        raise Refused(f"{src.inside} is the workspace root or a mount point; it cannot be {mode}d.")
+    if not os.path.lexists(src.host):
+        raise Refused(f"{src.requested} does not exist.")
+    return src
+
+
+def destination_of(machine: Any, src: Resolved, p: EditParams) -> Resolved:
+    if not p.destination or not p.destination.strip():
+        raise Refused(f"{p.mode} needs a `destination`.")
+    if p.mode == "rename":
+        name = p.destination.strip()
+        if "/" in name.rstrip("/"):
+            dest = resolve(machine, name, write=True, follow=False)
+            if posixpath.dirname(dest.inside) != posixpath.dirname(src.inside):
+                raise Refused(
+                    "rename changes only the name, in the same folder; use mode=move to change folders."
+                )
+            return dest
+        if name.rstrip("/") in ("", ".", ".."):
+            raise Refused(f"{name!r} is not a file name.")
+        return resolve(
+            machine, posixpath.join(posixpath.dirname(src.inside), name.rstrip("/")), write=True, follow=False
+        )
+    into = resolve(machine, p.destination, write=True)
+    if p.destination.endswith("/") or into.host.is_dir():
+        return resolve(
+            machine, posixpath.join(into.inside, posixpath.basename(src.inside)), write=True, follow=False
+        )
+    return resolve(machine, p.destination, write=True, follow=False)
+
+
+def check_destination(machine: Any, src: Resolved, dest: Resolved) -> None:
+    if escapes(machine, dest):
+        raise Refused(escape_message(dest))
+    if dest.inside == src.inside:
+        raise Refused(f"{src.inside} is already there.")
+    if dest.inside.startswith(src.inside.rstrip("/") + "/") or src.host in dest.host.parents:
+        raise Refused(f"{src.inside} cannot be moved into itself ({dest.inside}).")
+    if os.path.lexists(dest.host):
+        raise Refused(f"{dest.inside} already exists; move and rename never replace anything.")
+    parent = dest.host.parent
+    if not parent.is_dir():
+        raise Refused(
+            f"The folder {posixpath.dirname(dest.inside)} does not exist. Create it first with write kind=folder."
+        )
+    if os.stat(parent).st_dev != os.lstat(src.host).st_dev:
+        raise Refused(
+            f"{src.inside} and {posixpath.dirname(dest.inside)} are on different filesystems; a move between "
+            "them is refused and the source is kept. Copy it with bash instead."
+        )
+
+
+def file_expect(host: Path) -> str | None:
+    """The fingerprint a move/delete of a regular file is planned against; None for folders and links."""
+    return fingerprint(host) if stat_mod.S_ISREG(os.lstat(host).st_mode) else None
+
+
+def describe(host: Path, inside: str) -> str:
+    if not stat_mod.S_ISDIR(os.lstat(host).st_mode):
+        return inside
+    files = sum(len(names) for _, _, names in os.walk(host))
+    return f"folder {inside} ({files} file(s))"
+
+
+def plan_path_change(machine: Any, p: EditParams) -> Operation:
+    verb = "delete" if p.mode == "delete" else "move"
+    src = source(machine, p.path, verb)
+    expect = file_expect(src.host)
+    what = describe(src.host, src.inside)
+    if p.mode == "delete":
+        return Operation("delete", src.inside, expect=expect, summary=f"delete {what} (to the trash)")
+    dest = destination_of(machine, src, p)
+    check_destination(machine, src, dest)
+    kind: Literal["move", "rename"] = "rename" if p.mode == "rename" else "move"
+    return Operation(
+        kind, src.inside, dest=dest.inside, expect=expect, summary=f"{kind} {what} -> {dest.inside}"
+    )
+
+
+async def run_edit(ctx: ToolContext, p: EditParams) -> ToolResult:
+    try:
+        if p.mode in ("move", "rename", "delete"):
+            op = plan_path_change(ctx.machine, p)
+        else:
+            op = plan_text_edit(ctx.machine, p)
+    except Refused as exc:
+        return ToolResult.error(str(exc))
+    except FAILURES as exc:
+        return ToolResult.error(problem(exc, p.path))
+    result = await ctx.commit([op], "edit")
+    if not result.is_error:
+        remember(ctx, op)
+    return result
+
+
+EDIT = Tool(
+    name="edit",
+    description=(
+        "Change a text file, or move, rename or delete a file or folder. mode=replace (default): replace "
+        "`oldText` with `newText`; oldText must match exactly (whitespace included) and occur once, unless "
+        "you pass `occurrence` (1-based) to pick one or `replaceAll`. mode=append: add `text` at the end "
+        "verbatim (start it with a newline if needed). mode=multi_replace: `edits` [{oldText, newText, "
+        "occurrence?}] applied in order, all or nothing. mode=move: `destination` is the new path or an "
+        "existing folder; mode=rename: `destination` is the new name; neither replaces an existing path. "
+        "mode=delete moves the file or folder to the trash. Line endings (CRLF) and a BOM are kept. "
+        "Depending on the session's permissions the change is applied at once or queued for review."
+    ),
+    params=EditParams,
+    action=Action.WRITE,
+    run=run_edit,
+    read_only=False,
+    destructive=True,
+)
+
+TOOLS: dict[str, Tool] = {"edit": EDIT}

@@ -1,0 +1,33 @@
+"""A file's identity for stale checks: what the model read vs. what is on disk now.
+
+Reads record `ctx.reads[inside_path] = fingerprint(host)`; planned operations carry it as
+`Operation.expect`; applying compares it with the file as it is then, so a change made in
+between (by the user, a command, another agent) makes the operation fail instead of
+clobbering newer content. sha256 of the bytes plus the size: cheap enough for the files a
+model edits, and unlike mtime it does not lie after a same-second rewrite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+#: Marker for "there is no regular file here" (missing, or a directory): a file appearing
+#: where none was planned is a change too.
+ABSENT = "absent"
+#: Bytes read per chunk while hashing; keeps memory flat for large files.
+CHUNK = 1 << 20
+
+
+def fingerprint(host_path: str | Path) -> str:
+    """`sha256:<hex>:<size>` of the file's content, or `ABSENT` if it is not a regular file."""
+    path = Path(host_path)
+    if not path.is_file():
+        return ABSENT
+    digest = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return f"sha256:{digest.hexdigest()}:{size}"

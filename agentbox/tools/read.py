@@ -1,0 +1,537 @@
+"""`read` and `read_image`: text by character window or line range, PDF pages, DOCX blocks, images.
+
+Text comes in windows of `READ_WINDOW_CHARS` characters from `offset` (seed 001), with
+`nextOffset` when there is more; or by line range (`startLine` / `endLine`, 1-based and
+inclusive) as `cat -n` numbered lines, within the same character budget. Flue's
+`offset`/`limit` in lines is deliberately not offered: `offset` means characters here,
+in every toolset, so one name never means two things. PDFs are read by `page` /
+`pageEnd`, DOCX files by `block` or `heading` (see documents.py); their text is windowed
+by `offset` too. Images come back as image blocks. Binary files get a short descriptor.
+
+Every file tool shares the path rules defined here (`resolve`, `escapes`, `external_refusal`,
+`problem`): paths go through `machine.host_path` once; a path whose links lead out of
+the workspace root is reported as such; a read outside the root asks first
+(Action.READ_EXTERNAL); failures become messages a model can act on. A successful read
+records the file's fingerprint in `ctx.reads` (the stale-write check of `write`), keyed by
+the inside path of the file itself (links followed), taken *before* reading so a change in
+between makes a later overwrite fail rather than pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import errno
+import os
+import posixpath
+import stat as stat_mod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from agentbox.machines.errors import MachineError, PathEscape
+from agentbox.machines.pathmap import open_nofollow
+from agentbox.tools.base import Action, ImageBlock, Operation, TextBlock, Tool, ToolContext, ToolResult
+from agentbox.tools.documents import (
+    IMAGE_EXTENSIONS,
+    MAX_DOCUMENT_BYTES,
+    MAX_IMAGE_BYTES,
+    PDF_MAGIC,
+    DocumentError,
+    binary_kind,
+    block_at,
+    docx_blocks,
+    heading_section,
+    image_type,
+    is_svg,
+    page_range,
+    pdf_pages,
+    render_blocks,
+    render_pages,
+)
+from agentbox.tools.fingerprint import fingerprint
+from agentbox.workspace.editor import display_lines, numbered
+from agentbox.workspace.errors import WorkspaceError, translate
+
+#: Characters one read returns (seed 001: 6000 characters by default, continued by nextOffset).
+READ_WINDOW_CHARS = 6000
+#: Largest text file `read` decodes; past it, grep or `sed -n` in bash reach the part needed.
+MAX_TEXT_BYTES = 16 * 1024 * 1024
+#: Leading bytes examined to tell text from images, documents and binaries.
+SNIFF_BYTES = 8192
+
+FileKind = Literal["text", "pdf", "docx", "image", "svg", "binary"]
+
+# --- path rules shared by the file tools -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A path as asked (absolute inside path) and where it leads (host path, inside path)."""
+
+    requested: str
+    host: Path
+    inside: str
+
+
+def resolve(machine: Any, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
+    """Map `path` through the machine's one path mapper; raises what the mapper raises."""
+    requested = machine.paths.absolute(path)
+    host = machine.host_path(path, write=write, follow=follow)
+    return Resolved(requested, host, machine.inside_path(host))
+
+
+def within_root(machine: Any, inside: str) -> bool:
+    return bool(machine.paths.within_root(inside))
+
+
+def escapes(machine: Any, target: Resolved) -> bool:
+    """True when a path asked inside the workspace root leads out of it through a link."""
+    return within_root(machine, target.requested) and not within_root(machine, target.inside)
+
+
+def escape_message(target: Resolved) -> str:
+    return (
+        f"{target.requested} leads outside the workspace through a symbolic link (to {target.inside}); "
+        "links that escape the workspace are refused"
+    )
+
+
+async def external_refusal(ctx: ToolContext, tool: str, target: Resolved) -> str | None:
+    """None when `target` is inside the root or a read outside it is allowed; else why not.
+
+    The resolved path decides, so a link inside the workspace that leads out asks too.
+    """
+    if within_root(ctx.machine, target.inside):
+        return None
+    return await ctx.authorize(Action.READ_EXTERNAL, tool, {"path": target.inside})
+
+
+def problem(exc: BaseException, path: str) -> str:
+    """A failure of a file tool as a sentence naming the path, for the model."""
+    if isinstance(exc, FileNotFoundError):
+        return f"{path} does not exist (or one of its parent folders does not)."
+    if isinstance(exc, IsADirectoryError):
+        return f"{path} is a folder, not a file."
+    if isinstance(exc, NotADirectoryError):
+        return f"A parent of {path} is a file, not a folder."
+    if isinstance(exc, PermissionError):
+        return f"Permission denied: {path}."
+    if isinstance(exc, PathEscape):
+        return f"{path} is outside what this machine exposes: {exc.message}."
+    if isinstance(exc, DocumentError):
+        return f"Cannot read {path}: {exc}."
+    if isinstance(exc, WorkspaceError) and exc.error_type == "not_found":
+        return f"{path} does not exist (or one of its parent folders does not)."
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return f"{path} is on a read-only part of the machine."
+    error = translate(exc, "read", path)
+    return f"{path}: {error.message}"
+
+
+#: What a file tool catches and reports with `problem`; anything else is a bug and propagates.
+FAILURES = (OSError, MachineError, WorkspaceError, DocumentError, UnicodeError)
+
+
+def remember(ctx: ToolContext, op: Operation) -> None:
+    """After a commit: a file that now holds exactly the text the model wrote counts as read.
+
+    True when the change was applied (not when it waits in a change set), so writing a file
+    again after writing or editing it passes the stale-write check without another read.
+    """
+    if op.after is None:
+        return
+    data = op.after.encode("utf-8")
+    try:
+        host = ctx.machine.host_path(op.path)
+        if host.is_file() and host.stat().st_size == len(data) and host.read_bytes() == data:
+            ctx.reads[op.path] = fingerprint(host)
+    except FAILURES:
+        return
+
+
+def read_capped(host: Path, limit: int) -> bytes:
+    """All bytes of a regular file (opened without following a swapped-in link), at most `limit`."""
+    fd = open_nofollow(host, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"the file grew past {limit} bytes while being read", str(host))
+    return data
+
+
+def sniff(host: Path) -> bytes:
+    fd = open_nofollow(host, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(SNIFF_BYTES)
+
+
+# --- parameters ----------------------------------------------------------------------------
+
+
+class ReadParams(BaseModel):
+    path: str = Field(description="File to read: relative to the workspace root, or absolute.")
+    offset: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Character offset to start at (0 = start). A read returns at most 6000 characters; "
+            "when there is more, pass the `nextOffset` it gives (with the same page/block/heading)."
+        ),
+    )
+    startLine: int | None = Field(
+        default=None,
+        ge=1,
+        description="Text files: first line to show (1-based), with line numbers. Not with offset.",
+    )
+    endLine: int | None = Field(
+        default=None,
+        ge=1,
+        description="Text files: last line to show (inclusive); defaults to as many as fit.",
+    )
+    page: int | None = Field(
+        default=None, ge=1, description="PDF: the page to read (1-based), or the first of a range."
+    )
+    pageEnd: int | None = Field(default=None, ge=1, description="PDF: the last page of a range (inclusive).")
+    block: int | None = Field(
+        default=None, ge=1, description="DOCX: one structural block by number (1-based)."
+    )
+    heading: str | None = Field(
+        default=None,
+        description="DOCX: read the section under this heading, up to the next heading of its level.",
+    )
+
+
+class ReadImageParams(BaseModel):
+    path: str = Field(description="Image to view (png, jpg, jpeg, webp or gif), inside the workspace.")
+
+
+# --- what kind of file -----------------------------------------------------------------------
+
+
+def classify(name: str, head: bytes) -> FileKind:
+    ext = posixpath.splitext(name)[1].lower()
+    if image_type(head) is not None:
+        return "image"
+    if is_svg(name, head):
+        return "svg"
+    if ext in IMAGE_EXTENSIONS:
+        return "image"  # a name that promises an image; read_image_file says the bytes are not one
+    if head.startswith(PDF_MAGIC) or ext == ".pdf":
+        return "pdf"
+    if ext == ".docx":
+        return "docx"
+    if binary_kind(head) is not None:
+        return "binary"
+    return "text"
+
+
+SIZE_LIMITS: dict[FileKind, int] = {
+    "text": MAX_TEXT_BYTES,
+    "pdf": MAX_DOCUMENT_BYTES,
+    "docx": MAX_DOCUMENT_BYTES,
+    "image": MAX_IMAGE_BYTES,
+}
+KIND_NAMES: dict[FileKind, str] = {"text": "text file", "pdf": "PDF", "docx": "DOCX file", "image": "image"}
+TOO_LARGE_HINTS: dict[FileKind, str] = {
+    "text": "use grep to find what you need, or bash (`sed -n '100,200p' FILE`, `head -c`) to read a part",
+    "pdf": "split it with bash (e.g. `pdfseparate` or `qpdf --pages`) and read the parts",
+    "docx": "convert it with bash (e.g. `pandoc FILE -t plain`) and read the text in parts",
+    "image": "make a smaller copy with bash (e.g. ImageMagick `convert -resize`) and read that",
+}
+
+
+# --- windows ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    """Characters `start`..`end` of a text of `total` characters."""
+
+    text: str
+    start: int
+    end: int
+    total: int
+
+    @property
+    def next_offset(self) -> int | None:
+        return self.end if self.end < self.total else None
+
+    def trailer(self, again: str = "") -> str:
+        if self.next_offset is None:
+            return f"\n\n[Showing characters {self.start}-{self.end} of {self.total}.]" if self.start else ""
+        return (
+            f"\n\n[Showing characters {self.start}-{self.end} of {self.total}. "
+            f"Use offset={self.end}{again} to continue.]"
+        )
+
+
+def window(text: str, offset: int | None) -> Window:
+    start = offset or 0
+    if start > len(text) or (start == len(text) and start > 0):
+        raise DocumentError(f"offset {start} is past the end: the text has {len(text)} characters")
+    end = min(start + READ_WINDOW_CHARS, len(text))
+    return Window(text[start:end], start, end, len(text))
+
+
+def decode(data: bytes) -> tuple[str, str]:
+    """The text (without a BOM) and a note when bytes were not UTF-8."""
+    try:
+        text, note = data.decode("utf-8"), ""
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", "replace")
+        note = "[Note: the file is not valid UTF-8; undecodable bytes are shown as \ufffd.]\n"
+    return text.removeprefix("\ufeff"), note
+
+
+def line_starts(text: str) -> list[int]:
+    starts, at = [0], 0
+    while (nl := text.find("\n", at)) != -1:
+        at = nl + 1
+        starts.append(at)
+    return starts
+
+
+def lines_view(text: str, start_line: int, end_line: int | None, shown: str) -> ToolResult:
+    """`cat -n` lines from `start_line`, as many as fit READ_WINDOW_CHARS (at least one)."""
+    lines = display_lines(text)
+    total = len(lines)
+    if total == 0:
+        return ToolResult.text(f"{shown} is empty.", path=shown, totalLines=0)
+    if start_line > total:
+        return ToolResult.error(f"startLine {start_line} is past the end of {shown}: it has {total} lines.")
+    if end_line is not None and end_line < start_line:
+        return ToolResult.error(f"endLine {end_line} is before startLine {start_line}.")
+    last = min(end_line or total, total)
+    picked: list[str] = []
+    used = 0
+    for line in lines[start_line - 1 : last]:
+        if picked and used + len(line) + 1 > READ_WINDOW_CHARS:
+            break
+        picked.append(line)
+        used += len(line) + 1
+    note = ""
+    if len(picked[0]) > READ_WINDOW_CHARS:
+        offset = line_starts(text)[start_line - 1] + READ_WINDOW_CHARS
+        picked[0] = picked[0][:READ_WINDOW_CHARS]
+        note = (
+            f"\n[Line {start_line} is longer than {READ_WINDOW_CHARS} characters; only its start is shown. "
+            f"Read the rest by characters with offset={offset}.]"
+        )
+    shown_last = start_line + len(picked) - 1
+    more = f" Use startLine={shown_last + 1} to continue." if shown_last < total else ""
+    body = (
+        numbered(picked, start_line)
+        + note
+        + f"\n\n[Showing lines {start_line}-{shown_last} of {total}.{more}]"
+    )
+    next_line = shown_last + 1 if shown_last < total else None
+    return ToolResult.text(
+        body, path=shown, startLine=start_line, endLine=shown_last, totalLines=total, nextStartLine=next_line
+    )
+
+
+# --- the readers -------------------------------------------------------------------------------
+
+
+def read_text(data: bytes, p: ReadParams, shown: str) -> ToolResult:
+    if p.page is not None or p.pageEnd is not None or p.block is not None or p.heading is not None:
+        return ToolResult.error(
+            f"page/pageEnd are for PDF files and block/heading for DOCX files; {shown} is text."
+        )
+    text, note = decode(data)
+    if p.startLine is not None or p.endLine is not None:
+        if p.offset is not None:
+            return ToolResult.error("Use either offset (characters) or startLine/endLine (lines), not both.")
+        result = lines_view(text, p.startLine or 1, p.endLine, shown)
+        if note and not result.is_error:
+            result.content.insert(0, TextBlock(note.rstrip("\n")))
+        return result
+    if not text:
+        return ToolResult.text(f"{shown} is empty.", path=shown, totalChars=0)
+    w = window(text, p.offset)
+    return ToolResult.text(
+        note + w.text + w.trailer(), path=shown, offset=w.start, nextOffset=w.next_offset, totalChars=w.total
+    )
+
+
+def read_pdf(data: bytes, p: ReadParams, shown: str) -> ToolResult:
+    if p.block is not None or p.heading is not None or p.startLine is not None or p.endLine is not None:
+        return ToolResult.error(
+            f"{shown} is a PDF: read it by page (page, or page and pageEnd), with offset."
+        )
+    pages = pdf_pages(data)
+    first, last = page_range(len(pages), p.page, p.pageEnd)
+    w = window(render_pages(pages, first, last), p.offset)
+    which = f"page {first}" if first == last else f"pages {first}-{last}"
+    again = "".join(f", {k}={v}" for k, v in (("page", p.page), ("pageEnd", p.pageEnd)) if v is not None)
+    header = f"{shown}: PDF with {len(pages)} page(s); {which}.\n\n"
+    return ToolResult.text(
+        header + w.text + w.trailer(again),
+        path=shown,
+        pageCount=len(pages),
+        pages=[first, last],
+        offset=w.start,
+        nextOffset=w.next_offset,
+        totalChars=w.total,
+    )
+
+
+def read_docx(data: bytes, p: ReadParams, shown: str) -> ToolResult:
+    if p.page is not None or p.pageEnd is not None or p.startLine is not None or p.endLine is not None:
+        return ToolResult.error(f"{shown} is a DOCX file: read it by block or heading, with offset.")
+    if p.block is not None and p.heading is not None:
+        return ToolResult.error("Use either block or heading, not both.")
+    blocks = docx_blocks(data)
+    if p.block is not None:
+        chosen = [block_at(blocks, p.block)]
+        which, again = f"block {p.block}", f", block={p.block}"
+    elif p.heading is not None:
+        chosen = heading_section(blocks, p.heading)
+        which = f"section {chosen[0].text!r}, blocks {chosen[0].number}-{chosen[-1].number}"
+        again = f", heading={p.heading!r}"
+    else:
+        chosen, which, again = blocks, "all blocks", ""
+    body = render_blocks(chosen) or "[the document has no text]"
+    w = window(body, p.offset)
+    header = f"{shown}: DOCX with {len(blocks)} block(s); {which}.\n\n"
+    return ToolResult.text(
+        header + w.text + w.trailer(again),
+        path=shown,
+        blockCount=len(blocks),
+        blocks=[chosen[0].number, chosen[-1].number] if chosen else [],
+        offset=w.start,
+        nextOffset=w.next_offset,
+        totalChars=w.total,
+    )
+
+
+def read_image_file(data: bytes, shown: str) -> ToolResult:
+    media = image_type(data[:SNIFF_BYTES])
+    if media is None:
+        return ToolResult.error(
+            f"{shown} is named like an image but its bytes are not a PNG, JPEG, GIF or WebP image."
+        )
+    return ToolResult(
+        [
+            TextBlock(f"Image {shown} ({media}, {len(data)} bytes)."),
+            ImageBlock(media, base64.b64encode(data).decode()),
+        ],
+        data={"path": shown, "mediaType": media, "bytes": len(data)},
+    )
+
+
+def refusal_for(kind: FileKind, shown: str, size: int, head: bytes) -> str | None:
+    """Why a file of `kind` cannot be read at all (before its bytes are loaded), else None."""
+    if kind == "svg":
+        return (
+            f"{shown} is an SVG: a vector image cannot be rasterized for viewing here, so it is refused. "
+            "To see it, convert it to PNG with bash (e.g. `rsvg-convert` or ImageMagick) and read the PNG."
+        )
+    if kind == "binary":
+        return (
+            f"{shown} is a binary file ({binary_kind(head)}, {size} bytes); read returns text, PDF, DOCX "
+            "and images only. Inspect it with bash (e.g. `file`, `xxd | head`, `unzip -l`)."
+        )
+    limit = SIZE_LIMITS[kind]
+    if size > limit:
+        return (
+            f"{shown} is {size} bytes; the largest {KIND_NAMES[kind]} read accepts is {limit} bytes: "
+            f"{TOO_LARGE_HINTS[kind]}."
+        )
+    return None
+
+
+def load(host: Path, kind: FileKind, p: ReadParams, shown: str) -> ToolResult:
+    """Read and render one file (blocking: parsing runs in a thread)."""
+    data = read_capped(host, SIZE_LIMITS[kind])
+    if kind == "image":
+        return read_image_file(data, shown)
+    if kind == "pdf":
+        return read_pdf(data, p, shown)
+    if kind == "docx":
+        return read_docx(data, p, shown)
+    return read_text(data, p, shown)
+
+
+async def read_any(ctx: ToolContext, p: ReadParams, tool: str, *, images_only: bool) -> ToolResult:
+    try:
+        target = resolve(ctx.machine, p.path)
+        outside = not within_root(ctx.machine, target.inside)
+        ext = posixpath.splitext(target.host.name)[1].lower()
+        if outside and (images_only or ext in IMAGE_EXTENSIONS):
+            return ToolResult.error(images_outside(target))
+        refusal = await external_refusal(ctx, tool, target)  # before anything about the file is told
+        if refusal is not None:
+            return ToolResult.error(refusal)
+        st = target.host.stat()
+        if stat_mod.S_ISDIR(st.st_mode):
+            return ToolResult.error(f"{target.requested} is a folder; use list to see what it holds.")
+        head = sniff(target.host)
+        kind = classify(target.host.name, head)
+        if outside and kind == "image":
+            return ToolResult.error(images_outside(target))
+        if images_only and kind not in ("image", "svg"):
+            return ToolResult.error(
+                f"{target.requested} is not an image (png, jpg, jpeg, webp or gif); use read for text, PDF and DOCX."
+            )
+        reason = refusal_for(kind, target.requested, st.st_size, head)
+        if reason is not None:
+            return ToolResult.error(reason)
+        seen = await asyncio.to_thread(fingerprint, target.host)
+        result = await asyncio.to_thread(load, target.host, kind, p, target.requested)
+    except FAILURES as exc:
+        return ToolResult.error(problem(exc, p.path))
+    if not result.is_error:
+        ctx.reads[target.inside] = seen
+    return result
+
+
+def images_outside(target: Resolved) -> str:
+    return (
+        f"{target.requested} is outside the workspace; images are read only from inside it, because their "
+        "pixels leave this machine for the model service. Copy it into the workspace first if the user agrees."
+    )
+
+
+async def run_read(ctx: ToolContext, params: ReadParams) -> ToolResult:
+    return await read_any(ctx, params, "read", images_only=False)
+
+
+async def run_read_image(ctx: ToolContext, params: ReadImageParams) -> ToolResult:
+    return await read_any(ctx, ReadParams(path=params.path), "read_image", images_only=True)
+
+
+READ = Tool(
+    name="read",
+    description=(
+        "Read a file. Text comes in windows of 6000 characters from `offset` (default 0); when there is "
+        "more, the result ends with a note and gives `nextOffset`: call read again with offset=nextOffset. "
+        "Or read lines `startLine`..`endLine` (1-based, inclusive), shown with line numbers; the note then "
+        "says which startLine continues. PDFs: `page`, or `page` and `pageEnd` for a range; the result "
+        "names pages and the page count. DOCX: `block` (a numbered paragraph, heading or table) or "
+        "`heading` (that heading's section); without them the whole document, with block numbers. "
+        "Images (png, jpg, jpeg, webp, gif; up to 20 MB, inside the workspace) are returned as images. "
+        "SVG and other binary files are refused with a short description. Relative paths start at the "
+        "workspace root; reading outside it may need the user's approval."
+    ),
+    params=ReadParams,
+    action=Action.READ,
+    run=run_read,
+)
+
+READ_IMAGE = Tool(
+    name="read_image",
+    description=(
+        "View an image file from the workspace (png, jpg, jpeg, webp or gif, up to 20 MB): it is returned as "
+        "an image for you to look at (no OCR). SVG is refused (convert it to PNG with bash first); other "
+        "files are refused: use read for text, PDF and DOCX."
+    ),
+    params=ReadImageParams,
+    action=Action.READ,
+    run=run_read_image,
+)
+
+TOOLS: dict[str, Tool] = {"read": READ, "read_image": READ_IMAGE}

@@ -1,0 +1,305 @@
+"""Running a session's tools under its permission tier (seed 001's table, `tiers.py`).
+
+`SessionTools` is what the turn loop (and the MCP server) talks to: `offered()` lists the
+tools the tier lets the model see, `call(name, args)` validates the arguments with the
+tool's pydantic model, gates the call, runs it and turns every failure into an error
+result (a forbidden or unknown tool, bad arguments, a crash: never an exception out of
+here, except cancellation). It is also the `ToolContext` the tools receive, so it holds the
+per-session state they use: the machine, the reads map, this turn's delivery count.
+
+The gate, per call, by `decide(tier, tool.action, plan)`:
+
+    ALLOW   run
+    ASK     a pending approval (remembered for the session if the user says so); run if
+            allowed, else the refusal with the user's message is the result
+    FORBID  not offered; called anyway, an error result that says it cannot be approved
+    STAGE   (writes) run: the tool plans operations and `commit` stages them
+
+A call that passed the gate is pre-authorized for its own action (a context variable, so
+concurrent calls don't share it): a tool that also calls `ctx.authorize` for that action
+is not asked twice. Other actions a tool discovers while running (a read that turns out to
+be outside the workspace) go through `authorize` on their own. Approvals and change sets
+name the tool as the model called it (`read_file`, `bash`), not by its canonical name.
+
+`commit(ops, tool)` by `decide(tier, WRITE, plan)`: ALLOW applies now (`apply_operations`),
+STAGE records the turn's change set and tells the model only ids, summaries and character
+counts, FORBID refuses. Seed 004 on top: an operation outside the machine's root asks first
+in `full-ask` (then is staged like any other), is refused in `workspace-write` (whose scope
+is the workspace; seed 001: what the first two tiers forbid no approval allows) and applies
+in `full-auto`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from agentbox.machines.errors import MachineError
+from agentbox.store.changes import OperationRecord
+from agentbox.tools.approvals import Approvals
+from agentbox.tools.base import (
+    Action,
+    FileStore,
+    Operation,
+    TodoStore,
+    Tool,
+    ToolConfig,
+    ToolResult,
+)
+from agentbox.tools.changes import Applied, ChangeSets, GovernedMachine, Refused, apply_operations, describe
+from agentbox.tools.fingerprint import fingerprint
+from agentbox.tools.tiers import Decision, Tier, decide, outside_root_write
+from agentbox.workspace.errors import WorkspaceError
+
+log = logging.getLogger(__name__)
+
+#: Actions the running call was already authorized for (by the gate in `call`).
+_authorized: contextvars.ContextVar[frozenset[Action]] = contextvars.ContextVar(
+    "agentbox_tools_authorized", default=frozenset()
+)
+#: The name the model called the running tool by (`bash`, not the canonical `exec`): what
+#: approvals and change sets record, since it is what the user sees in the tool-use events.
+_calling: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentbox_tools_calling", default=None)
+
+
+def not_permitted(tool: str, action: Action, tier: Tier, plan: bool) -> str:
+    """The refusal for what a tier forbids: final, no approval changes it."""
+    where = f"{tier} plan mode" if plan else str(tier)
+    return (
+        f"{tool} is not permitted in {where} ({action} actions are forbidden there); "
+        "this cannot be approved. Continue without it or tell the user what you need."
+    )
+
+
+def denied(tool: str, message: str | None) -> str:
+    text = f"The user denied this {tool} call."
+    return f"{text} Their message: {message}" if message else text
+
+
+def validation_problems(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "(arguments)"
+        lines.append(f"- {where}: {error['msg']}")
+    return "\n".join(lines)
+
+
+@dataclass
+class SessionTools:
+    """One session's tools: its `ToolContext` and the dispatcher over its toolset."""
+
+    machine: Any  # a Machine that is also a GovernedMachine (host paths, root, path map)
+    session_id: str
+    tier: Tier
+    toolset: dict[str, Tool]
+    changes: ChangeSets
+    approvals: Approvals
+    todos: TodoStore
+    files: FileStore | None = None
+    config: ToolConfig = field(default_factory=ToolConfig)
+    plan: bool = False
+    turn_id: str | None = None
+    reads: dict[str, str] = field(default_factory=dict)
+    deliveries: int = 0
+
+    # ------------------------------------------------------------ the turn loop's side
+
+    def begin_turn(self, turn_id: str | None) -> None:
+        """A new turn: its own change set, its own delivery count."""
+        self.turn_id = turn_id
+        self.deliveries = 0
+
+    def offered(self) -> list[Tool]:
+        """The tools the model may see: those whose action this tier (and plan) does not forbid."""
+        return [tool for tool in self.toolset.values() if self._decision(tool.action) != Decision.FORBID]
+
+    async def call(self, name: str, args: Any) -> ToolResult:
+        """Run one tool call; every outcome but cancellation is a `ToolResult`."""
+        tool = self.toolset.get(name)
+        if tool is None:
+            names = ", ".join(t.name for t in self.offered())
+            return ToolResult.error(f"There is no tool named {name!r}. Available tools: {names}.")
+        decision = self._decision(tool.action)
+        if decision == Decision.FORBID:
+            return ToolResult.error(not_permitted(name, tool.action, self.tier, self.plan))
+        try:
+            params = tool.params.model_validate(args)
+        except ValidationError as exc:
+            return ToolResult.error(f"Invalid arguments for {name}:\n{validation_problems(exc)}")
+        if decision == Decision.ASK:
+            refusal = await self.authorize(tool.action, name, {"arguments": args})
+            if refusal is not None:
+                return ToolResult.error(refusal)
+        token = _authorized.set(_authorized.get() | {tool.action})
+        calling = _calling.set(name)
+        try:
+            return await tool.run(self, params)
+        except WorkspaceError as exc:
+            return ToolResult.error(exc.message)
+        except Exception as exc:
+            log.exception("tool %s failed in session %s", name, self.session_id)
+            return ToolResult.error(f"{name} failed unexpectedly: {type(exc).__name__}: {exc}")
+        finally:
+            _calling.reset(calling)
+            _authorized.reset(token)
+
+    # ------------------------------------------------------------ the ToolContext side
+
+    async def authorize(self, action: Action, tool: str, detail: dict[str, Any]) -> str | None:
+        if action in _authorized.get():
+            return None
+        tool = _calling.get() or tool
+        decision = self._decision(action)
+        if decision == Decision.ALLOW:
+            return None
+        if decision == Decision.ASK:
+            return await self._ask(tool, str(action), detail)
+        if decision == Decision.STAGE:
+            return (
+                f"In {self.tier} changes are staged for the user's review; {tool} cannot {action} directly."
+            )
+        return not_permitted(tool, action, self.tier, self.plan)
+
+    async def commit(self, operations: list[Operation], tool: str) -> ToolResult:
+        tool = _calling.get() or tool
+        decision = self._decision(Action.WRITE)
+        if decision == Decision.FORBID:
+            return ToolResult.error(not_permitted(tool, Action.WRITE, self.tier, self.plan))
+        if not operations:
+            return ToolResult.error("Nothing to change.")
+        try:
+            outside = self._outside_root(operations)
+        except MachineError as exc:
+            return ToolResult.error(exc.message)
+        if outside:
+            refusal = await self._outside_root_gate(tool, operations, outside)
+            if refusal is not None:
+                return ToolResult.error(refusal)
+        if decision == Decision.ALLOW:
+            return self._applied(await apply_operations(self.machine, operations))
+        try:
+            change_set, staged = await self.changes.stage(
+                self.machine, self.session_id, self.turn_id, tool, operations
+            )
+        except Refused as exc:
+            return ToolResult.error(str(exc))
+        return staged_result(change_set.id, staged)
+
+    # ------------------------------------------------------------ internals
+
+    def _decision(self, action: Action) -> Decision:
+        return decide(self.tier, action, plan=self.plan)
+
+    async def _ask(self, tool: str, action: str, detail: dict[str, Any]) -> str | None:
+        allowed, message = await self.approvals.request_and_wait(
+            self.session_id, self.turn_id, tool, action, detail
+        )
+        return None if allowed else denied(tool, message)
+
+    def _outside_root(self, operations: Sequence[Operation]) -> list[str]:
+        machine: GovernedMachine = self.machine
+        paths = [p for op in operations for p in (op.path, op.dest) if p is not None]
+        return [machine.paths.absolute(p) for p in paths if not machine.paths.within_root(p)]
+
+    async def _outside_root_gate(
+        self, tool: str, operations: Sequence[Operation], outside: list[str]
+    ) -> str | None:
+        if outside_root_write(self.tier) == Decision.ALLOW:
+            return None
+        where = ", ".join(outside)
+        if self.tier != Tier.FULL_ASK:
+            return (
+                f"{where} is outside the workspace root {self.machine.root}; {self.tier} only changes the "
+                "workspace and this cannot be approved."
+            )
+        detail = {
+            "reason": "write outside the workspace root",
+            "root": self.machine.root,
+            "paths": outside,
+            "operations": [
+                {"kind": op.kind, "path": op.path, "dest": op.dest, "summary": describe(op),
+                 "before_chars": len(op.before or ""), "after_chars": len(op.after or "")}
+                for op in operations
+            ],
+        }  # fmt: skip
+        return await self._ask(tool, str(Action.WRITE), detail)
+
+    def _applied(self, results: list[Applied]) -> ToolResult:
+        for result in results:
+            if result.ok:
+                self._remember(result.operation)
+        return applied_result(results)
+
+    def _remember(self, op: Operation) -> None:
+        """Keep the reads map (keyed like `read` does: the file's inside path, links followed)
+        true after our own change: the model knows what it wrote, and what it moved is gone."""
+        machine: GovernedMachine = self.machine
+        if op.kind in ("write", "edit"):
+            host = machine.host_path(op.path)
+            self.reads[machine.inside_path(host)] = fingerprint(host)
+        elif op.kind in ("move", "rename", "delete"):
+            gone = machine.paths.absolute(op.path)
+            for key in [k for k in self.reads if k == gone or k.startswith(gone.rstrip("/") + "/")]:
+                del self.reads[key]
+
+
+#: `ToolContextImpl` is the name the tools layer's docs use for the runner's context.
+ToolContextImpl = SessionTools
+Runner = SessionTools
+
+
+def staged_result(change_set_id: str, staged: Sequence[OperationRecord]) -> ToolResult:
+    """What the model is told about staged operations: ids, summaries and character counts only."""
+    lines = [f"Staged for the user's review in change set {change_set_id} (not applied yet):"]
+    for op in staged:
+        lines.append(f"- {op.id}: {op.summary} ({op.before_chars} → {op.after_chars} chars)")
+    lines.append("The user applies or rejects each operation; refer to one by its id.")
+    return ToolResult.text(
+        "\n".join(lines),
+        status="staged",
+        change_set_id=change_set_id,
+        operations=[
+            {
+                "id": op.id,
+                "summary": op.summary,
+                "before_chars": op.before_chars,
+                "after_chars": op.after_chars,
+            }
+            for op in staged
+        ],
+    )
+
+
+def applied_result(results: Sequence[Applied]) -> ToolResult:
+    """What the model is told about operations applied at once: per operation, what happened."""
+    lines = []
+    for result in results:
+        summary = describe(result.operation)
+        if result.ok:
+            lines.append(
+                f"Applied: {summary}"
+                + (f" (moved to the trash at {result.trash_path})" if result.trash_path else "")
+            )
+        else:
+            lines.append(
+                f"{'Failed' if result.status == 'failed' else 'Skipped'}: {summary}: {result.reason}"
+            )
+    data = {
+        "status": "applied" if all(r.ok for r in results) else "failed",
+        "operations": [
+            {
+                "summary": describe(r.operation),
+                "status": r.status,
+                "reason": r.reason,
+                "trash_path": r.trash_path,
+            }
+            for r in results
+        ],
+    }
+    text = "\n".join(lines)
+    return ToolResult.text(text, **data) if all(r.ok for r in results) else ToolResult.error(text, **data)

@@ -1,0 +1,457 @@
+"""Agent Skills: discovery, the catalog, `use_skill` (Flue's `activate_skill`) and `read_skill_resource`.
+
+A skill is a folder holding `SKILL.md` (YAML frontmatter + markdown instructions) and any
+supporting files, in the open Agent Skills format. Skills are found in two places:
+
+- the workspace: `<root>/.agents/skills/<name>/SKILL.md`, through the machine's path map
+  (`machine.host_path`), so a link can never lead out of the machine; their files are ordinary
+  workspace files the model can also read or run;
+- folders the server is configured with (`ToolConfig.skill_dirs`), host folders the machine
+  cannot see: their files are read only through `read_skill_resource`.
+
+Frontmatter rules (Flue a.11): `name` is lowercase letters, digits and single hyphens, at most
+`MAX_NAME_CHARS`, and equals the folder name; `description` is non-empty, at most
+`MAX_DESCRIPTION_CHARS`; `compatibility` at most `MAX_COMPATIBILITY_CHARS`; `license`,
+`metadata` and `allowed-tools` are informational (not enforced); other fields are ignored. A
+skill that breaks a rule is skipped and the reason kept as a warning; one bad skill never
+hides the others. A name found twice keeps the configured folder's skill (the operator's)
+over the workspace's, with a warning.
+
+Progressive disclosure: the system prompt carries one catalog line per skill
+(`catalog_text`); `use_skill` returns the instructions, re-read from disk at every call so
+edits are picked up, with the base folder and the list of the skill's files. Skills are
+bookkeeping (`Action.META`): reading them is allowed in every tier (seed 001: "enabled skill
+resources" are readable at the base level).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import re
+import stat as stat_mod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field
+
+from .base import Action, Tool, ToolConfig, ToolContext, ToolResult
+
+log = logging.getLogger(__name__)
+
+SKILL_FILE = "SKILL.md"
+#: Where skills live in a workspace, relative to the machine's root.
+WORKSPACE_SKILLS_DIR = ".agents/skills"
+#: Longest skill name (the Agent Skills spec).
+MAX_NAME_CHARS = 64
+#: Longest description (the Agent Skills spec).
+MAX_DESCRIPTION_CHARS = 1024
+#: Longest `compatibility` note (the Agent Skills spec).
+MAX_COMPATIBILITY_CHARS = 500
+#: Largest SKILL.md read; a bigger one is skipped with a warning.
+MAX_SKILL_FILE_BYTES = 1024 * 1024
+#: Skills in one catalog; the rest are skipped with a warning (the catalog sits in every prompt).
+MAX_SKILLS = 100
+#: Files listed by `use_skill`; past it the list says how many more there are.
+MAX_RESOURCES_LISTED = 100
+#: Largest resource `read_skill_resource` reads.
+MAX_RESOURCE_BYTES = 10 * 1024 * 1024
+#: Characters of a resource one call shows (seed 001's read window); `nextOffset` continues.
+RESOURCE_PAGE_CHARS = 6000
+#: Folders never listed as resources (Flue's packaging skips them too).
+SKIPPED_DIRS = frozenset({".git", "node_modules", "dist", "__pycache__"})
+
+NAME = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+Source = Literal["workspace", "configured"]
+
+
+@dataclass(frozen=True)
+class Skill:
+    name: str
+    description: str
+    host_dir: Path
+    """The skill's folder on the host, links resolved."""
+    base_dir: str
+    """The folder as the model can name it: an inside path for workspace skills, else the host path."""
+    source: Source
+    body: str = ""
+    """The instructions (SKILL.md after the frontmatter) as read at discovery."""
+    license: str | None = None
+    compatibility: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    allowed_tools: str | None = None
+
+    def catalog_line(self) -> str:
+        return f"- {self.name}: {' '.join(self.description.split())}"
+
+
+@dataclass
+class Discovery:
+    skills: list[Skill]
+    warnings: list[str]
+
+
+class SkillError(Exception):
+    """Why one skill folder is not a usable skill (becomes a warning)."""
+
+
+# -- discovery ---------------------------------------------------------------------------
+
+
+def discover(machine: Any, config: ToolConfig) -> Discovery:
+    """Every valid skill (sorted by name) and a warning for each folder skipped."""
+    warnings: list[str] = []
+    found: dict[str, Skill] = {}
+    candidates = [*_configured(config, warnings), *_in_workspace(machine, warnings)]
+    for where, load in candidates:
+        try:
+            skill = load()
+        except SkillError as exc:
+            warnings.append(f"skipped skill {where}: {exc}")
+            continue
+        if skill.name in found:
+            warnings.append(
+                f"skipped skill {where}: a skill named {skill.name!r} is already at {found[skill.name].base_dir}"
+            )
+            continue
+        if len(found) >= MAX_SKILLS:
+            warnings.append(f"skipped skill {where}: more than {MAX_SKILLS} skills")
+            continue
+        found[skill.name] = skill
+    return Discovery(sorted(found.values(), key=lambda s: s.name), warnings)
+
+
+def catalog(machine: Any, config: ToolConfig) -> list[Skill]:
+    """The skills to offer (the system prompt's catalog); skipped ones are logged."""
+    found = discover(machine, config)
+    for warning in found.warnings:
+        log.warning("%s", warning)
+    return found.skills
+
+
+def catalog_text(skills: list[Skill]) -> str:
+    """One line per skill, for the system prompt; empty when there are none."""
+    return "\n".join(skill.catalog_line() for skill in skills)
+
+
+Loader = tuple[str, Callable[[], Skill]]
+
+
+def _configured(config: ToolConfig, warnings: list[str]) -> list[Loader]:
+    loaders: list[Loader] = []
+    for folder in config.skill_dirs:
+        root = Path(folder)
+        try:
+            entries = sorted(e.name for e in os.scandir(root) if not e.name.startswith("."))
+        except OSError as exc:
+            warnings.append(f"skill folder {folder} cannot be read: {exc.strerror or exc}")
+            continue
+        for name in entries:
+            directory = root / name
+            if directory.is_dir():
+                loaders.append((str(directory), partial(_load_configured, directory, name)))
+    return loaders
+
+
+def _in_workspace(machine: Any, warnings: list[str]) -> list[Loader]:
+    inside = posixpath.join(machine.root, WORKSPACE_SKILLS_DIR)
+    try:
+        host = machine.host_path(inside)
+        entries = sorted(e.name for e in os.scandir(host) if _maybe_folder(e))
+    except FileNotFoundError:
+        return []
+    except Exception as exc:  # not a folder, a link out of the machine, unreadable
+        warnings.append(f"skill folder {inside} cannot be read: {exc}")
+        return []
+    loaders: list[Loader] = []
+    for name in entries:
+        path = f"{inside}/{name}"
+        loaders.append((path, partial(_load_workspace, machine, path, name)))
+    return loaders
+
+
+def _maybe_folder(entry: os.DirEntry[str]) -> bool:
+    """A skill candidate: a visible folder, or a link (followed later through the path map)."""
+    return not entry.name.startswith(".") and (entry.is_dir(follow_symlinks=False) or entry.is_symlink())
+
+
+def _load_configured(directory: Path, name: str) -> Skill:
+    real = directory.resolve()
+    skill_md = real / SKILL_FILE
+    if not skill_md.resolve().is_relative_to(real):
+        raise SkillError(f"{SKILL_FILE} is a link out of the skill's folder")
+    return _parse(_read_skill_file(skill_md), name, real, str(directory), "configured")
+
+
+def _load_workspace(machine: Any, path: str, name: str) -> Skill:
+    """A workspace skill; paths come resolved (links followed inside the machine) from its path map."""
+    try:
+        host_dir: Path = machine.host_path(path)
+        skill_md: Path = machine.host_path(f"{path}/{SKILL_FILE}")
+    except Exception as exc:  # PathEscape and friends: the machine refused the path
+        raise SkillError(str(exc)) from exc
+    if not host_dir.is_dir():
+        raise SkillError("not a folder")
+    if not skill_md.is_relative_to(host_dir):
+        raise SkillError(f"{SKILL_FILE} is a link out of the skill's folder")
+    return _parse(_read_skill_file(skill_md), name, host_dir, machine.inside_path(host_dir), "workspace")
+
+
+def _read_skill_file(path: Path) -> str:
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise SkillError(f"no {SKILL_FILE}") from None
+    if not stat_mod.S_ISREG(info.st_mode):
+        raise SkillError(f"{SKILL_FILE} is not a regular file")
+    if info.st_size > MAX_SKILL_FILE_BYTES:
+        raise SkillError(f"{SKILL_FILE} is larger than {MAX_SKILL_FILE_BYTES} bytes")
+    try:
+        return path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise SkillError(f"{SKILL_FILE} is not UTF-8 text") from exc
+
+
+def split_frontmatter(text: str) -> tuple[dict[str, Any], str]:
+    """(frontmatter, body) of a SKILL.md; `SkillError` when the frontmatter is missing or not YAML."""
+    lines = text.splitlines(keepends=True)
+    if not lines or lines[0].strip() != "---":
+        raise SkillError(f"{SKILL_FILE} does not start with a --- frontmatter block")
+    end = next((i for i in range(1, len(lines)) if lines[i].strip() == "---"), None)
+    if end is None:
+        raise SkillError(f"{SKILL_FILE}'s frontmatter is not closed by a --- line")
+    try:
+        data = yaml.safe_load("".join(lines[1:end]))
+    except yaml.YAMLError as exc:
+        raise SkillError(f"the frontmatter is not valid YAML: {' '.join(str(exc).split())}") from exc
+    if not isinstance(data, dict):
+        raise SkillError("the frontmatter is not a mapping of fields")
+    return data, "".join(lines[end + 1 :]).strip("\n")
+
+
+def _parse(text: str, folder: str, host_dir: Path, base_dir: str, source: Source) -> Skill:
+    data, body = split_frontmatter(text)
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise SkillError("the frontmatter has no name")
+    if len(name) > MAX_NAME_CHARS or not NAME.fullmatch(name):
+        raise SkillError(
+            f"invalid name {name!r}: use at most {MAX_NAME_CHARS} lowercase letters, digits and single hyphens"
+        )
+    if name != folder:
+        raise SkillError(f"the name {name!r} does not match its folder {folder!r}")
+    description = data.get("description")
+    if not isinstance(description, str) or not description.strip():
+        raise SkillError("the frontmatter has no description")
+    if len(description) > MAX_DESCRIPTION_CHARS:
+        raise SkillError(f"the description is longer than {MAX_DESCRIPTION_CHARS} characters")
+    compatibility = _optional_text(data, "compatibility")
+    if compatibility is not None and len(compatibility) > MAX_COMPATIBILITY_CHARS:
+        raise SkillError(f"compatibility is longer than {MAX_COMPATIBILITY_CHARS} characters")
+    metadata = data.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise SkillError("metadata is not a mapping")
+    return Skill(
+        name=name,
+        description=description.strip(),
+        host_dir=host_dir,
+        base_dir=base_dir,
+        source=source,
+        body=body,
+        license=_optional_text(data, "license"),
+        compatibility=compatibility,
+        metadata={str(k): str(v) for k, v in metadata.items()},
+        allowed_tools=_optional_text(data, "allowed-tools"),
+    )
+
+
+def _optional_text(data: dict[str, Any], key: str) -> str | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
+def resources(machine: Any, skill: Skill) -> list[str]:
+    """The skill's files other than SKILL.md, relative and sorted; links out of the folder left out."""
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(skill.host_dir):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+        for name in filenames:
+            rel = (Path(dirpath) / name).relative_to(skill.host_dir).as_posix()
+            if rel == SKILL_FILE:
+                continue
+            try:
+                locate(machine, skill, rel)
+            except SkillError:
+                continue
+            found.append(rel)
+    return sorted(found)
+
+
+# -- use_skill ---------------------------------------------------------------------------
+
+
+USE_DESCRIPTION = (
+    "Load a skill: returns its instructions, which you then follow to do the task, with the skill's base "
+    "folder and its files (scripts, references, templates). Call it when a skill in the catalog fits the "
+    "task, before starting the work. Read a skill's files with read_skill_resource."
+)
+READ_DESCRIPTION = (
+    "Read a file of a skill (a path relative to the skill's folder, as use_skill lists them). Text only; "
+    f"{RESOURCE_PAGE_CHARS} characters from `offset` per call, and a marker with the nextOffset to continue "
+    "when there is more. Paths cannot leave the skill's folder."
+)
+
+
+class UseSkillParams(BaseModel):
+    name: str = Field(description="The skill's name, as the catalog lists it.")
+
+
+class ReadResourceParams(BaseModel):
+    name: str = Field(description="The skill's name.")
+    path: str = Field(description="The file's path relative to the skill's folder, e.g. `scripts/run.py`.")
+    offset: int = Field(
+        default=0,
+        description="Character offset to start from: 0, or the nextOffset of the last result.",
+        json_schema_extra={"minimum": 0},
+    )
+
+
+def _miss(name: str, skills: list[Skill]) -> ToolResult:
+    available = ", ".join(s.name for s in skills) or "none"
+    return ToolResult.text(f'Skill "{name}" is not available. Available skills: {available}.')
+
+
+def _find(ctx: ToolContext, name: str) -> tuple[Skill | None, list[Skill]]:
+    skills = discover(ctx.machine, ctx.config).skills
+    return next((s for s in skills if s.name == name), None), skills
+
+
+async def run_use_skill(ctx: ToolContext, params: UseSkillParams) -> ToolResult:
+    skill, skills = _find(ctx, params.name.strip())
+    if skill is None:
+        return _miss(params.name, skills)
+    files = resources(ctx.machine, skill)
+    parts = [
+        f'Run the skill named "{skill.name}".',
+        "<skill_instructions>",
+        skill.body,
+        "</skill_instructions>",
+    ]
+    if skill.source == "workspace":
+        parts.append(
+            f"Base directory: {skill.base_dir} (resolve relative paths in the instructions from it)."
+        )
+    else:
+        parts.append(
+            "This skill's files are not inside the machine: read them with read_skill_resource, and write what "
+            "a command needs into the workspace first."
+        )
+    if files:
+        listed = [f"- {rel}" for rel in files[:MAX_RESOURCES_LISTED]]
+        if len(files) > MAX_RESOURCES_LISTED:
+            listed.append(f"- ... and {len(files) - MAX_RESOURCES_LISTED} more files")
+        parts += ["<skill_resources>", *listed, "</skill_resources>"]
+        parts.append(f'Read a file with read_skill_resource {{"name": "{skill.name}", "path": "<path>"}}.')
+    return ToolResult.text("\n".join(parts), skill=skill.name, base_dir=skill.base_dir, resources=files)
+
+
+# -- read_skill_resource -----------------------------------------------------------------
+
+
+async def run_read_resource(ctx: ToolContext, params: ReadResourceParams) -> ToolResult:
+    skill, skills = _find(ctx, params.name.strip())
+    if skill is None:
+        return _miss(params.name, skills)
+    if params.offset < 0:
+        return ToolResult.error(f"offset must be 0 or more, got {params.offset}.")
+    try:
+        host = locate(ctx.machine, skill, params.path)
+        data = _read_resource(host, params.path)
+    except SkillError as exc:
+        return ToolResult.error(str(exc))
+    text = data.decode("utf-8")
+    total = len(text)
+    if params.offset > total or (params.offset == total and total > 0):
+        return ToolResult.error(
+            f"offset {params.offset} is past the end of {params.path} ({total} characters)."
+        )
+    end = min(params.offset + RESOURCE_PAGE_CHARS, total)
+    next_offset = end if end < total else None
+    shown = text[params.offset : end]
+    if next_offset is not None:
+        shown += f"\n\n[Showing characters {params.offset}-{end} of {total}. Use offset={next_offset} to continue.]"
+    return ToolResult.text(
+        shown, skill=skill.name, path=params.path, nextOffset=next_offset, total_chars=total
+    )
+
+
+def locate(machine: Any, skill: Skill, rel: str) -> Path:
+    """The host path of a skill's file, links followed; `SkillError` for anything leaving the skill's folder.
+
+    A workspace skill's path goes through the machine's path map (links are followed as the
+    machine sees them, never out of it); a configured skill's through the host's.
+    """
+    clean = posixpath.normpath(rel.strip()) if rel.strip() else ""
+    if not clean or clean == "." or clean.startswith("/") or clean == ".." or clean.startswith("../"):
+        raise SkillError(
+            f"{rel!r} is not a path inside the skill {skill.name!r}: give a relative path like `scripts/run.py`."
+        )
+    try:
+        if skill.source == "workspace":
+            real: Path = machine.host_path(f"{skill.base_dir}/{clean}")
+        else:
+            real = (skill.host_dir / clean).resolve()
+    except Exception as exc:  # the machine refused the path (a link out of it)
+        raise SkillError(f"{rel!r} cannot be read: {exc}") from exc
+    if not real.is_relative_to(skill.host_dir):
+        raise SkillError(f"{rel!r} leads out of the skill {skill.name!r}; only its own files can be read.")
+    if not real.exists():
+        raise SkillError(f"The skill {skill.name!r} has no file {clean}.")
+    return real
+
+
+def _read_resource(host: Path, rel: str) -> bytes:
+    info = host.stat()
+    if stat_mod.S_ISDIR(info.st_mode):
+        raise SkillError(f"{rel} is a folder; use_skill lists the skill's files.")
+    if not stat_mod.S_ISREG(info.st_mode):
+        raise SkillError(f"{rel} is not a regular file.")
+    if info.st_size > MAX_RESOURCE_BYTES:
+        raise SkillError(f"{rel} is larger than {MAX_RESOURCE_BYTES} bytes.")
+    data = host.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SkillError(
+            f"{rel} is a binary file ({len(data)} bytes); only text files can be read."
+        ) from None
+    if b"\0" in data:
+        raise SkillError(f"{rel} is a binary file ({len(data)} bytes); only text files can be read.")
+    return data
+
+
+USE_SKILL = Tool(
+    name="use_skill",
+    description=USE_DESCRIPTION,
+    params=UseSkillParams,
+    action=Action.META,
+    run=run_use_skill,
+)
+READ_SKILL_RESOURCE = Tool(
+    name="read_skill_resource",
+    description=READ_DESCRIPTION,
+    params=ReadResourceParams,
+    action=Action.META,
+    run=run_read_resource,
+)
+
+TOOLS: dict[str, Tool] = {t.name: t for t in (USE_SKILL, READ_SKILL_RESOURCE)}

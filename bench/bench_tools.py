@@ -1,0 +1,440 @@
+"""Tool-layer figures: `read_file`, `grep` and `bash` through `SessionTools.call`, in one process.
+
+    python bench/bench_tools.py [--quick] [--json out.json]
+
+The tools are the `default` toolset in the full-auto tier, over a live `SandboxMachine`
+(network off) with the stores a session has (a real SQLite file under a temporary AGENTBOX
+home, removed at the end). Each figure is printed beside the raw operation it wraps, and the
+layer in between (workspace, machine) is measured too, so the tool layer's own share shows.
+README.md in this folder explains each figure. Nothing here has a target yet: the issue asks
+for these latencies to be reported, not held to a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from figures import Figure, footer, latency_figure, table, time_calls, write_json
+
+from agentbox.machines.base import ExecRequest
+from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
+from agentbox.store.approvals import ApprovalsRepo
+from agentbox.store.changes import ChangesRepo
+from agentbox.store.db import Database
+from agentbox.store.files import FileStore
+from agentbox.store.todos import TodoRepo
+from agentbox.tools.approvals import Approvals
+from agentbox.tools.base import ToolResult
+from agentbox.tools.changes import ChangeSets
+from agentbox.tools.find import MAX_GREP_COUNTED
+from agentbox.tools.read import MAX_TEXT_BYTES
+from agentbox.tools.runner import SessionTools
+from agentbox.tools.tiers import Tier
+from agentbox.tools.toolsets import toolset
+from agentbox.workspace import files
+from agentbox.workspace import grep as workspace_grep
+from agentbox.workspace.commands import CommandManager
+
+#: Where the temporary AGENTBOX home goes: on disk (not a tmpfs), below parents every uid can
+#: traverse (bwrap resolves the sandbox's bind sources as the sandbox uid). Falls back to $TMPDIR.
+BENCH_PARENT = Path("/var/tmp")
+#: Size of the text file `read_file` reads (it fits one read window, so one call reads it all).
+READ_FILE_BYTES = 4096
+READ_FILE = "/workspace/bench-4k.txt"
+#: The grep tree, inside the sandbox: TREE_FILES small text files in TREE_DIRS folders.
+TREE_DIR = "/workspace/bench-tree"
+TREE_FILES = 1000
+TREE_DIRS = 10
+#: Lines of filler text per tree file (about 1 KiB).
+TREE_FILE_LINES = 16
+#: Files of the tree that hold the needle (one line each), so every grep finds this many matches.
+NEEDLE_FILES = 5
+NEEDLE = "agentbox-bench-needle-7f3a"
+SESSION_ID = "ses_benchtools"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How many times each figure is sampled (full run, or `--quick` for the smoke test)."""
+
+    samples: int = 200
+    warmup: int = 20
+
+
+QUICK = Counts(samples=10, warmup=2)
+
+
+# --- fixtures in the workspace -------------------------------------------------------------------
+
+
+def filler_line(i: int) -> str:
+    return f"line {i:04d}: the quick brown fox jumps over the lazy dog {i * 7919 % 10007:05d}\n"
+
+
+def make_read_file(host: Path) -> None:
+    """READ_FILE_BYTES of plain text lines."""
+    text, i = "", 0
+    while len(text) < READ_FILE_BYTES:
+        text += filler_line(i)
+        i += 1
+    host.write_text(text[:READ_FILE_BYTES])
+
+
+def make_tree(root: Path) -> None:
+    """TREE_FILES files of filler in TREE_DIRS folders; NEEDLE_FILES of them spread over the tree
+    hold one needle line."""
+    holders = {i * TREE_FILES // NEEDLE_FILES for i in range(NEEDLE_FILES)}
+    body = "".join(filler_line(i) for i in range(TREE_FILE_LINES))
+    per_dir = TREE_FILES // TREE_DIRS
+    for d in range(TREE_DIRS):
+        (root / f"d{d:02d}").mkdir(parents=True)
+    for i in range(TREE_FILES):
+        text = body + (f"here is the {NEEDLE} in file {i}\n" if i in holders else "")
+        (root / f"d{i // per_dir:02d}" / f"f{i:04d}.txt").write_text(text)
+
+
+def give_tree(host: Path, owner: tuple[int, int] | None) -> None:
+    """Hand what the bench made in the workspace to the sandbox's user, as the server does."""
+    if owner is None or os.geteuid() != 0:
+        return
+    for folder, dirs, names in os.walk(host):
+        for name in [*dirs, *names]:
+            os.chown(os.path.join(folder, name), *owner)
+
+
+# --- timing --------------------------------------------------------------------------------------
+
+
+async def time_async(
+    call: Callable[[], Awaitable[T]], check: Callable[[T], None], count: int, warmup: int
+) -> list[float]:
+    """Seconds each of `count` awaited calls took after `warmup` untimed ones; every result is
+    checked, outside the timed part."""
+    samples = []
+    for i in range(warmup + count):
+        start = time.perf_counter()
+        result = await call()
+        elapsed = time.perf_counter() - start
+        check(result)
+        if i >= warmup:
+            samples.append(elapsed)
+    return samples
+
+
+def time_checked(call: Callable[[], T], check: Callable[[T], None], count: int, warmup: int) -> list[float]:
+    """`time_calls` of a raw reference, after checking once that it does what the figure claims
+    (it is timed bare: a check per call would weigh on a few-µs operation)."""
+    check(call())
+    return time_calls(call, count, warmup)
+
+
+def ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1000
+
+
+def layered(figure: Figure, **layers: list[float]) -> Figure:
+    """Add the figure's ratio to each layer in between (`extra.ratio_to_<name>`) and their medians."""
+    assert figure.median is not None
+    for name, samples in layers.items():
+        figure.extra[f"ratio_to_{name}"] = figure.median / ms(samples)
+        figure.extra[f"{name}_median_ms"] = ms(samples)
+    return figure
+
+
+def tool_check(expect: str) -> Callable[[ToolResult], None]:
+    def check(result: ToolResult) -> None:
+        if result.is_error or expect not in result.as_text():
+            raise RuntimeError(f"unexpected tool result: {result.as_text()[:500]!r}")
+
+    return check
+
+
+# --- the three tools -----------------------------------------------------------------------------
+
+
+async def read_figures(tools: SessionTools, host: Path, counts: Counts) -> list[Figure]:
+    machine = tools.machine
+    expected = host.read_text()
+    first_line = expected.splitlines()[0]
+
+    def same_text(text: str) -> None:
+        if text != expected:
+            raise RuntimeError("the read returned other text than the file holds")
+
+    def host_read() -> str:
+        with open(host) as f:
+            return f.read()
+
+    raw = time_checked(host_read, same_text, counts.samples, counts.warmup)
+    layer = time_checked(
+        lambda: files.read_text(machine, READ_FILE).content, same_text, counts.samples, counts.warmup
+    )
+    tool = await time_async(
+        lambda: tools.call("read_file", {"path": READ_FILE}),
+        tool_check(first_line),
+        counts.samples,
+        counts.warmup,
+    )
+    raw_seconds = statistics.median(raw)
+    return [
+        latency_figure("host_read_4k", "open().read() 4 KiB host file", raw),
+        latency_figure(
+            "files_read_text_4k",
+            "files.read_text 4 KiB (workspace layer)",
+            layer,
+            raw_label="open().read()",
+            raw_seconds=raw_seconds,
+        ),
+        layered(
+            latency_figure(
+                "tool_read_file_4k",
+                "tool read_file 4 KiB",
+                tool,
+                raw_label="open().read()",
+                raw_seconds=raw_seconds,
+            ),
+            files_read_text=layer,
+        ),
+    ]
+
+
+def rg_argv(host: Path) -> list[str]:
+    """The rg command line the grep tool runs for NEEDLE in `host` (same options, same flags)."""
+    options = workspace_grep.GrepOptions(
+        pattern=NEEDLE, max_results=MAX_GREP_COUNTED, max_file_size=str(MAX_TEXT_BYTES)
+    )
+    return [workspace_grep.rg_binary(), *options.rg_args(host)]
+
+
+async def grep_figures(tools: SessionTools, host: Path, counts: Counts) -> list[Figure]:
+    machine = tools.machine
+    argv = rg_argv(host)
+
+    def rg() -> bytes:
+        env = workspace_grep.RG_ENV
+        return subprocess.run(argv, cwd=host, env=env, capture_output=True, check=True).stdout
+
+    def all_found(out: bytes) -> None:
+        if out.count(b'{"type":"match"') != NEEDLE_FILES:
+            raise RuntimeError(f"rg did not find the needle in {NEEDLE_FILES} files")
+
+    def layer_found(result: workspace_grep.GrepResult) -> None:
+        if result.match_count != NEEDLE_FILES:
+            raise RuntimeError(f"workspace grep found {result.match_count} matches, not {NEEDLE_FILES}")
+
+    def tool_found(result: ToolResult) -> None:
+        tool_check(NEEDLE)(result)
+        if result.data.get("total") != NEEDLE_FILES:
+            raise RuntimeError(f"the grep tool found {result.data.get('total')} matches, not {NEEDLE_FILES}")
+
+    raw = time_checked(rg, all_found, counts.samples, counts.warmup)
+    layer = await time_async(
+        lambda: workspace_grep.grep(
+            machine,
+            TREE_DIR,
+            NEEDLE,
+            max_results=MAX_GREP_COUNTED,
+            max_file_size=MAX_TEXT_BYTES,
+        ),
+        layer_found,
+        counts.samples,
+        counts.warmup,
+    )
+    tool = await time_async(
+        lambda: tools.call("grep", {"pattern": NEEDLE, "path": TREE_DIR}),
+        tool_found,
+        counts.samples,
+        counts.warmup,
+    )
+    raw_seconds = statistics.median(raw)
+    label = f"rg, {TREE_FILES} files"
+    return [
+        latency_figure(
+            "rg_tree", f"rg --json --sort path, {TREE_FILES}-file tree", raw, extra={"argv": argv}
+        ),
+        latency_figure(
+            "grep_tree",
+            f"workspace grep, {TREE_FILES}-file tree",
+            layer,
+            raw_label=label,
+            raw_seconds=raw_seconds,
+        ),
+        layered(
+            latency_figure(
+                "tool_grep_tree",
+                f"tool grep, {TREE_FILES}-file tree",
+                tool,
+                raw_label=label,
+                raw_seconds=raw_seconds,
+            ),
+            workspace_grep=layer,
+        ),
+    ]
+
+
+def bare_spawn() -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["sh", "-c", "true"])
+
+
+def exited_0(result: Any) -> None:
+    code = getattr(result, "exit_code", getattr(result, "returncode", None))
+    if code != 0:
+        raise RuntimeError(f"`true` exited {code}")
+
+
+async def bash_figures(tools: SessionTools, counts: Counts) -> list[Figure]:
+    machine = tools.machine
+    manager = CommandManager(machine)
+    raw = time_checked(bare_spawn, exited_0, counts.samples, counts.warmup)
+    exec_samples = await time_async(
+        lambda: machine.exec(ExecRequest("true")), exited_0, counts.samples, counts.warmup
+    )
+    try:
+        run_samples = await time_async(lambda: manager.run("true"), exited_0, counts.samples, counts.warmup)
+    finally:
+        await manager.close()
+    tool = await time_async(
+        lambda: tools.call("bash", {"command": "true"}),
+        tool_check("(no output)"),
+        counts.samples,
+        counts.warmup,
+    )
+    raw_seconds = statistics.median(raw)
+    spawn = "sh -c true (subprocess.run)"
+    return [
+        latency_figure("bare_spawn", f"bare spawn {spawn}", raw),
+        latency_figure(
+            "machine_exec_true",
+            "machine.exec(ExecRequest('true')) (machine layer)",
+            exec_samples,
+            raw_label="bare spawn",
+            raw_seconds=raw_seconds,
+        ),
+        latency_figure(
+            "commands_run_true",
+            "CommandManager.run('true') (workspace layer)",
+            run_samples,
+            raw_label="bare spawn",
+            raw_seconds=raw_seconds,
+        ),
+        layered(
+            latency_figure(
+                "tool_bash_true",
+                "tool bash true",
+                tool,
+                raw_label="bare spawn",
+                raw_seconds=raw_seconds,
+            ),
+            machine_exec=exec_samples,
+            commands_run=run_samples,
+        ),
+    ]
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def layer_notes(figures: list[Figure]) -> list[str]:
+    """One line per tool: its median as a multiple of each layer below it."""
+    notes = []
+    for f in figures:
+        ratios = {k.removeprefix("ratio_to_"): v for k, v in f.extra.items() if k.startswith("ratio_to_")}
+        if ratios:
+            parts = ", ".join(f"{v:.2f}x {k}" for k, v in ratios.items())
+            notes.append(f"{f.key}: {parts}")
+    return notes
+
+
+async def run(counts: Counts, root: Path) -> tuple[list[Figure], dict[str, object]]:
+    host = SandboxHost(root)
+    sid = f"sbx_benchtools{secrets.token_hex(3)}"
+    machine = SandboxMachine(
+        "sandbox",
+        sid,
+        host,
+        SandboxConfig(network=False),
+        root / "sessions" / sid / "workspace",
+        root / "sessions" / sid / "run",
+    )
+    details: dict[str, object] = {
+        "counts": counts.__dict__,
+        "tier": str(Tier.FULL_AUTO),
+        "toolset": "default",
+        "tree_files": TREE_FILES,
+        "needle_files": NEEDLE_FILES,
+        "read_file_bytes": READ_FILE_BYTES,
+    }
+    try:
+        await machine.start()
+        workspace = Path(machine.host_path("/workspace"))
+        make_read_file(Path(machine.host_path(READ_FILE, write=True)))
+        make_tree(Path(machine.host_path(TREE_DIR, write=True)))
+        give_tree(workspace, machine.default_owner())
+        async with Database.in_home(root) as db:
+            tools = SessionTools(
+                machine=machine,
+                session_id=SESSION_ID,
+                tier=Tier.FULL_AUTO,
+                toolset=toolset("default"),
+                changes=ChangeSets(ChangesRepo(db)),
+                approvals=Approvals(ApprovalsRepo(db)),
+                todos=TodoRepo(db),
+                files=FileStore(db, root),
+            )
+            figures = await read_figures(tools, Path(machine.host_path(READ_FILE)), counts)
+            figures += await grep_figures(tools, Path(machine.host_path(TREE_DIR)), counts)
+            figures += await bash_figures(tools, counts)
+    finally:
+        await machine.stop()
+    return figures, details
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny counts: checks the script runs, measures little"
+    )
+    parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    counts = QUICK if args.quick else Counts()
+    parent = BENCH_PARENT if BENCH_PARENT.is_dir() else None
+    tmp = Path(tempfile.mkdtemp(prefix="agentbox-bench-tools-", dir=parent))
+    os.chmod(tmp, 0o755)  # the sandbox uid must reach its directories below
+    started = time.perf_counter()
+    try:
+        figures, details = asyncio.run(run(counts, tmp / "home"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    notes = layer_notes(figures)
+    print(table(figures))
+    for note in notes:
+        print(note)
+    print(footer(time.perf_counter() - started))
+    if args.json:
+        write_json(args.json, "bench_tools", args.quick, figures, notes=notes, **details)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The bench scripts still run: each, with `--quick`, exits 0 and writes the figures it promises.
+
+Only the shape of the output is checked, never a number: performance is measured by
+`bench/`, not asserted here (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+#: Seconds one `--quick` run may take (the full runs take about three minutes each).
+QUICK_RUN_TIMEOUT = 240
+
+SANDBOX_FIGURES = {
+    "bare_spawn",
+    "asyncio_spawn",
+    "exec_true_layer_on",
+    "exec_true_layer_off",
+    "bwrap_oneshot",
+    "cold_start_net_off_layer_on",
+    "cold_start_net_off_layer_off",
+    "cold_start_net_on_layer_on",
+    "cold_start_net_on_layer_off",
+    "agent_alone_rss",
+    "idle_rss_net_off",
+    "idle_pss_net_off",
+    "idle_total_net_off",
+    "idle_rss_net_on",
+    "idle_pss_net_on",
+    "idle_total_net_on",
+}
+API_FIGURES = {
+    "bare_spawn",
+    "api_first_command",
+    "api_exec_true",
+    "api_fs_write_1k",
+    "api_fs_read_1k",
+    "api_watch_host_write",
+    "api_watch_sandbox_write",
+    "api_grep_tree",
+    "rg_plain_tree",
+    "api_exec_16_clients_throughput",
+    "api_exec_16_clients_latency",
+}
+FIGURE_FIELDS = {
+    "key",
+    "label",
+    "unit",
+    "median",
+    "p95",
+    "raw",
+    "raw_label",
+    "ratio",
+    "target",
+    "met",
+    "samples",
+}
+
+
+def run_quick(script: str, out: Path, *extra: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick", "--json", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=QUICK_RUN_TIMEOUT,
+    )
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "operation" in proc.stdout  # the table was printed
+    return dict(json.loads(out.read_text()))
+
+
+def check_figures(document: dict[str, Any], expected: set[str], script: str) -> None:
+    assert document["script"] == script
+    assert document["quick"] is True
+    figures = document["figures"]
+    assert expected <= set(figures), f"missing figures: {sorted(expected - set(figures))}"
+    for key, figure in figures.items():
+        assert set(figure) >= FIGURE_FIELDS, key
+        assert figure["key"] == key
+        assert isinstance(figure["median"], int | float), key
+        if figure["raw"] is not None:
+            assert isinstance(figure["ratio"], int | float), key
+        if figure["target"] is not None:
+            assert isinstance(figure["met"], bool), key
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_sandbox_quick(tmp_path: Path) -> None:
+    document = run_quick(
+        "bench_sandbox.py", tmp_path / "sandbox.json", "--sandboxes", "2", "--sandboxes-net", "1"
+    )
+    check_figures(document, SANDBOX_FIGURES, "bench_sandbox")
+    assert document["figures"]["idle_rss_net_off"]["samples"] == 2
+    assert document["figures"]["idle_rss_net_on"]["samples"] == 1
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_api_quick(tmp_path: Path) -> None:
+    document = run_quick("bench_api.py", tmp_path / "api.json")
+    check_figures(document, API_FIGURES, "bench_api")
+    assert document["missing_routes"] == []
