@@ -29,6 +29,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def bind_refusal(host: str, api_key: str | None, insecure: bool) -> str | None:
+    """Why serving on `host` is refused: an unauthenticated API beyond loopback."""
+    if is_loopback(host) or api_key or insecure:
+        return None
+    return (
+        f"refusing to bind {host} without an API key: set AGENTBOX_API_KEY (or api_key in agentbox.toml), "
+        "or pass --insecure"
+    )
+
+
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
@@ -42,12 +52,9 @@ def serve(
     from agentbox.api.app import create_app
 
     settings = config_mod.load()
-    if not is_loopback(host) and not settings.api_key and not insecure:
-        typer.echo(
-            f"refusing to bind {host} without an API key: set AGENTBOX_API_KEY (or api_key in agentbox.toml), "
-            "or pass --insecure",
-            err=True,
-        )
+    refusal = bind_refusal(host, settings.api_key, insecure)
+    if refusal:
+        typer.echo(refusal, err=True)
         raise typer.Exit(2)
     typer.echo(f"agentbox serving on http://{host}:{port} (home {settings.home})", err=True)
     uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
