@@ -22,12 +22,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from figures import Figure, footer, latency_figure, table, time_calls, write_json
+from figures import Figure, footer, latency_figure, table, write_json
 
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
@@ -64,8 +64,6 @@ TREE_FILE_LINES = 16
 NEEDLE_FILES = 5
 NEEDLE = "agentbox-bench-needle-7f3a"
 SESSION_ID = "ses_benchtools"
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -120,27 +118,34 @@ def give_tree(host: Path, owner: tuple[int, int] | None) -> None:
 # --- timing --------------------------------------------------------------------------------------
 
 
-async def time_async(
-    call: Callable[[], Awaitable[T]], check: Callable[[T], None], count: int, warmup: int
-) -> list[float]:
-    """Seconds each of `count` awaited calls took after `warmup` untimed ones; every result is
-    checked, outside the timed part."""
-    samples = []
+@dataclass
+class Timed:
+    """One operation timed in rounds: how to call it, how to check what it returned, its samples."""
+
+    call: Callable[[], Any]
+    check: Callable[[Any], None]
+    awaited: bool = False
+    """`call` returns an awaitable; the await is part of the timed call."""
+    samples: list[float] = field(default_factory=list)
+
+
+async def rounds(ops: Sequence[Timed], count: int, warmup: int) -> None:
+    """Call each op once per round, in turn, for `warmup` untimed and `count` timed rounds.
+
+    Interleaved rather than one op after the other, so a burst of load on the shared host
+    weighs on a tool and its references alike and the ratios stay fair. Every result is
+    checked, outside the timed part.
+    """
     for i in range(warmup + count):
-        start = time.perf_counter()
-        result = await call()
-        elapsed = time.perf_counter() - start
-        check(result)
-        if i >= warmup:
-            samples.append(elapsed)
-    return samples
-
-
-def time_checked(call: Callable[[], T], check: Callable[[T], None], count: int, warmup: int) -> list[float]:
-    """`time_calls` of a raw reference, after checking once that it does what the figure claims
-    (it is timed bare: a check per call would weigh on a few-µs operation)."""
-    check(call())
-    return time_calls(call, count, warmup)
+        for op in ops:
+            start = time.perf_counter()
+            result = op.call()
+            if op.awaited:
+                result = await result
+            elapsed = time.perf_counter() - start
+            op.check(result)
+            if i >= warmup:
+                op.samples.append(elapsed)
 
 
 def ms(samples: list[float]) -> float:
@@ -180,23 +185,17 @@ async def read_figures(tools: SessionTools, host: Path, counts: Counts) -> list[
         with open(host) as f:
             return f.read()
 
-    raw = time_checked(host_read, same_text, counts.samples, counts.warmup)
-    layer = time_checked(
-        lambda: files.read_text(machine, READ_FILE).content, same_text, counts.samples, counts.warmup
-    )
-    tool = await time_async(
-        lambda: tools.call("read_file", {"path": READ_FILE}),
-        tool_check(first_line),
-        counts.samples,
-        counts.warmup,
-    )
-    raw_seconds = statistics.median(raw)
+    raw = Timed(host_read, same_text)
+    layer = Timed(lambda: files.read_text(machine, READ_FILE).content, same_text)
+    tool = Timed(lambda: tools.call("read_file", {"path": READ_FILE}), tool_check(first_line), awaited=True)
+    await rounds((raw, layer, tool), counts.samples, counts.warmup)
+    raw_seconds = statistics.median(raw.samples)
     return [
-        latency_figure("host_read_4k", "open().read() 4 KiB host file", raw),
+        latency_figure("host_read_4k", "open().read() 4 KiB host file", raw.samples),
         latency_figure(
             "files_read_text_4k",
             "files.read_text 4 KiB (workspace layer)",
-            layer,
+            layer.samples,
             raw_label="open().read()",
             raw_seconds=raw_seconds,
         ),
@@ -204,11 +203,11 @@ async def read_figures(tools: SessionTools, host: Path, counts: Counts) -> list[
             latency_figure(
                 "tool_read_file_4k",
                 "tool read_file 4 KiB",
-                tool,
+                tool.samples,
                 raw_label="open().read()",
                 raw_seconds=raw_seconds,
             ),
-            files_read_text=layer,
+            files_read_text=layer.samples,
         ),
     ]
 
@@ -242,35 +241,26 @@ async def grep_figures(tools: SessionTools, host: Path, counts: Counts) -> list[
         if result.data.get("total") != NEEDLE_FILES:
             raise RuntimeError(f"the grep tool found {result.data.get('total')} matches, not {NEEDLE_FILES}")
 
-    raw = time_checked(rg, all_found, counts.samples, counts.warmup)
-    layer = await time_async(
+    raw = Timed(rg, all_found)
+    layer = Timed(
         lambda: workspace_grep.grep(
-            machine,
-            TREE_DIR,
-            NEEDLE,
-            max_results=MAX_GREP_COUNTED,
-            max_file_size=MAX_TEXT_BYTES,
+            machine, TREE_DIR, NEEDLE, max_results=MAX_GREP_COUNTED, max_file_size=MAX_TEXT_BYTES
         ),
         layer_found,
-        counts.samples,
-        counts.warmup,
+        awaited=True,
     )
-    tool = await time_async(
-        lambda: tools.call("grep", {"pattern": NEEDLE, "path": TREE_DIR}),
-        tool_found,
-        counts.samples,
-        counts.warmup,
-    )
-    raw_seconds = statistics.median(raw)
+    tool = Timed(lambda: tools.call("grep", {"pattern": NEEDLE, "path": TREE_DIR}), tool_found, awaited=True)
+    await rounds((raw, layer, tool), counts.samples, counts.warmup)
+    raw_seconds = statistics.median(raw.samples)
     label = f"rg, {TREE_FILES} files"
     return [
         latency_figure(
-            "rg_tree", f"rg --json --sort path, {TREE_FILES}-file tree", raw, extra={"argv": argv}
+            "rg_tree", f"rg --json --sort path, {TREE_FILES}-file tree", raw.samples, extra={"argv": argv}
         ),
         latency_figure(
             "grep_tree",
             f"workspace grep, {TREE_FILES}-file tree",
-            layer,
+            layer.samples,
             raw_label=label,
             raw_seconds=raw_seconds,
         ),
@@ -278,11 +268,11 @@ async def grep_figures(tools: SessionTools, host: Path, counts: Counts) -> list[
             latency_figure(
                 "tool_grep_tree",
                 f"tool grep, {TREE_FILES}-file tree",
-                tool,
+                tool.samples,
                 raw_label=label,
                 raw_seconds=raw_seconds,
             ),
-            workspace_grep=layer,
+            workspace_grep=layer.samples,
         ),
     ]
 
@@ -300,35 +290,29 @@ def exited_0(result: Any) -> None:
 async def bash_figures(tools: SessionTools, counts: Counts) -> list[Figure]:
     machine = tools.machine
     manager = CommandManager(machine)
-    raw = time_checked(bare_spawn, exited_0, counts.samples, counts.warmup)
-    exec_samples = await time_async(
-        lambda: machine.exec(ExecRequest("true")), exited_0, counts.samples, counts.warmup
-    )
+    raw = Timed(bare_spawn, exited_0)
+    layer = Timed(lambda: machine.exec(ExecRequest("true")), exited_0, awaited=True)
+    commands = Timed(lambda: manager.run("true"), exited_0, awaited=True)
+    tool = Timed(lambda: tools.call("bash", {"command": "true"}), tool_check("(no output)"), awaited=True)
     try:
-        run_samples = await time_async(lambda: manager.run("true"), exited_0, counts.samples, counts.warmup)
+        await rounds((raw, layer, commands, tool), counts.samples, counts.warmup)
     finally:
         await manager.close()
-    tool = await time_async(
-        lambda: tools.call("bash", {"command": "true"}),
-        tool_check("(no output)"),
-        counts.samples,
-        counts.warmup,
-    )
-    raw_seconds = statistics.median(raw)
+    raw_seconds = statistics.median(raw.samples)
     spawn = "sh -c true (subprocess.run)"
     return [
-        latency_figure("bare_spawn", f"bare spawn {spawn}", raw),
+        latency_figure("bare_spawn", f"bare spawn {spawn}", raw.samples),
         latency_figure(
             "machine_exec_true",
             "machine.exec(ExecRequest('true')) (machine layer)",
-            exec_samples,
+            layer.samples,
             raw_label="bare spawn",
             raw_seconds=raw_seconds,
         ),
         latency_figure(
             "commands_run_true",
             "CommandManager.run('true') (workspace layer)",
-            run_samples,
+            commands.samples,
             raw_label="bare spawn",
             raw_seconds=raw_seconds,
         ),
@@ -336,12 +320,12 @@ async def bash_figures(tools: SessionTools, counts: Counts) -> list[Figure]:
             latency_figure(
                 "tool_bash_true",
                 "tool bash true",
-                tool,
+                tool.samples,
                 raw_label="bare spawn",
                 raw_seconds=raw_seconds,
             ),
-            machine_exec=exec_samples,
-            commands_run=run_samples,
+            machine_exec=layer.samples,
+            commands_run=commands.samples,
         ),
     ]
 

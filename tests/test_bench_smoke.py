@@ -49,6 +49,24 @@ API_FIGURES = {
     "api_exec_16_clients_throughput",
     "api_exec_16_clients_latency",
 }
+TOOLS_FIGURES = {
+    "host_read_4k",
+    "files_read_text_4k",
+    "tool_read_file_4k",
+    "rg_tree",
+    "grep_tree",
+    "tool_grep_tree",
+    "bare_spawn",
+    "machine_exec_true",
+    "commands_run_true",
+    "tool_bash_true",
+}
+#: Each tool row's ratios to the layers it calls (`extra.ratio_to_<layer>`).
+TOOLS_LAYER_RATIOS = {
+    "tool_read_file_4k": {"ratio_to_files_read_text"},
+    "tool_grep_tree": {"ratio_to_workspace_grep"},
+    "tool_bash_true": {"ratio_to_machine_exec", "ratio_to_commands_run"},
+}
 FIGURE_FIELDS = {
     "key",
     "label",
@@ -106,3 +124,14 @@ def test_bench_api_quick(tmp_path: Path) -> None:
     document = run_quick("bench_api.py", tmp_path / "api.json")
     check_figures(document, API_FIGURES, "bench_api")
     assert document["missing_routes"] == []
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_tools_quick(tmp_path: Path) -> None:
+    document = run_quick("bench_tools.py", tmp_path / "tools.json")
+    check_figures(document, TOOLS_FIGURES, "bench_tools")
+    assert document["toolset"] == "default" and document["tier"] == "full-auto"
+    for key, ratios in TOOLS_LAYER_RATIOS.items():
+        extra = document["figures"][key]["extra"]
+        assert ratios <= set(extra), f"{key}: missing {sorted(ratios - set(extra))}"
+        assert all(isinstance(extra[r], int | float) for r in ratios), key
