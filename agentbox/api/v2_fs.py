@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import mimetypes
+import os
 import posixpath
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from email.utils import formatdate
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 from urllib.parse import quote
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
@@ -164,9 +165,7 @@ async def write(request: Request, sandbox: CurrentSandbox, user: UserQuery = Non
         trailing_newline=body.trailing_newline,
         path=body.path,
     )
-    result = await run_in_threadpool(
-        files.write_file, machine, body.path, data, append=body.append, user=user
-    )
+    result = await offload(len(data), files.write_file, machine, body.path, data, append=body.append, user=user)
     return ok(data_of(result))
 
 
@@ -296,8 +295,29 @@ async def read(
 ) -> JSONResponse:
     machine = host_machine(sandbox)
     check_user(machine, user, "read", path)
-    result = await run_in_threadpool(files.read_text, machine, path, start_line, end_line)
+    result = await offload(size_of(machine, path), files.read_text, machine, path, start_line, end_line)
     return ok(data_of(result))
+
+
+#: Files up to this size are read or written on the event loop: a thread hop costs more.
+INLINE_IO_BYTES = 64 * 1024
+
+T = TypeVar("T")
+
+
+async def offload(size: int | None, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run small file work inline and anything larger (or of unknown size) in a thread."""
+    if size is not None and size <= INLINE_IO_BYTES:
+        return fn(*args, **kwargs)
+    return await run_in_threadpool(fn, *args, **kwargs)
+
+
+def size_of(machine: Any, path: str) -> int | None:
+    """The file's size if it is cheap to tell; None sends the real operation (and its errors) to a thread."""
+    try:
+        return int(os.stat(machine.host_path(path)).st_size)
+    except Exception:
+        return None
 
 
 @router.get("/v2/fs/download", response_class=StreamingResponse)

@@ -46,6 +46,8 @@ DEFAULT_SESSION = "default"
 #: The highest permission level; internal callers (the operator's API) have it.
 MAX_LEVEL = 10
 ACTIVITY_FILE = ".last_active"
+#: Seconds between two updates of a session's activity file (its mtime drives the purge).
+ACTIVITY_RESOLUTION = 60.0
 
 EnvProvider = Callable[[str, str | None], dict[str, str]]
 
@@ -72,6 +74,8 @@ class Entry:
     state: str = "running"
     generation: int = 1
     """How many lifetimes this instance has had: 1 = created, more = rebuilt."""
+    touched: float = float("-inf")
+    """When the activity file was last updated (monotonic)."""
 
 
 class Registry:
@@ -228,11 +232,15 @@ class Registry:
         return getattr(marker, "sandbox_id", None) if marker is not None else None
 
     def _touch(self, entry: Entry) -> None:
-        if entry.session_id is not None:
-            with contextlib.suppress(OSError):
-                path = self.session_dir(entry.session_id) / ACTIVITY_FILE
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.touch()
+        """Mark the session active (for the purge), at most once per ACTIVITY_RESOLUTION."""
+        now = time.monotonic()
+        if entry.session_id is None or now - entry.touched < ACTIVITY_RESOLUTION:
+            return
+        entry.touched = now
+        with contextlib.suppress(OSError):
+            path = self.session_dir(entry.session_id) / ACTIVITY_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
 
     # lifecycle --------------------------------------------------------------------------
 
