@@ -1,0 +1,238 @@
+"""The turn loop: ask the model, run the tools it asks for, show it the results, until it stops.
+
+Shaped like mini-swe-agent's `DefaultAgent`: `run` → `step` → `query` → `execute_actions` →
+`observe`, each a few lines. Durability is explicit, named steps around the two things that
+can be lost in a crash (C6.5 of the session API notes, Flue's write-ahead discipline):
+
+    open_reply      before the model call: an assistant row `streaming` (a crash leaves it;
+                    recovery closes it as aborted, Flue's "ghost stream")
+    record_reply    after it: the reply, `agent.message`, every `agent.tool_use` and
+                    `model.usage`, in one transaction, BEFORE any tool runs
+    record_result   after each tool: the result row and `agent.tool_result` (first write
+                    wins: a recorded result is never replaced, its call never re-run)
+
+Every write is fenced by the turn being open, so an aborted turn gets no more events.
+
+Control flow by exception type (mini-swe-agent): tool errors are results the model reads;
+what ends the turn is a `TurnEnded`:
+
+    TurnEnded
+    ├── Completed   stop_reason `end_turn` (a reply without tool calls) or `max_steps`
+    └── Failed      error {type, message, retryable}: a model error after its retries, a
+                    failed script expectation, an input placement failure (`internal_error`)
+
+Abort is cancellation: the worker cancels the task running `run`; the store settles what
+the turn left open. Model errors that may pass (rate limits, overload) are retried
+`model_retries` times, each visible as `session.error`; each retry is a new model call (so
+a scripted retry consumes the next step). Backoff delays come with the runtime issue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agentbox.agent.events import EventBus
+from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, Reply, ToolCall, ToolSpec
+from agentbox.store.sessions import Event, Message, NewEvent, SessionStore, Turn
+from agentbox.tools.base import ToolResult
+
+#: Model calls one turn may make before it ends with stop_reason `max_steps` (work is kept).
+MAX_STEPS = 50
+#: Extra tries of a model call that failed with a retryable error, before the turn fails.
+MODEL_RETRIES = 1
+
+
+class TurnEnded(Exception):
+    pass
+
+
+class Completed(TurnEnded):
+    def __init__(self, stop_reason: str) -> None:
+        super().__init__(stop_reason)
+        self.stop_reason = stop_reason
+
+
+class Failed(TurnEnded):
+    def __init__(self, error_type: str, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.error = {"type": error_type, "message": message, "retryable": retryable}
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    max_steps: int = MAX_STEPS
+    """Model calls per turn (`MAX_STEPS`)."""
+    model_retries: int = MODEL_RETRIES
+    """Retries of a retryable model error (`MODEL_RETRIES`)."""
+
+
+class ToolHost(Protocol):
+    """The session's tools as the loop needs them (the worker adapts `SessionTools`)."""
+
+    def specs(self) -> list[ToolSpec]: ...
+
+    def permission(self, name: str) -> str:
+        """How the tier treats a call: allow | ask | stage | forbid | unknown."""
+        ...
+
+    def read_only(self, name: str) -> bool:
+        """Whether re-running the tool is harmless (recovery may re-run it)."""
+        ...
+
+    async def call(self, call: ToolCall) -> ToolResult: ...
+
+
+class TurnLoop:
+    def __init__(
+        self,
+        store: SessionStore,
+        bus: EventBus,
+        model: Model,
+        tools: ToolHost,
+        turn: Turn,
+        *,
+        system: str = "",
+        config: LoopConfig | None = None,
+    ) -> None:
+        self.store, self.bus, self.model, self.tools, self.turn = store, bus, model, tools, turn
+        self.system = system
+        self.config = config or LoopConfig()
+        self.steps = 0
+
+    async def run(self) -> TurnEnded:
+        """Steps until the turn ends; how it ended (cancellation, i.e. abort, propagates)."""
+        try:
+            while True:
+                await self.step()
+        except TurnEnded as end:
+            return end
+
+    async def step(self) -> None:
+        if self.steps >= self.config.max_steps:
+            raise Completed("max_steps")
+        self.steps += 1
+        reply = await self.query()
+        if not reply.tool_calls:
+            raise Completed("end_turn")
+        await self.execute_actions(reply.tool_calls)
+
+    async def query(self) -> Reply:
+        """One model reply, retried on retryable errors; recorded before it is returned."""
+        for attempt in range(1, self.config.model_retries + 2):
+            request = await self.observe()
+            message_id = await self.store.open_reply(self.turn.id)
+            started = time.monotonic()
+            try:
+                reply = await self.model.query(request)
+            except ModelError as exc:
+                await self.record_model_error(message_id, exc, attempt)
+                if not exc.retryable or attempt > self.config.model_retries:
+                    raise Failed(exc.error_type, str(exc), exc.retryable) from exc
+                continue
+            await self.record_reply(message_id, reply, time.monotonic() - started)
+            return reply
+        raise AssertionError("unreachable: the last attempt raises")
+
+    async def observe(self) -> ModelRequest:
+        """The model's view: the recorded conversation (the only source, also after a restart)."""
+        transcript = await self.store.transcript(self.turn.session_id)
+        calls = sum(1 for m in transcript if m.role == "assistant")
+        return ModelRequest(self.system, conversation(transcript), self.tools.specs(), call_index=calls)
+
+    async def execute_actions(self, calls: Sequence[ToolCall]) -> None:
+        """Run each call in order and record its result (calls already answered are skipped)."""
+        answered = {
+            m.tool_use_id for m in await self.store.transcript(self.turn.session_id) if m.role == "tool"
+        }
+        for call in calls:
+            if call.id not in answered:
+                await self.execute_action(call)
+
+    async def execute_action(self, call: ToolCall) -> None:
+        result = await self.tools.call(call)
+        await self.record_result(call, result)
+
+    # ---------------------------------------------------------------- durable steps
+
+    async def record_reply(self, message_id: int, reply: Reply, seconds: float) -> None:
+        events = []
+        if reply.text:
+            events.append(NewEvent("agent.message", {"content": [{"type": "text", "text": reply.text}]}))
+        for call in reply.tool_calls:
+            events.append(NewEvent("agent.tool_use", {
+                "tool_use_id": call.id, "name": call.name, "input": call.input,
+                "permission": self.tools.permission(call.name),
+            }))  # fmt: skip
+        events.append(NewEvent("model.usage", {
+            "model": self.model.name, "input_tokens": reply.usage.input_tokens,
+            "output_tokens": reply.usage.output_tokens, "latency_ms": round(seconds * 1000),
+        }))  # fmt: skip
+        content = {
+            "text": reply.text,
+            "tool_calls": [{"id": c.id, "name": c.name, "input": c.input} for c in reply.tool_calls],
+        }
+        await self.publish(self.store.close_reply(message_id, "complete", content, events))
+
+    async def record_model_error(self, message_id: int, exc: ModelError, attempt: int) -> None:
+        error = {"type": exc.error_type, "message": str(exc), "retryable": exc.retryable}
+        data: dict[str, Any] = {"error": error}
+        if exc.retryable:
+            data["retry"] = {"attempt": attempt, "max": self.config.model_retries + 1, "delay_ms": 0}
+        events = [NewEvent("session.error", data)]
+        await self.publish(self.store.close_reply(message_id, "error", {"error": error}, events))
+
+    async def record_result(self, call: ToolCall, result: ToolResult) -> None:
+        await self.publish(self.store.add_tool_result(
+            self.turn.id, call.id, call.name, result.as_text(), result.is_error, side_events(result),
+        ))  # fmt: skip
+
+    async def publish(self, write: Awaitable[list[Event]]) -> list[Event]:
+        """Await a store write, then publish what it committed."""
+        events = await write
+        self.bus.publish(events)
+        return events
+
+
+def side_events(result: ToolResult) -> list[NewEvent]:
+    """Events a tool result implies: a staged change set, delivered files."""
+    events = []
+    if result.data.get("change_set_id"):
+        events.append(NewEvent("change_set.updated", {
+            "change_set_id": result.data["change_set_id"],
+            "operations": result.data.get("operations", []),
+        }))  # fmt: skip
+    for record in result.data.get("files") or []:
+        if isinstance(record, dict) and {"id", "filename", "bytes"} <= record.keys():
+            events.append(NewEvent("file.delivered", {
+                "file_id": record["id"], "filename": record["filename"], "bytes": record["bytes"],
+            }))  # fmt: skip
+    return events
+
+
+def conversation(transcript: Sequence[Message]) -> list[ChatMessage]:
+    """The recorded rows as model messages; replies that never completed are left out."""
+    messages = []
+    for m in transcript:
+        if m.role == "user":
+            messages.append(ChatMessage("user", user_text(m.content)))
+        elif m.role == "assistant" and m.status == "complete":
+            calls = [ToolCall(c["id"], c["name"], c["input"]) for c in m.content.get("tool_calls", [])]
+            messages.append(ChatMessage("assistant", m.content.get("text", ""), calls))
+        elif m.role == "tool":
+            c = m.content
+            messages.append(
+                ChatMessage("tool", c["content"], tool_use_id=c["tool_use_id"], is_error=c["is_error"])
+            )
+    return messages
+
+
+def user_text(content: dict[str, Any]) -> str:
+    """The user's words, with where their files were placed (seed 000: /workspace/inputs)."""
+    text = str(content.get("text", ""))
+    placed = content.get("placed") or []
+    if placed:
+        text += "\n\nAttached files:\n" + "\n".join(f"- {p['path']}" for p in placed)
+    return text

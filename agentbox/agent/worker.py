@@ -1,0 +1,479 @@
+"""Running sessions' turns: per session one at a time in FIFO order, abortable, recovered on start.
+
+The `Worker` is what the sessions HTTP API calls: it accepts messages (a committed turn
+before it returns), wakes the session's drain task, aborts, and after a restart converges
+and classifies every open turn (Flue's recovery, a.9) before acting on it.
+
+FIFO: each session has at most one drain task, which takes the first open turn, runs it to
+its end, and takes the next. A message that arrives while a turn runs is queued as its own
+turn (we do not join it into the running turn at a step boundary, as Flue can).
+
+Abort: a queued turn (or one with no live task, e.g. awaiting approval after a restart) is
+finished `aborted` at once. A running turn's task is cancelled (a hanging model call, a
+waiting approval and a running command all unblock), then the turn is finished `aborted`;
+if it completed first, that stands: `finish` is conditional, so abort and completion racing
+leave exactly one terminal event. A task that ignores cancellation for `ABORT_GRACE_S` is
+finished anyway; the store's fence keeps it from writing after that.
+
+Recovery on start, per open turn, in FIFO order. First converge (a reply left `streaming`
+by the dead process becomes `aborted`), then classify and act by `RECOVERY`:
+
+    state               meaning                                        action
+    queued              never started                                   start
+    awaiting_approval   a tool call waits for the user                  wait (left as it is)
+    input_only          started, no complete reply yet                  continue (query the model)
+    tool_results        the last reply's tool calls all have results    continue
+    tools_unresolved    some of its calls have no result                repair, then continue
+    replied             the last reply had no tool calls                complete (end_turn)
+
+Repair keeps recorded results (never re-run), re-runs read-only tools, and gives every other
+unresolved call the "interrupted, outcome unknown" result. A shutdown (`close`) cancels
+tasks without finishing their turns: the next start recovers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentbox.agent.events import EventBus
+from agentbox.agent.inputs import PlacementError, place_inputs
+from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop
+from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, ToolSpec, check_script
+from agentbox.machines.registry import Entry, Registry
+from agentbox.store.approvals import Approval
+from agentbox.store.files import FileStore
+from agentbox.store.sessions import (
+    INTERRUPTED,
+    Event,
+    Message,
+    NewEvent,
+    Session,
+    SessionNotFound,
+    SessionStore,
+    Submission,
+    Turn,
+    TurnClosed,
+)
+from agentbox.store.todos import TodoRepo
+from agentbox.tools.approvals import Approvals, EventKind
+from agentbox.tools.base import ToolResult
+from agentbox.tools.changes import ChangeSets
+from agentbox.tools.runner import SessionTools
+from agentbox.tools.tiers import Tier, decide
+from agentbox.tools.toolsets import TOOLSETS, toolset
+
+log = logging.getLogger(__name__)
+
+#: Seconds an aborted turn's task may take to stop before the turn is finished without it.
+ABORT_GRACE_S = 5.0
+#: The permission mode beside the tiers: plan (seed 001), on top of `PLAN_TIER`.
+PLAN = "plan"
+#: The tier plan mode runs over: research outside the workspace asks, nothing changes.
+PLAN_TIER = Tier.FULL_ASK
+PERMISSION_MODES: tuple[str, ...] = (*(t.value for t in Tier), PLAN)
+
+
+class State(enum.StrEnum):
+    QUEUED = "queued"
+    AWAITING_APPROVAL = "awaiting_approval"
+    INPUT_ONLY = "input_only"
+    TOOL_RESULTS = "tool_results"
+    TOOLS_UNRESOLVED = "tools_unresolved"
+    REPLIED = "replied"
+
+
+class Act(enum.StrEnum):
+    START = "start"
+    WAIT = "wait"
+    CONTINUE = "continue"
+    REPAIR = "repair"
+    COMPLETE = "complete"
+
+
+#: Flue's recovery table (flue-runtime.md a.9) in our states: what to do with an open turn.
+RECOVERY: Mapping[State, Act] = {
+    State.QUEUED: Act.START,
+    State.AWAITING_APPROVAL: Act.WAIT,
+    State.INPUT_ONLY: Act.CONTINUE,
+    State.TOOL_RESULTS: Act.CONTINUE,
+    State.TOOLS_UNRESOLVED: Act.REPAIR,
+    State.REPLIED: Act.COMPLETE,
+}
+
+
+def classify(turn: Turn, transcript: Sequence[Message]) -> State:
+    """Where an open turn stands, from its recorded rows (after converging)."""
+    if turn.status in ("queued", "awaiting_approval"):
+        return State(turn.status)
+    replies = [
+        m for m in transcript if m.turn_id == turn.id and m.role == "assistant" and m.status == "complete"
+    ]
+    if not replies:
+        return State.INPUT_ONLY
+    calls = replies[-1].content.get("tool_calls", [])
+    if not calls:
+        return State.REPLIED
+    answered = {m.tool_use_id for m in transcript if m.role == "tool"}
+    return State.TOOL_RESULTS if all(c["id"] in answered for c in calls) else State.TOOLS_UNRESOLVED
+
+
+class UnknownModel(ValueError):
+    pass
+
+
+def scripted_or_refuse(session: Session) -> Model:
+    """The default model factory: the scripted model; providers come with the runtime issue."""
+    if session.model == SCRIPTED:
+        return ScriptedModel(session.script or [])
+    raise UnknownModel(f"model {session.model!r} is not available in this build (only {SCRIPTED!r})")
+
+
+def tier_of(permission_mode: str) -> tuple[Tier, bool]:
+    """(tier, plan) of a session's permission mode."""
+    if permission_mode == PLAN:
+        return PLAN_TIER, True
+    return Tier(permission_mode), False
+
+
+ModelFactory = Callable[[Session], Model]
+
+
+@dataclass
+class SessionToolHost:
+    """`SessionTools` as the loop needs it; the session's machine is (re)opened before each call."""
+
+    tools: SessionTools
+    open_machine: Callable[[], Awaitable[Any]]
+    current: str | None = None
+    """The tool_use_id of the call running now (approvals name it)."""
+
+    def specs(self) -> list[ToolSpec]:
+        return [ToolSpec(t.name, t.description, t.schema()) for t in self.tools.offered()]
+
+    def permission(self, name: str) -> str:
+        tool = self.tools.toolset.get(name)
+        if tool is None:
+            return "unknown"
+        return str(decide(self.tools.tier, tool.action, plan=self.tools.plan))
+
+    def read_only(self, name: str) -> bool:
+        tool = self.tools.toolset.get(name)
+        return tool is not None and tool.read_only
+
+    async def call(self, call: ToolCall) -> ToolResult:
+        self.tools.machine = await self.open_machine()
+        self.current = call.id
+        try:
+            return await self.tools.call(call.name, call.input)
+        finally:
+            self.current = None
+
+
+class Worker:
+    def __init__(
+        self,
+        store: SessionStore,
+        bus: EventBus,
+        registry: Registry,
+        files: FileStore,
+        approvals: Approvals,
+        changes: ChangeSets,
+        todos: TodoRepo,
+        *,
+        models: ModelFactory = scripted_or_refuse,
+        config: LoopConfig | None = None,
+    ) -> None:
+        self.store, self.bus, self.registry, self.files = store, bus, registry, files
+        self.approvals, self.changes, self.todos = approvals, changes, todos
+        self.models = models
+        self.config = config or LoopConfig()
+        self._drains: dict[str, asyncio.Task[None]] = {}
+        self._turns: dict[str, asyncio.Task[None]] = {}
+        self._active: dict[str, str] = {}  # session id -> the turn it runs now
+        self._hosts: dict[str, SessionToolHost] = {}  # turn id -> its tools
+        self._aborting: dict[str, str] = {}  # turn id -> why it is being aborted
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Hook into sandboxes and approvals, then recover every open turn (in FIFO order)."""
+        if self._started:
+            return
+        self._started = True
+        self.registry.on_ready.append(self._sandbox_ready)
+        self.approvals.listeners.append(self._approval_event)
+        for session_id in dict.fromkeys(turn.session_id for turn in await self.store.open_turns()):
+            self.wake(session_id)
+
+    async def close(self) -> None:
+        """Stop working (turns stay as they are in the database; the next start recovers them)."""
+        tasks = [*self._drains.values(), *self._turns.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(ValueError):
+            self.registry.on_ready.remove(self._sandbox_ready)
+        with contextlib.suppress(ValueError):
+            self.approvals.listeners.remove(self._approval_event)
+        self._started = False
+
+    # ------------------------------------------------------------------ the API's side
+
+    async def create_session(
+        self,
+        model: str,
+        *,
+        permission_mode: str = Tier.FULL_AUTO.value,
+        instructions: str = "",
+        mcp_servers: Sequence[Any] = (),
+        toolset: str = "default",
+        machine: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        script: Sequence[Any] | None = None,
+    ) -> Session:
+        """Validate and create a session (`ValueError` subclasses name what is wrong)."""
+        if permission_mode not in PERMISSION_MODES:
+            raise ValueError(f"permission_mode must be one of {PERMISSION_MODES}, not {permission_mode!r}")
+        if toolset not in TOOLSETS:
+            raise ValueError(f"toolset must be one of {sorted(TOOLSETS)}, not {toolset!r}")
+        if model == SCRIPTED:
+            check_script(script if script is not None else [])
+        elif script is not None:
+            raise ValueError("`script` is only for the scripted model")
+        if machine is not None:
+            self.registry.config(machine)
+        session, events = await self.store.create_session(
+            model, permission_mode=permission_mode, instructions=instructions, mcp_servers=mcp_servers,
+            toolset=toolset, machine=machine, metadata=metadata,
+            script=list(script) if script is not None else ([] if model == SCRIPTED else None),
+        )  # fmt: skip
+        self.bus.publish(events)
+        return session
+
+    async def update_session(self, session_id: str, changes: Mapping[str, Any]) -> Session:
+        """permission_mode and metadata only (`UnsupportedUpdate` for the rest)."""
+        mode = changes.get("permission_mode")
+        if mode is not None and mode not in PERMISSION_MODES:
+            raise ValueError(f"permission_mode must be one of {PERMISSION_MODES}, not {mode!r}")
+        session, events = await self.store.update_session(session_id, changes)
+        self.bus.publish(events)
+        return session
+
+    async def delete_session(self, session_id: str) -> None:
+        """Abort the active turn, close the session's machines and purge its workspace and rows."""
+        await self.store.get_session(session_id)
+        for turn in await self.store.list_turns(session_id):
+            if not turn.terminal:
+                await self.abort(turn.id, reason="session_deleted")
+        drain = self._drains.get(session_id)
+        if drain is not None:
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
+        await self.registry.close_session(session_id, purge=True)
+        await self.store.delete_session(session_id)
+
+    async def submit(
+        self, session_id: str, content: str, files: Sequence[str] = (), idempotency_key: str | None = None
+    ) -> Submission:
+        """Accept a message (committed before this returns), then wake the session."""
+        submission = await self.store.submit(session_id, content, files, idempotency_key)
+        self.bus.publish(submission.events)
+        self.wake(session_id)
+        return submission
+
+    async def abort(self, turn_id: str, reason: str = "user_abort") -> Turn:
+        """End a turn `aborted` unless it already ended; the turn as it stands after."""
+        turn = await self.store.get_turn(turn_id)
+        if turn.terminal:
+            return turn
+        task = self._turns.get(turn_id)
+        if task is not None:
+            self._aborting[turn_id] = reason
+            task.cancel()
+            await asyncio.wait({task}, timeout=ABORT_GRACE_S)
+        self.bus.publish(await self.store.finish(turn_id, "aborted", {"reason": reason}))
+        self.wake(turn.session_id)
+        return await self.store.get_turn(turn_id)
+
+    async def abort_active(self, session_id: str, reason: str = "user_abort") -> Turn | None:
+        turn = await self.store.active_turn(session_id)
+        return await self.abort(turn.id, reason) if turn is not None else None
+
+    def wake(self, session_id: str) -> None:
+        """Make sure the session's drain task runs (it exits when no turn is left)."""
+        task = self._drains.get(session_id)
+        if task is None or task.done():
+            self._drains[session_id] = asyncio.get_running_loop().create_task(
+                self._drain(session_id), name=f"drain-{session_id}"
+            )
+
+    async def idle(self, session_id: str) -> None:
+        """Wait until the session's drain task has nothing left to run (tests, shutdown)."""
+        while (task := self._drains.get(session_id)) is not None and not task.done():
+            await asyncio.wait({task})
+
+    # ------------------------------------------------------------------ running turns
+
+    async def _drain(self, session_id: str) -> None:
+        while True:
+            turn = await self.store.active_turn(session_id)
+            if turn is None or RECOVERY[classify(turn, [])] == Act.WAIT:
+                return  # nothing left, or a turn waiting for an approval asked before a restart
+            task = asyncio.get_running_loop().create_task(self._run_turn(turn), name=f"turn-{turn.id}")
+            self._turns[turn.id] = task
+            try:
+                await asyncio.wait({task})
+            finally:
+                if task.done():
+                    self._turns.pop(turn.id, None)
+            reason = self._aborting.pop(turn.id, None)
+            if task.cancelled() and reason is not None:
+                self.bus.publish(await self.store.finish(turn.id, "aborted", {"reason": reason}))
+            elif not task.cancelled() and task.exception() is not None:
+                log.error("turn %s crashed", turn.id, exc_info=task.exception())
+                self.bus.publish(await self.store.finish(turn.id, "failed", _internal(task.exception())))
+
+    async def _run_turn(self, queued: Turn) -> None:
+        try:
+            turn, events = await self.store.start_turn(queued.id)
+        except TurnClosed:
+            return  # aborted before it started
+        self.bus.publish(events)
+        session = await self.store.get_session(turn.session_id)
+        self._active[turn.session_id] = turn.id
+        started = time.monotonic()
+        try:
+            end = await self._work(session, turn, queued)
+            data: dict[str, Any]
+            if isinstance(end, Completed):
+                data = {
+                    "stop_reason": end.stop_reason,
+                    "duration_ms": round((time.monotonic() - started) * 1000),
+                }
+                self.bus.publish(await self.store.finish(turn.id, "completed", data))
+            elif isinstance(end, Failed):
+                self.bus.publish(await self.store.finish(turn.id, "failed", {"error": end.error}))
+        except TurnClosed:
+            pass  # aborted (or deleted) while working: its terminal event is written
+        finally:
+            self._active.pop(turn.session_id, None)
+            self._hosts.pop(turn.id, None)
+
+    async def _work(self, session: Session, turn: Turn, before: Turn) -> TurnEnded:
+        try:
+            model = self.models(session)
+        except (UnknownModel, ModelError) as exc:
+            return Failed("model_unavailable", str(exc))
+        host = self._tool_host(session, turn)
+        loop = TurnLoop(
+            self.store, self.bus, model, host, turn, system=session.instructions, config=self.config
+        )
+        transcript = await self.store.transcript(session.id)
+        if turn.files and not _placed(transcript, turn.id):
+            try:
+                placed = await place_inputs(await self._machine(session), self.files, turn.files)
+            except PlacementError as exc:
+                return Failed("internal_error", str(exc))
+            self.bus.publish(await self.store.record_placement(turn.id, [p.to_dict() for p in placed]))
+        if before.status == "queued":
+            return await loop.run()
+        return await self._recover(loop, before)
+
+    async def _recover(self, loop: TurnLoop, turn: Turn) -> TurnEnded:
+        """Converge, classify, act (`RECOVERY`)."""
+        await self.store.close_streaming(turn.id)
+        transcript = await self.store.transcript(turn.session_id)
+        act = RECOVERY[classify(turn, transcript)]
+        loop.steps = sum(1 for m in transcript if m.turn_id == turn.id and m.role == "assistant")
+        if act == Act.COMPLETE:
+            return Completed("end_turn")
+        if act == Act.REPAIR:
+            await self._repair(loop, turn, transcript)
+        return await loop.run()
+
+    async def _repair(self, loop: TurnLoop, turn: Turn, transcript: Sequence[Message]) -> None:
+        answered = {m.tool_use_id for m in transcript if m.role == "tool"}
+        replies = [
+            m for m in transcript if m.turn_id == turn.id and m.role == "assistant" and m.status == "complete"
+        ]
+        for raw in replies[-1].content.get("tool_calls", []):
+            call = ToolCall(raw["id"], raw["name"], raw["input"])
+            if call.id in answered:
+                continue
+            if loop.tools.read_only(call.name):
+                await loop.execute_action(call)
+            else:
+                await loop.record_result(call, ToolResult.error(INTERRUPTED))
+
+    def _tool_host(self, session: Session, turn: Turn) -> SessionToolHost:
+        tier, plan = tier_of(session.permission_mode)
+        tools = SessionTools(
+            machine=None, session_id=session.id, tier=tier, toolset=toolset(session.toolset),
+            changes=self.changes, approvals=self.approvals, todos=self.todos, files=self.files, plan=plan,
+        )  # fmt: skip
+        tools.begin_turn(turn.id)
+        host = SessionToolHost(tools, lambda: self._machine(session))
+        self._hosts[turn.id] = host
+        return host
+
+    async def _machine(self, session: Session) -> Any:
+        return await self.registry.open(session.id, session.machine)
+
+    # ------------------------------------------------------------------ events from other parts
+
+    async def _sandbox_ready(self, entry: Entry, rebuilt: bool) -> None:
+        if entry.session_id is None:
+            return
+        data = {"state": "rebuilt" if rebuilt else "created", "machine": entry.config.name}
+        turn_id = self._active.get(entry.session_id)
+        await self._append(entry.session_id, turn_id, [NewEvent("sandbox.ready", data)])
+
+    async def _approval_event(self, kind: EventKind, approval: Approval) -> None:
+        host = self._hosts.get(approval.turn_id or "")
+        data: dict[str, Any] = {
+            "approval_id": approval.id, "tool": approval.tool, "action": approval.action,
+            "tool_use_id": host.current if host is not None else None,
+        }  # fmt: skip
+        if kind == "approval.requested":
+            data["detail"] = approval.detail
+        else:
+            decision = {"allowed": "allow", "denied": "deny"}.get(approval.status, approval.status)
+            data.update(decision=decision, scope=approval.scope, message=approval.message)
+        event = NewEvent(kind, data)
+        if approval.turn_id is None:
+            await self._append(approval.session_id, None, [event])
+            return
+        try:
+            self.bus.publish(
+                await self.store.set_waiting(approval.turn_id, kind == "approval.requested", [event])
+            )
+        except TurnClosed:
+            await self._append(approval.session_id, None, [event])
+
+    async def _append(self, session_id: str, turn_id: str | None, events: list[NewEvent]) -> list[Event]:
+        """Append, falling back to a session-level event when the turn has ended; [] without a session."""
+        try:
+            written = await self.store.append(session_id, turn_id, events)
+        except TurnClosed:
+            return await self._append(session_id, None, events)
+        except SessionNotFound:
+            return []
+        self.bus.publish(written)
+        return written
+
+
+def _placed(transcript: Sequence[Message], turn_id: str) -> bool:
+    return any(m.turn_id == turn_id and m.role == "user" and "placed" in m.content for m in transcript)
+
+
+def _internal(exc: BaseException | None) -> dict[str, Any]:
+    message = f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"
+    return {"error": {"type": "internal_error", "message": message, "retryable": False}}

@@ -1,0 +1,753 @@
+"""Sessions, turns, the session event log and the model transcript (issue 5).
+
+A message becomes a turn row (`queued`), a `user.message` event and a `turn.queued` event in
+ONE transaction before anyone is told it was accepted. Every later write for a turn runs in
+a transaction that first checks the turn is still open (a fence: a turn that was aborted
+meanwhile gets no more events), and returns the events it inserted so that the caller
+publishes them only after the commit.
+
+Exactly one terminal state per turn: `finish` is a conditional UPDATE (`WHERE status IN
+(open)`) and appends the terminal event only when it changed the row; the schema refuses a
+second terminal event and any change out of a terminal status even if code got it wrong.
+The same transaction settles what the turn left dangling: a model reply still `streaming`
+becomes `aborted`, a tool call without a result gets an "interrupted" error result.
+
+Event `seq` is per session and gap-free: MAX(seq)+1 under the write lock of the same
+transaction (BEGIN IMMEDIATE), unique per session.
+
+Records are frozen dataclasses; timestamps stay the store's UTC ISO strings (the wire form).
+
+Every way this repository refuses:
+
+    SessionStoreError
+    ├── SessionNotFound      no (live) session has that id
+    ├── TurnNotFound         no turn has that id (in that session)
+    ├── UnknownFiles         a message names files that do not exist (or are another session's)
+    ├── IdempotencyConflict  a key reused with a different message
+    ├── UnsupportedUpdate    a change to what is fixed at creation (model, instructions, ...)
+    └── TurnClosed           a write for a turn that already reached its terminal state
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from agentbox import ids
+from agentbox.store.db import Database, timestamp
+
+TurnStatus = Literal["queued", "running", "awaiting_approval", "completed", "failed", "aborted"]
+Outcome = Literal["completed", "failed", "aborted"]
+Activity = Literal["idle", "running", "awaiting_approval"]
+ReplyStatus = Literal["complete", "aborted", "error"]
+
+#: Statuses a turn can leave; every other status is terminal and final.
+OPEN: tuple[str, ...] = ("queued", "running", "awaiting_approval")
+TERMINAL: tuple[str, ...] = ("completed", "failed", "aborted")
+TERMINAL_EVENTS: tuple[str, ...] = tuple(f"turn.{outcome}" for outcome in TERMINAL)
+
+#: What a session may change after creation; the rest is fixed (seed 000: "not supported").
+UPDATABLE: frozenset[str] = frozenset({"permission_mode", "metadata"})
+FIXED: frozenset[str] = frozenset({"model", "instructions", "mcp_servers", "toolset", "machine", "script"})
+
+#: Most events one `list_events` call returns (the HTTP page limit).
+MAX_EVENTS_PAGE = 1000
+
+#: The result a tool call gets when its outcome is unknown (Flue's wording): it is never re-run.
+INTERRUPTED = "Tool execution was interrupted before completion. The outcome is unknown."
+
+_OPEN_SQL = "('queued', 'running', 'awaiting_approval')"
+
+
+class SessionStoreError(Exception):
+    pass
+
+
+class SessionNotFound(SessionStoreError, LookupError):
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"no session {session_id!r}")
+        self.session_id = session_id
+
+
+class TurnNotFound(SessionStoreError, LookupError):
+    def __init__(self, turn_id: str) -> None:
+        super().__init__(f"no turn {turn_id!r}")
+        self.turn_id = turn_id
+
+
+class UnknownFiles(SessionStoreError):
+    def __init__(self, file_ids: Sequence[str]) -> None:
+        super().__init__(f"unknown file ids: {', '.join(file_ids)}")
+        self.file_ids = list(file_ids)
+
+
+class IdempotencyConflict(SessionStoreError):
+    def __init__(self, key: str, turn_id: str) -> None:
+        super().__init__(f"idempotency key {key!r} was used for turn {turn_id} with a different message")
+        self.key = key
+        self.turn_id = turn_id
+
+
+class UnsupportedUpdate(SessionStoreError):
+    def __init__(self, fields: Sequence[str]) -> None:
+        names = ", ".join(sorted(fields))
+        super().__init__(
+            f"changing {names} of a session is not supported; only {', '.join(sorted(UPDATABLE))} may change"
+        )
+        self.fields = sorted(fields)
+
+
+class TurnClosed(SessionStoreError):
+    def __init__(self, turn_id: str, status: str) -> None:
+        super().__init__(f"turn {turn_id} is already {status}")
+        self.turn_id = turn_id
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Session:
+    id: str
+    model: str
+    instructions: str
+    mcp_servers: list[Any]
+    toolset: str
+    permission_mode: str
+    machine: str | None
+    metadata: dict[str, Any]
+    script: list[Any] | None
+    status: str
+    created_at: str
+    updated_at: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Turn:
+    id: str
+    session_id: str
+    seq: int
+    status: TurnStatus
+    idempotency_key: str | None
+    content: str
+    files: list[dict[str, Any]]
+    stop_reason: str | None
+    error: dict[str, Any] | None
+    attempt: int
+    created_at: str
+    started_at: str | None
+    ended_at: str | None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Event:
+    id: str
+    session_id: str
+    seq: int
+    type: str
+    turn_id: str | None
+    data: dict[str, Any]
+    created_at: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire shape: the envelope keys, then the payload, flat."""
+        envelope = {
+            "id": self.id,
+            "seq": self.seq,
+            "type": self.type,
+            "session_id": self.session_id,
+            "turn_id": self.turn_id,
+            "created_at": self.created_at,
+        }
+        return {**self.data, **envelope}
+
+
+@dataclass(frozen=True)
+class Message:
+    """One row of the model conversation (see the `messages` table for `content` shapes)."""
+
+    id: int
+    session_id: str
+    turn_id: str
+    role: Literal["user", "assistant", "tool"]
+    status: Literal["streaming", "complete", "aborted", "error"]
+    tool_use_id: str | None
+    content: dict[str, Any]
+    created_at: str
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """An event to append inside a write (its seq, id and time are assigned there)."""
+
+    type: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Submission:
+    turn: Turn
+    events: list[Event]
+    """What this call appended: empty when an idempotent retry returned the original turn."""
+
+    @property
+    def created(self) -> bool:
+        return bool(self.events)
+
+
+class SessionStore:
+    """The `sessions`, `turns`, `events` and `messages` tables of one database."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # ------------------------------------------------------------------ sessions
+
+    async def create_session(
+        self,
+        model: str,
+        *,
+        permission_mode: str,
+        instructions: str = "",
+        mcp_servers: Sequence[Any] = (),
+        toolset: str = "default",
+        machine: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        script: Sequence[Any] | None = None,
+    ) -> tuple[Session, list[Event]]:
+        """A new session and its `session.created` event (validation of values is the caller's)."""
+        session_id, now = ids.new_id(ids.SESSION), timestamp()
+
+        def write(conn: sqlite3.Connection) -> tuple[Session, list[Event]]:
+            conn.execute(
+                "INSERT INTO sessions (id, model, instructions, mcp_servers, toolset, permission_mode,"
+                " machine, metadata, script, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (session_id, model, instructions, _json(list(mcp_servers)), toolset, permission_mode,
+                 machine, _json(dict(metadata or {})), None if script is None else _json(list(script)),
+                 now, now),
+            )  # fmt: skip
+            session = _session_row(conn, session_id)
+            shown = {k: v for k, v in session.to_dict().items() if k not in ("id", "created_at", "script")}
+            return session, [insert_event(conn, session_id, None, "session.created", shown)]
+
+        return await self.db.transaction(write)
+
+    async def get_session(self, session_id: str) -> Session:
+        def read(conn: sqlite3.Connection) -> Session:
+            return _session_row(conn, session_id)
+
+        return await self.db.transaction(read)
+
+    async def list_sessions(self, *, after: str | None = None, limit: int = 100) -> list[Session]:
+        """Live sessions in creation order, after the id `after` (a cursor)."""
+        rows = await self.db.fetchall(
+            "SELECT * FROM sessions WHERE status = 'active' AND id > ? ORDER BY id LIMIT ?",
+            (after or "", limit),
+        )
+        return [_session(row) for row in rows]
+
+    async def update_session(
+        self, session_id: str, changes: Mapping[str, Any]
+    ) -> tuple[Session, list[Event]]:
+        """Change `permission_mode` and/or `metadata` (replaced whole); anything fixed → UnsupportedUpdate."""
+        refused = [name for name in changes if name not in UPDATABLE]
+        if refused:
+            raise UnsupportedUpdate(refused)
+
+        def write(conn: sqlite3.Connection) -> tuple[Session, list[Event]]:
+            _session_row(conn, session_id)
+            values = {k: _json(v) if k == "metadata" else v for k, v in changes.items()}
+            if values:
+                assignments = ", ".join(f"{name} = ?" for name in values)
+                conn.execute(
+                    f"UPDATE sessions SET {assignments}, updated_at = ? WHERE id = ?",
+                    (*values.values(), timestamp(), session_id),
+                )
+            session = _session_row(conn, session_id)
+            return session, [insert_event(conn, session_id, None, "session.updated", dict(changes))]
+
+        return await self.db.transaction(write)
+
+    async def delete_session(self, session_id: str) -> None:
+        """Remove the session with its turns, events and transcript (files are not touched)."""
+        await self.db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+
+    async def activity(self, session_id: str) -> Activity:
+        """idle (nothing open), running (a turn queued or running) or awaiting_approval."""
+        rows = await self.db.fetchall(
+            f"SELECT DISTINCT status FROM turns WHERE session_id = ? AND status IN {_OPEN_SQL}",
+            (session_id,),
+        )
+        statuses = {row[0] for row in rows}
+        if "awaiting_approval" in statuses:
+            return "awaiting_approval"
+        return "running" if statuses else "idle"
+
+    # ------------------------------------------------------------------ turns
+
+    async def submit(
+        self,
+        session_id: str,
+        content: str,
+        files: Sequence[str] = (),
+        idempotency_key: str | None = None,
+    ) -> Submission:
+        """Accept a message: turn `queued` + `user.message` + `turn.queued`, in one transaction.
+
+        The same `idempotency_key` again returns the first turn and writes nothing; with a
+        different message it raises `IdempotencyConflict`. Unknown file ids raise
+        `UnknownFiles` before anything is written.
+        """
+        file_ids = list(files)
+
+        def write(conn: sqlite3.Connection) -> Submission:
+            _session_row(conn, session_id)
+            if idempotency_key is not None:
+                row = conn.execute(
+                    "SELECT * FROM turns WHERE session_id = ? AND idempotency_key = ?",
+                    (session_id, idempotency_key),
+                ).fetchone()
+                if row is not None:
+                    turn = _turn(row)
+                    if turn.content != content or [f["file_id"] for f in turn.files] != file_ids:
+                        raise IdempotencyConflict(idempotency_key, turn.id)
+                    return Submission(turn, [])
+            named = _resolve_files(conn, session_id, file_ids)
+            turn_id, now = ids.new_id(ids.TURN), timestamp()
+            seq = _next(conn, "turns", session_id)
+            conn.execute(
+                "INSERT INTO turns (id, session_id, seq, idempotency_key, content, files, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (turn_id, session_id, seq, idempotency_key, content, _json(named), now),
+            )
+            insert_message(conn, session_id, turn_id, "user", {"text": content, "files": named})
+            ahead = conn.execute(
+                f"SELECT COUNT(*) FROM turns WHERE session_id = ? AND status IN {_OPEN_SQL} AND seq < ?",
+                (session_id, seq),
+            ).fetchone()[0]
+            events = [
+                insert_event(conn, session_id, turn_id, "user.message", {"content": content, "files": named}),
+                insert_event(conn, session_id, turn_id, "turn.queued", {"queue_position": ahead}),
+            ]
+            return Submission(_turn_row(conn, turn_id), events)
+
+        return await self.db.transaction(write)
+
+    async def get_turn(self, turn_id: str, session_id: str | None = None) -> Turn:
+        row = await self.db.fetchone("SELECT * FROM turns WHERE id = ?", (turn_id,))
+        if row is None or (session_id is not None and row["session_id"] != session_id):
+            raise TurnNotFound(turn_id)
+        return _turn(row)
+
+    async def list_turns(self, session_id: str, *, status: str | None = None) -> list[Turn]:
+        """A session's turns in FIFO order (optionally of one status)."""
+        rows = await self.db.fetchall(
+            "SELECT * FROM turns WHERE session_id = ? AND (? IS NULL OR status = ?) ORDER BY seq",
+            (session_id, status, status),
+        )
+        return [_turn(row) for row in rows]
+
+    async def open_turns(self) -> list[Turn]:
+        """Every turn not yet terminal, of every session, in FIFO order per session."""
+        rows = await self.db.fetchall(
+            f"SELECT * FROM turns WHERE status IN {_OPEN_SQL} ORDER BY session_id, seq"
+        )
+        return [_turn(row) for row in rows]
+
+    async def active_turn(self, session_id: str) -> Turn | None:
+        """The open turn that runs now, or runs next: the first open one in FIFO order."""
+        row = await self.db.fetchone(
+            f"SELECT * FROM turns WHERE session_id = ? AND status IN {_OPEN_SQL} ORDER BY seq LIMIT 1",
+            (session_id,),
+        )
+        return _turn(row) if row is not None else None
+
+    async def start_turn(self, turn_id: str) -> tuple[Turn, list[Event]]:
+        """queued (or running, after a restart) → running, attempt + 1, `turn.started`."""
+
+        def write(conn: sqlite3.Connection) -> tuple[Turn, list[Event]]:
+            turn = _open_turn(conn, turn_id)
+            conn.execute(
+                "UPDATE turns SET status = 'running', attempt = attempt + 1,"
+                " started_at = COALESCE(started_at, ?) WHERE id = ?",
+                (timestamp(), turn_id),
+            )
+            event = insert_event(
+                conn, turn.session_id, turn_id, "turn.started", {"attempt": turn.attempt + 1}
+            )
+            return _turn_row(conn, turn_id), [event]
+
+        return await self.db.transaction(write)
+
+    async def set_waiting(self, turn_id: str, waiting: bool, events: Sequence[NewEvent] = ()) -> list[Event]:
+        """running ⇄ awaiting_approval, with `events` (e.g. `approval.requested`), fenced."""
+
+        def write(conn: sqlite3.Connection) -> list[Event]:
+            turn = _open_turn(conn, turn_id)
+            status = "awaiting_approval" if waiting else "running"
+            conn.execute("UPDATE turns SET status = ? WHERE id = ?", (status, turn_id))
+            return [insert_event(conn, turn.session_id, turn_id, e.type, e.data) for e in events]
+
+        return await self.db.transaction(write)
+
+    async def finish(
+        self, turn_id: str, outcome: Outcome, data: Mapping[str, Any] | None = None
+    ) -> list[Event]:
+        """Move an open turn to `outcome` and append its terminal event; [] if it was already terminal.
+
+        `data` is the terminal event's payload: `stop_reason` (completed), `error` (failed),
+        `reason` (aborted). Dangling state is settled first, in the same transaction.
+        """
+        payload = dict(data or {})
+
+        def write(conn: sqlite3.Connection) -> list[Event]:
+            row = conn.execute("SELECT session_id, status FROM turns WHERE id = ?", (turn_id,)).fetchone()
+            if row is None:
+                raise TurnNotFound(turn_id)
+            if row["status"] not in OPEN:
+                return []
+            settled = _settle(conn, row["session_id"], turn_id)
+            changed = conn.execute(
+                f"UPDATE turns SET status = ?, stop_reason = ?, error = ?, ended_at = ?"
+                f" WHERE id = ? AND status IN {_OPEN_SQL}",
+                (outcome, payload.get("stop_reason"),
+                 _json(payload["error"]) if "error" in payload else None, timestamp(), turn_id),
+            ).rowcount  # fmt: skip
+            if changed != 1:
+                return []
+            return [*settled, insert_event(conn, row["session_id"], turn_id, f"turn.{outcome}", payload)]
+
+        return await self.db.transaction(write)
+
+    # ------------------------------------------------------------------ the turn's record
+
+    async def append(self, session_id: str, turn_id: str | None, events: Sequence[NewEvent]) -> list[Event]:
+        """Append events; for a turn, only while it is open (else `TurnClosed`)."""
+
+        def write(conn: sqlite3.Connection) -> list[Event]:
+            if turn_id is not None:
+                _open_turn(conn, turn_id)
+            else:
+                _session_row(conn, session_id)
+            return [insert_event(conn, session_id, turn_id, e.type, e.data) for e in events]
+
+        return await self.db.transaction(write)
+
+    async def record_placement(self, turn_id: str, placed: Sequence[Mapping[str, Any]]) -> list[Event]:
+        """Where the message's files went: on its user row (the model reads it) and `files.placed`."""
+
+        def write(conn: sqlite3.Connection) -> list[Event]:
+            turn = _open_turn(conn, turn_id)
+            row = conn.execute(
+                "SELECT id, content FROM messages WHERE turn_id = ? AND role = 'user' ORDER BY id LIMIT 1",
+                (turn_id,),
+            ).fetchone()
+            content = {**json.loads(row["content"]), "placed": [dict(p) for p in placed]}
+            conn.execute("UPDATE messages SET content = ? WHERE id = ?", (_json(content), row["id"]))
+            return [
+                insert_event(conn, turn.session_id, turn_id, "files.placed", {"files": content["placed"]})
+            ]
+
+        return await self.db.transaction(write)
+
+    async def open_reply(self, turn_id: str) -> int:
+        """Record that a model call starts (an assistant row `streaming`); its message id."""
+
+        def write(conn: sqlite3.Connection) -> int:
+            turn = _open_turn(conn, turn_id)
+            return insert_message(conn, turn.session_id, turn_id, "assistant", {}, status="streaming")
+
+        return await self.db.transaction(write)
+
+    async def close_reply(
+        self, message_id: int, status: ReplyStatus, content: Mapping[str, Any], events: Sequence[NewEvent]
+    ) -> list[Event]:
+        """Record how a model call ended (its text and tool calls) with its events, atomically.
+
+        The tool calls are committed here, before any of them runs (write-ahead).
+        """
+
+        def write(conn: sqlite3.Connection) -> list[Event]:
+            row = conn.execute(
+                "SELECT session_id, turn_id FROM messages WHERE id = ?", (message_id,)
+            ).fetchone()
+            _open_turn(conn, row["turn_id"])
+            conn.execute(
+                "UPDATE messages SET status = ?, content = ? WHERE id = ? AND status = 'streaming'",
+                (status, _json(dict(content)), message_id),
+            )
+            return [insert_event(conn, row["session_id"], row["turn_id"], e.type, e.data) for e in events]
+
+        return await self.db.transaction(write)
+
+    async def add_tool_result(
+        self,
+        turn_id: str,
+        tool_use_id: str,
+        name: str,
+        text: str,
+        is_error: bool,
+        events: Sequence[NewEvent] = (),
+    ) -> list[Event]:
+        """Record a tool call's result with `agent.tool_result` (and `events` after it).
+
+        First write wins: if the call already has a result, nothing is written and [] returned.
+        """
+
+        def write(conn: sqlite3.Connection) -> list[Event]:
+            turn = _open_turn(conn, turn_id)
+            return _record_result(conn, turn.session_id, turn_id, tool_use_id, name, text, is_error, events)
+
+        return await self.db.transaction(write)
+
+    async def close_streaming(self, turn_id: str) -> int:
+        """Recovery's first phase: a reply left `streaming` by a dead process becomes `aborted`."""
+        return await self.db.execute(
+            "UPDATE messages SET status = 'aborted' WHERE turn_id = ? AND status = 'streaming'", (turn_id,)
+        )
+
+    async def transcript(self, session_id: str) -> list[Message]:
+        """The session's conversation as recorded, oldest first."""
+        rows = await self.db.fetchall(
+            "SELECT * FROM messages WHERE session_id = ? ORDER BY id", (session_id,)
+        )
+        return [_message(row) for row in rows]
+
+    async def list_events(
+        self,
+        session_id: str,
+        *,
+        after: int = 0,
+        limit: int = 100,
+        turn_id: str | None = None,
+        types: Sequence[str] | None = None,
+    ) -> list[Event]:
+        """Events with seq > `after`, ascending; at most `limit` (capped at MAX_EVENTS_PAGE)."""
+        limit = max(1, min(limit, MAX_EVENTS_PAGE))
+        sql = "SELECT * FROM events WHERE session_id = ? AND seq > ?"
+        params: list[Any] = [session_id, after]
+        if turn_id is not None:
+            sql += " AND turn_id = ?"
+            params.append(turn_id)
+        if types:
+            sql += f" AND type IN ({', '.join('?' for _ in types)})"
+            params.extend(types)
+        rows = await self.db.fetchall(sql + " ORDER BY seq LIMIT ?", (*params, limit))
+        return [_event(row) for row in rows]
+
+    async def last_seq(self, session_id: str) -> int:
+        row = await self.db.fetchone(
+            "SELECT COALESCE(MAX(seq), 0) FROM events WHERE session_id = ?", (session_id,)
+        )
+        return int(row[0]) if row is not None else 0
+
+
+# ---------------------------------------------------------------------- in-transaction helpers
+
+
+def insert_event(
+    conn: sqlite3.Connection, session_id: str, turn_id: str | None, type_: str, data: Mapping[str, Any]
+) -> Event:
+    """Append one event with the session's next seq (call inside a write transaction)."""
+    seq = _next(conn, "events", session_id)
+    event = Event(ids.new_id(ids.EVENT), session_id, seq, type_, turn_id, dict(data), timestamp())
+    conn.execute(
+        "INSERT INTO events (id, session_id, seq, type, turn_id, data, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (event.id, session_id, seq, type_, turn_id, _json(event.data), event.created_at),
+    )
+    return event
+
+
+def insert_message(
+    conn: sqlite3.Connection,
+    session_id: str,
+    turn_id: str,
+    role: str,
+    content: Mapping[str, Any],
+    *,
+    status: str = "complete",
+    tool_use_id: str | None = None,
+) -> int:
+    cursor = conn.execute(
+        "INSERT INTO messages (session_id, turn_id, role, status, tool_use_id, content, created_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (session_id, turn_id, role, status, tool_use_id, _json(dict(content)), timestamp()),
+    )
+    assert cursor.lastrowid is not None
+    return cursor.lastrowid
+
+
+def unresolved_calls(conn: sqlite3.Connection, turn_id: str) -> list[dict[str, Any]]:
+    """The turn's recorded tool calls that have no result yet, in call order."""
+    calls: list[dict[str, Any]] = []
+    for row in conn.execute(
+        "SELECT content FROM messages WHERE turn_id = ? AND role = 'assistant' AND status = 'complete' ORDER BY id",
+        (turn_id,),
+    ):
+        calls.extend(json.loads(row[0]).get("tool_calls", []))
+    done = {
+        row[0]
+        for row in conn.execute(
+            "SELECT tool_use_id FROM messages WHERE turn_id = ? AND role = 'tool'", (turn_id,)
+        )
+    }
+    return [call for call in calls if call["id"] not in done]
+
+
+def _record_result(
+    conn: sqlite3.Connection,
+    session_id: str,
+    turn_id: str,
+    tool_use_id: str,
+    name: str,
+    text: str,
+    is_error: bool,
+    events: Sequence[NewEvent] = (),
+) -> list[Event]:
+    exists = conn.execute(
+        "SELECT 1 FROM messages WHERE session_id = ? AND tool_use_id = ? AND role = 'tool'",
+        (session_id, tool_use_id),
+    ).fetchone()
+    if exists is not None:
+        return []
+    content = {"tool_use_id": tool_use_id, "name": name, "content": text, "is_error": is_error}
+    insert_message(conn, session_id, turn_id, "tool", content, tool_use_id=tool_use_id)
+    result = insert_event(
+        conn, session_id, turn_id, "agent.tool_result",
+        {"tool_use_id": tool_use_id, "content": [{"type": "text", "text": text}], "is_error": is_error},
+    )  # fmt: skip
+    return [result, *(insert_event(conn, session_id, turn_id, e.type, e.data) for e in events)]
+
+
+def _settle(conn: sqlite3.Connection, session_id: str, turn_id: str) -> list[Event]:
+    """Leave the transcript at rest: no reply streaming, every tool call with a result."""
+    conn.execute(
+        "UPDATE messages SET status = 'aborted' WHERE turn_id = ? AND status = 'streaming'", (turn_id,)
+    )
+    events: list[Event] = []
+    for call in unresolved_calls(conn, turn_id):
+        events += _record_result(conn, session_id, turn_id, call["id"], call["name"], INTERRUPTED, True)
+    return events
+
+
+def _next(conn: sqlite3.Connection, table: str, session_id: str) -> int:
+    row = conn.execute(f"SELECT COALESCE(MAX(seq), 0) + 1 FROM {table} WHERE session_id = ?", (session_id,))
+    return int(row.fetchone()[0])
+
+
+def _resolve_files(
+    conn: sqlite3.Connection, session_id: str, file_ids: Sequence[str]
+) -> list[dict[str, Any]]:
+    """[{file_id, filename}] for live files that are this session's or no session's."""
+    named: list[dict[str, Any]] = []
+    unknown: list[str] = []
+    for file_id in file_ids:
+        row = conn.execute(
+            "SELECT filename FROM files WHERE id = ? AND deleted_at IS NULL"
+            " AND (session_id IS NULL OR session_id = ?)",
+            (file_id, session_id),
+        ).fetchone()
+        if row is None:
+            unknown.append(file_id)
+        else:
+            named.append({"file_id": file_id, "filename": row[0]})
+    if unknown:
+        raise UnknownFiles(unknown)
+    return named
+
+
+def _open_turn(conn: sqlite3.Connection, turn_id: str) -> Turn:
+    turn = _turn_row(conn, turn_id)
+    if turn.terminal:
+        raise TurnClosed(turn_id, turn.status)
+    return turn
+
+
+def _session_row(conn: sqlite3.Connection, session_id: str) -> Session:
+    row = conn.execute("SELECT * FROM sessions WHERE id = ? AND status = 'active'", (session_id,)).fetchone()
+    if row is None:
+        raise SessionNotFound(session_id)
+    return _session(row)
+
+
+def _turn_row(conn: sqlite3.Connection, turn_id: str) -> Turn:
+    row = conn.execute("SELECT * FROM turns WHERE id = ?", (turn_id,)).fetchone()
+    if row is None:
+        raise TurnNotFound(turn_id)
+    return _turn(row)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _session(row: sqlite3.Row) -> Session:
+    return Session(
+        id=row["id"],
+        model=row["model"],
+        instructions=row["instructions"],
+        mcp_servers=json.loads(row["mcp_servers"]),
+        toolset=row["toolset"],
+        permission_mode=row["permission_mode"],
+        machine=row["machine"],
+        metadata=json.loads(row["metadata"]),
+        script=json.loads(row["script"]) if row["script"] is not None else None,
+        status=row["status"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+def _turn(row: sqlite3.Row) -> Turn:
+    return Turn(
+        id=row["id"],
+        session_id=row["session_id"],
+        seq=row["seq"],
+        status=row["status"],
+        idempotency_key=row["idempotency_key"],
+        content=row["content"],
+        files=json.loads(row["files"]),
+        stop_reason=row["stop_reason"],
+        error=json.loads(row["error"]) if row["error"] is not None else None,
+        attempt=row["attempt"],
+        created_at=row["created_at"],
+        started_at=row["started_at"],
+        ended_at=row["ended_at"],
+    )
+
+
+def _event(row: sqlite3.Row) -> Event:
+    return Event(
+        id=row["id"],
+        session_id=row["session_id"],
+        seq=row["seq"],
+        type=row["type"],
+        turn_id=row["turn_id"],
+        data=json.loads(row["data"]),
+        created_at=row["created_at"],
+    )
+
+
+def _message(row: sqlite3.Row) -> Message:
+    return Message(
+        id=row["id"],
+        session_id=row["session_id"],
+        turn_id=row["turn_id"],
+        role=row["role"],
+        status=row["status"],
+        tool_use_id=row["tool_use_id"],
+        content=json.loads(row["content"]),
+        created_at=row["created_at"],
+    )

@@ -1,0 +1,206 @@
+"""Recovery after a crash: a subprocess runs turns on a home and is killed with SIGKILL mid-turn;
+a worker started again in-process on the same home must lose nothing, end every turn exactly
+once and never re-run a recorded tool call (counted by a side-effect file the bash calls append to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agentbox.agent.worker import RECOVERY, Act, State
+from agentbox.store.db import Database
+from agentbox.store.sessions import INTERRUPTED, TERMINAL_EVENTS, Message, SessionStore, insert_message
+from tests.test_agent_loop import DEADLINE, Kit, bash, make_kit, terminal
+
+#: The server stand-in: opens the home, recovers, runs turns until killed.
+CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    sys.path.insert(0, {root!r})
+    from tests.test_agent_loop import make_kit
+
+    async def main() -> None:
+        kit = await make_kit(Path({home!r}))
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+    """
+)
+
+
+def spawn(home: Path) -> subprocess.Popen[bytes]:
+    root = str(Path(__file__).resolve().parent.parent)
+    code = CHILD.format(root=root, home=str(home))
+    return subprocess.Popen([sys.executable, "-c", code], cwd=root)
+
+
+async def until(store: SessionStore, session_id: str, check: Callable[[list[Message]], bool]) -> None:
+    """Poll the transcript (with a deadline) until `check` holds."""
+    deadline = asyncio.get_running_loop().time() + DEADLINE
+    while not check(await store.transcript(session_id)):
+        assert asyncio.get_running_loop().time() < deadline, "the child never reached the state"
+        await asyncio.sleep(0.02)
+
+
+async def prepare(home: Path, script: list[dict[str, Any]], messages: int) -> tuple[str, list[str]]:
+    """A session with `messages` accepted turns, written by the store alone (no worker runs them)."""
+    async with Database.in_home(home) as db:
+        store = SessionStore(db)
+        session, _ = await store.create_session("scripted", permission_mode="full-auto", script=script)
+        turns = [(await store.submit(session.id, f"message {i}")).turn.id for i in range(messages)]
+    return session.id, turns
+
+
+def kill(child: subprocess.Popen[bytes]) -> None:
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(DEADLINE)
+
+
+async def check_log(kit: Kit, session_id: str, turns: list[str]) -> None:
+    events = await kit.store.list_events(session_id, limit=1000)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    for turn_id in turns:
+        ends = [e for e in events if e.turn_id == turn_id and e.type in TERMINAL_EVENTS]
+        status = (await kit.store.get_turn(turn_id)).status
+        assert [e.type for e in ends] == [f"turn.{status}"]
+    assert [e.data["content"] for e in events if e.type == "user.message"] == [
+        f"message {i}" for i in range(len(turns))
+    ]
+
+
+def side_lines(kit: Kit, session_id: str) -> list[str]:
+    return (kit.registry.session_dir(session_id) / "workspace" / "side.txt").read_text().splitlines()
+
+
+async def test_kill_during_a_model_call_then_restart(sandbox_tmp: Path) -> None:
+    home = sandbox_tmp / "home"
+    script = [
+        bash("echo ran >> /workspace/side.txt"),
+        {"hang": True},
+        {"expect": {"tool_result_contains": ""}, "text": "recovered"},
+        {"text": "second turn"},
+    ]
+    session_id, turns = await prepare(home, script, 2)
+    child = spawn(home)
+    try:
+        async with Database.in_home(home) as db:
+            await until(SessionStore(db), session_id, lambda rows: any(m.status == "streaming" for m in rows))
+    finally:
+        kill(child)
+    kit = await make_kit(home)
+    try:
+        for turn_id in turns:
+            assert (await terminal(kit, session_id, turn_id)).type == "turn.completed"
+        await check_log(kit, session_id, turns)
+        assert side_lines(kit, session_id) == ["ran"]
+        replies = [m.status for m in await kit.store.transcript(session_id) if m.role == "assistant"]
+        assert replies == ["complete", "aborted", "complete", "complete"]
+        assert (await kit.store.get_turn(turns[0])).attempt == 2
+        texts = [
+            e.data["content"][0]["text"]
+            for e in await kit.store.list_events(session_id, limit=1000)
+            if e.type == "agent.message"
+        ]
+        assert texts == ["recovered", "second turn"]
+    finally:
+        await kit.close()
+
+
+async def test_kill_during_a_tool_call_reports_it_interrupted_and_never_reruns_it(sandbox_tmp: Path) -> None:
+    home = sandbox_tmp / "home"
+    script = [
+        bash("echo ran >> /workspace/side.txt; sleep 600"),
+        {"expect": {"tool_result_contains": "interrupted"}, "text": "the model saw it"},
+    ]
+    session_id, turns = await prepare(home, script, 1)
+    side = home / "sessions" / session_id / "workspace" / "side.txt"
+    child = spawn(home)
+    try:
+        deadline = asyncio.get_running_loop().time() + DEADLINE
+        while not (side.exists() and side.read_text()):
+            assert asyncio.get_running_loop().time() < deadline, "the tool never ran"
+            await asyncio.sleep(0.02)
+    finally:
+        kill(child)
+    kit = await make_kit(home)
+    try:
+        assert (await terminal(kit, session_id, turns[0])).type == "turn.completed"
+        await check_log(kit, session_id, turns)
+        assert side_lines(kit, session_id) == ["ran"]
+        results = [
+            e for e in await kit.store.list_events(session_id, limit=1000) if e.type == "agent.tool_result"
+        ]
+        assert len(results) == 1 and results[0].data["is_error"]
+        assert results[0].data["content"][0]["text"] == INTERRUPTED
+    finally:
+        await kit.close()
+
+
+async def test_repair_reruns_read_only_tools_and_interrupts_the_rest(sandbox_tmp: Path) -> None:
+    """The table's tools_unresolved row, set up by writing the crashed state directly."""
+    home = sandbox_tmp / "home"
+    session_id, turns = await prepare(home, [{"text": "after repair"}], 1)
+    workspace = home / "sessions" / session_id / "workspace"
+    workspace.mkdir(parents=True)
+    (workspace / "a.txt").write_text("alpha")
+    calls = [
+        {"id": "toolu_read", "name": "read_file", "input": {"path": "/workspace/a.txt"}},
+        {"id": "toolu_bash", "name": "bash", "input": {"command": "echo ran >> /workspace/side.txt"}},
+    ]
+    async with Database.in_home(home) as db:
+        store = SessionStore(db)
+        await store.start_turn(turns[0])
+
+        def crashed(conn: Any) -> None:
+            insert_message(conn, session_id, turns[0], "assistant", {"text": "", "tool_calls": calls})
+
+        await db.transaction(crashed)
+    kit = await make_kit(home)
+    try:
+        assert (await terminal(kit, session_id, turns[0])).type == "turn.completed"
+        results = {
+            m.tool_use_id: m.content for m in await kit.store.transcript(session_id) if m.role == "tool"
+        }
+        assert "alpha" in results["toolu_read"]["content"] and not results["toolu_read"]["is_error"]
+        assert results["toolu_bash"] == {
+            "tool_use_id": "toolu_bash", "name": "bash", "content": INTERRUPTED, "is_error": True,
+        }  # fmt: skip
+        assert not (workspace / "side.txt").exists()
+        await check_log(kit, session_id, turns)
+    finally:
+        await kit.close()
+
+
+async def test_a_turn_awaiting_approval_stays_waiting_after_a_restart(sandbox_tmp: Path) -> None:
+    home = sandbox_tmp / "home"
+    async with Database.in_home(home) as db:
+        store = SessionStore(db)
+        session, _ = await store.create_session("scripted", permission_mode="full-ask", script=[])
+        first = (await store.submit(session.id, "message 0")).turn.id
+        second = (await store.submit(session.id, "message 1")).turn.id
+        await store.start_turn(first)
+        await store.set_waiting(first, True)
+    kit = await make_kit(home)
+    try:
+        await kit.worker.idle(session.id)
+        assert (await kit.store.get_turn(first)).status == "awaiting_approval"
+        assert (await kit.store.get_turn(second)).status == "queued"
+        assert (await kit.worker.abort(first)).status == "aborted"
+        assert (await terminal(kit, session.id, second)).type == "turn.completed"
+    finally:
+        await kit.close()
+
+
+def test_the_recovery_table_covers_every_state() -> None:
+    assert set(RECOVERY) == set(State)
+    assert RECOVERY[State.AWAITING_APPROVAL] == Act.WAIT
+    assert RECOVERY[State.TOOLS_UNRESOLVED] == Act.REPAIR
