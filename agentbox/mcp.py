@@ -160,15 +160,17 @@ class ToolHost:
     client_approves: bool = False
     """The MCP client confirms every call with its user: serve full-auto on any machine."""
     # One of each per server: ChangeSets serializes applies, FileStore its blob moves.
+    files: FileStore | None = None
+    """The server's one file store (its blob lock is per instance); made here when alone."""
     changes: ChangeSets = field(init=False)
     todos: TodoRepo = field(init=False)
-    files: FileStore = field(init=False)
     _sessions: dict[tuple[str, str], SessionTools] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.changes = ChangeSets(ChangesRepo(self.db))
         self.todos = TodoRepo(self.db)
-        self.files = FileStore(self.db, self.home)
+        if self.files is None:
+            self.files = FileStore(self.db, self.home)
 
     def tier(self, machine: Any) -> Tier:
         return Tier.FULL_AUTO if self.client_approves else default_tier(bool(machine.isolated))
@@ -396,7 +398,7 @@ class McpHttp:
 
     def host(self, state: Any) -> ToolHost:
         if self._host is None:
-            self._host = ToolHost(state.registry, state.db, state.settings.home)
+            self._host = ToolHost(state.registry, state.db, state.settings.home, files=getattr(state, "files", None))
         return self._host
 
     async def _resolve(self, ctx: ServerRequestContext[Any, Any]) -> SessionTools:

@@ -19,6 +19,8 @@ from starlette.middleware.base import RequestResponseEndpoint
 from starlette.routing import Route
 
 from agentbox import __version__
+from agentbox.api import files as files_api
+from agentbox.api import sessions as sessions_api
 from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2_fs, v2_sandbox, v2_watch
 from agentbox.api.envelope import BodyError, body_errors, error_response, query_error
 from agentbox.api.sandboxes import Sandboxes
@@ -27,6 +29,7 @@ from agentbox.machines.errors import MachineError
 from agentbox.machines.registry import Registry
 from agentbox.mcp import McpHttp
 from agentbox.store.db import Database
+from agentbox.store.files import FileStore
 from agentbox.store.markers import MarkersRepo
 from agentbox.workspace.errors import WorkspaceError, translate
 
@@ -65,12 +68,16 @@ def create_app(settings: Settings) -> FastAPI:
         await registry.recover()
         registry.start_janitor()
         app.state.db = db
+        app.state.files = FileStore(db, settings.home)  # the files API's store (api/files.py)
         app.state.registry = registry
         app.state.sandboxes = Sandboxes(registry)
+        # The sessions API's worker and stores (api/sessions.py); starting recovers open turns.
+        app.state.platform = await sessions_api.start_platform(db, registry, app.state.files)
         try:
             async with mcp_http.running():
                 yield
         finally:
+            await app.state.platform.close()
             await app.state.sandboxes.close()
             await registry.shutdown()
             await db.close()
@@ -117,6 +124,10 @@ def create_app(settings: Settings) -> FastAPI:
     for module in ROUTERS:
         app.include_router(module.router)
         app.include_router(module.router, prefix="/sandboxes/{session_id}")
+    # `/v1/files`: once, at the root; files belong to no sandbox and outlive their session.
+    app.include_router(files_api.router)
+    # `/v1/sessions`: once, at the root; a session is not a sandbox route.
+    app.include_router(sessions_api.router)
 
     # MCP over streamable HTTP: an ASGI app on the exact path `/mcp` (as the SDK routes it).
     app.router.routes.append(Route("/mcp", endpoint=mcp_http, include_in_schema=False))

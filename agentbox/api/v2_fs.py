@@ -351,7 +351,9 @@ async def download(request: Request, sandbox: CurrentSandbox, path: PathQuery) -
 
 def attachment(name: str) -> str:
     """A Content-Disposition naming the file, safe for any name (RFC 6266 `filename*`)."""
-    ascii_name = name.encode("ascii", "replace").decode().replace('"', "_").replace("\\", "_")
+    ascii_name = "".join(
+        "_" if c < " " or c in '"\\\x7f' else c for c in name.encode("ascii", "replace").decode()
+    )  # a control character (a newline in a file name) would make the header invalid
     return f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(name, safe='')}"
 
 

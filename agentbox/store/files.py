@@ -249,17 +249,29 @@ class FileStore:
             raise FileNotFound(file_id)
         return dict(row)
 
-    async def list(self, session_id: str | None = None) -> builtins.list[dict[str, Any]]:
-        """Live files, newest first; only those of `session_id` when given."""
-        if session_id is None:
-            rows = await self.db.fetchall(
-                f"SELECT {_COLUMNS} FROM files WHERE deleted_at IS NULL ORDER BY id DESC"
-            )
-        else:
-            rows = await self.db.fetchall(
-                f"SELECT {_COLUMNS} FROM files WHERE deleted_at IS NULL AND session_id = ? ORDER BY id DESC",
-                (session_id,),
-            )
+    async def list(
+        self, session_id: str | None = None, *, before: str | None = None, limit: int | None = None
+    ) -> builtins.list[dict[str, Any]]:
+        """Live files, newest first; only those of `session_id` when given.
+
+        `before` (an id) and `limit` page the list: ids sort by creation, so the next page of
+        a newest-first list is the files whose id is below the last one seen.
+        """
+        where: builtins.list[str] = ["deleted_at IS NULL"]
+        params: builtins.list[Any] = []
+        if session_id is not None:
+            where.append("session_id = ?")
+            params.append(session_id)
+        if before is not None:
+            where.append("id < ?")
+            params.append(before)
+        page = ""
+        if limit is not None:
+            page = " LIMIT ?"
+            params.append(limit)
+        rows = await self.db.fetchall(
+            f"SELECT {_COLUMNS} FROM files WHERE {' AND '.join(where)} ORDER BY id DESC{page}", params
+        )
         return [dict(row) for row in rows]
 
     async def open(self, file_id: str) -> Path:
