@@ -1,0 +1,562 @@
+"""The sessions API (issue 5): sessions, messages, the event log, turns, approvals, change sets.
+
+    POST   /v1/sessions                                   201 the session
+    GET    /v1/sessions                 ?after&limit      {items, has_more, next_after}
+    GET    /v1/sessions/{id}                              the session + status, sandbox, usage
+    PATCH  /v1/sessions/{id}            permission_mode, metadata (the rest: 400 not supported)
+    DELETE /v1/sessions/{id}                              {id, deleted: true}
+    POST   /v1/sessions/{id}/messages   {content, files}  202 {turn_id, ...}; Idempotency-Key
+    GET    /v1/sessions/{id}/events     ?after&limit      {items, has_more, next_after}
+    GET    /v1/sessions/{id}/events/stream                SSE, resumable (Last-Event-ID / ?after)
+    GET    /v1/sessions/{id}/turns[/{turn_id}]            POST .../turns/{turn_id}/abort, .../abort
+    GET    /v1/sessions/{id}/approvals  ?status=pending   POST .../approvals/{approval_id}
+    GET    /v1/sessions/{id}/changes[/{cid}]              POST .../changes/{cid}/apply|reject
+
+Mounted once at the root: a session is not a sandbox route. The routes only translate HTTP
+to the `Worker` (writes) and the stores (reads); every refusal of theirs is an error type
+mapped to a status in `ERRORS` (by `SessionRoute`), sent in the envelope of the rest of the
+API. A body that does not parse is a 400 here (not the 422 of the sandbox routes): the
+sessions API has one status for "bad input", whether the shape or a value is wrong.
+
+The SSE stream is a view of the same log as the JSON page: `id: <seq>`, `event: <type>`,
+`data: <the event's JSON>`; it replays from the cursor, then tails (`EventBus.subscribe`
+reads every event from the database, so the two views cannot differ). `until=turn_end`
+closes after the terminal event of the turn open at request time; with none open, of the
+last turn if its end is after the cursor (it was posted just before the stream opened),
+else of the next turn submitted. A comment line is sent after `heartbeat` seconds without events.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, cast
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentbox.agent.events import EventBus
+from agentbox.agent.models import SCRIPTED, ModelError
+from agentbox.agent.worker import Worker
+from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error
+from agentbox.machines.errors import MachineNotFound
+from agentbox.machines.registry import Registry
+from agentbox.store.approvals import ApprovalNotFound, ApprovalNotPending, ApprovalsRepo
+from agentbox.store.changes import (
+    ChangeSet,
+    ChangeSetNotFound,
+    ChangesRepo,
+    OperationNotFound,
+    OperationNotPending,
+)
+from agentbox.store.db import Database
+from agentbox.store.files import FileStore
+from agentbox.store.sessions import (
+    MAX_EVENTS_PAGE,
+    TERMINAL_EVENTS,
+    UPDATABLE,
+    Event,
+    IdempotencyConflict,
+    Session,
+    SessionNotFound,
+    SessionStore,
+    TurnNotFound,
+    UnknownFiles,
+    UnsupportedUpdate,
+)
+from agentbox.store.todos import TodoRepo
+from agentbox.tools.approvals import Approvals
+from agentbox.tools.changes import ChangeSets, GovernedMachine
+from agentbox.workspace.errors import WorkspaceError
+
+#: Model names besides "scripted": `<provider>:<model>` (runs fail until the runtime issue adds them).
+PROVIDERS: tuple[str, ...] = ("openai", "anthropic")
+_PROVIDER_MODEL = re.compile(rf"^(?:{'|'.join(PROVIDERS)}):\S+$")
+#: Longest `Idempotency-Key` accepted (a UUID is 36; room for client prefixes).
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+#: Sessions and events listed per page when `limit` is not given.
+LIST_LIMIT_DEFAULT = 100
+#: The most sessions one page may ask for.
+SESSIONS_LIMIT_MAX = 1000
+#: Seconds without an event before the stream sends a heartbeat comment (default, least, most).
+HEARTBEAT_DEFAULT_S = 15.0
+HEARTBEAT_MIN_S = 1.0
+HEARTBEAT_MAX_S = 300.0
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+#: Each refusal of the layers below: (HTTP status, the envelope's `error_type`).
+ERRORS: dict[type[Exception], tuple[int, str]] = {
+    SessionNotFound: (404, "not_found"),
+    TurnNotFound: (404, "not_found"),
+    ApprovalNotFound: (404, "not_found"),
+    ChangeSetNotFound: (404, "not_found"),
+    OperationNotFound: (404, "not_found"),
+    UnknownFiles: (400, "bad_request"),
+    UnsupportedUpdate: (400, "not_supported"),
+    MachineNotFound: (400, "bad_request"),
+    ModelError: (400, "bad_request"),  # a malformed script (ScriptError)
+    ValueError: (400, "bad_request"),  # the worker's and repos' validation of values
+    IdempotencyConflict: (409, "conflict"),
+    ApprovalNotPending: (409, "conflict"),
+    OperationNotPending: (409, "conflict"),
+}
+
+
+class NotInSession(LookupError):
+    """An approval, change set or turn that exists, but in another session: reported as not found."""
+
+
+ERRORS[NotInSession] = (404, "not_found")
+
+
+def refusal(exc: Exception) -> JSONResponse:
+    status, error_type = next(v for t, v in ERRORS.items() if isinstance(exc, t))
+    detail = WorkspaceError(error_type, str(exc), "session", exception_type=type(exc).__name__)
+    response = failure(detail)
+    response.status_code = status
+    return response
+
+
+class SessionRoute(APIRoute):
+    """Maps `ERRORS` to envelopes and a bad body to 400, for every route of this router."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except BodyError as exc:
+                response = body_errors(exc.errors)
+                response.status_code = 400
+                return response
+            except tuple(ERRORS) as exc:
+                return refusal(exc)
+
+        return guarded
+
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], route_class=SessionRoute)
+
+
+# ---------------------------------------------------------------- the services behind the routes
+
+
+@dataclass
+class Platform:
+    """What the sessions API runs on; one per server, built in the app's lifespan."""
+
+    store: SessionStore
+    bus: EventBus
+    approvals: Approvals
+    changes: ChangeSets
+    worker: Worker
+    registry: Registry
+
+    async def close(self) -> None:
+        await self.worker.close()
+
+
+async def start_platform(db: Database, registry: Registry, files: FileStore) -> Platform:
+    """Build the worker and its stores on the server's database and registry, and start it
+    (which recovers the turns an earlier process left open)."""
+    store = SessionStore(db)
+    bus = EventBus(store)
+    approvals = Approvals(ApprovalsRepo(db))
+    changes = ChangeSets(ChangesRepo(db))
+    worker = Worker(store, bus, registry, files, approvals, changes, TodoRepo(db))
+    await worker.start()
+    return Platform(store, bus, approvals, changes, worker, registry)
+
+
+def platform(request: Request) -> Platform:
+    return cast(Platform, request.app.state.platform)
+
+
+# ---------------------------------------------------------------- bodies
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description='"scripted", "openai:<name>" or "anthropic:<name>".')
+    instructions: str = ""
+    mcp_servers: list[Any] = Field(default_factory=list)
+    toolset: str = "default"
+    permission_mode: str = Field("full-auto", description="A tier of the tools issue, or `plan`.")
+    machine: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    script: list[Any] | None = Field(None, description="The scripted model's steps.")
+
+
+class UpdateSession(BaseModel):
+    """Only these two may change; any other field is refused as not supported."""
+
+    model_config = ConfigDict(extra="allow")
+
+    permission_mode: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class PostMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    content: str
+    files: list[str] = Field(default_factory=list, description="File ids from POST /v1/files.")
+
+
+class Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    decision: Literal["allow", "deny"]
+    scope: Literal["once", "session"] = "once"
+    message: str | None = Field(None, description="For a deny: what the model is told.")
+
+
+class Decide(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    operations: list[str] | None = Field(None, description="Operation ids; all pending ones when absent.")
+    message: str | None = Field(None, description="For a reject: kept as the reason.")
+
+
+# ---------------------------------------------------------------- sessions
+
+
+@router.post("", status_code=201, openapi_extra=json_body(CreateSession))
+async def create_session(request: Request) -> Any:
+    body = await parse_body(request, CreateSession)
+    if body.model != SCRIPTED and not _PROVIDER_MODEL.fullmatch(body.model):
+        raise ValueError(f"model must be {SCRIPTED!r} or '<provider>:<name>' with a provider of {PROVIDERS}")
+    p = platform(request)
+    session = await p.worker.create_session(
+        body.model, permission_mode=body.permission_mode, instructions=body.instructions,
+        mcp_servers=body.mcp_servers, toolset=body.toolset, machine=body.machine,
+        metadata=body.metadata, script=body.script,
+    )  # fmt: skip
+    return JSONResponse(await view(p, session), status_code=201)
+
+
+@router.get("")
+async def list_sessions(
+    request: Request,
+    after: Annotated[str | None, Query(description="The `next_after` of the previous page.")] = None,
+    limit: Annotated[int, Query(ge=1, le=SESSIONS_LIMIT_MAX)] = LIST_LIMIT_DEFAULT,
+) -> Any:
+    p = platform(request)
+    rows = await p.store.list_sessions(after=after, limit=limit + 1)
+    page = rows[:limit]
+    has_more = len(rows) > limit
+    items = [await view(p, s) for s in page]
+    return {"items": items, "has_more": has_more, "next_after": page[-1].id if has_more else None}
+
+
+@router.get("/{session_id}")
+async def get_session(request: Request, session_id: str) -> Any:
+    p = platform(request)
+    return await view(p, await p.store.get_session(session_id))
+
+
+@router.patch("/{session_id}", openapi_extra=json_body(UpdateSession))
+async def update_session(request: Request, session_id: str) -> Any:
+    body = await parse_body(request, UpdateSession)
+    changes = body.model_dump(exclude_unset=True)
+    nulls = [k for k in UPDATABLE if k in changes and changes[k] is None]
+    if nulls:
+        raise ValueError(f"{', '.join(sorted(nulls))} cannot be null")
+    p = platform(request)
+    return await view(p, await p.worker.update_session(session_id, changes))
+
+
+@router.delete("/{session_id}")
+async def delete_session(request: Request, session_id: str) -> Any:
+    """Aborts the active turn, removes the session's events and workspace; its files stay."""
+    p = platform(request)
+    await p.worker.delete_session(session_id)
+    await request.app.state.sandboxes.forget(session_id)
+    return {"id": session_id, "deleted": True}
+
+
+async def view(p: Platform, session: Session) -> dict[str, Any]:
+    """The session as the API shows it: its record, what it is doing, its sandbox and usage."""
+    data = session.to_dict()
+    data["status"] = await p.store.activity(session.id)
+    entry = p.registry.entry(session.id, session.machine)
+    data["sandbox"] = (
+        None
+        if entry is None
+        else {"machine": entry.config.name, "state": entry.state, "generation": entry.generation}
+    )
+    data["usage"] = await usage(p.store, session.id)
+    return data
+
+
+async def usage(store: SessionStore, session_id: str) -> dict[str, int]:
+    """Tokens and model calls summed over the session's `model.usage` events."""
+    totals = {"input_tokens": 0, "output_tokens": 0, "model_calls": 0}
+    cursor = 0
+    while page := await store.list_events(
+        session_id, after=cursor, limit=MAX_EVENTS_PAGE, types=["model.usage"]
+    ):
+        for event in page:
+            totals["input_tokens"] += int(event.data.get("input_tokens") or 0)
+            totals["output_tokens"] += int(event.data.get("output_tokens") or 0)
+            totals["model_calls"] += 1
+        cursor = page[-1].seq
+    return totals
+
+
+# ---------------------------------------------------------------- messages and turns
+
+
+@router.post("/{session_id}/messages", status_code=202, openapi_extra=json_body(PostMessage))
+async def post_message(
+    request: Request,
+    session_id: str,
+    idempotency_key: Annotated[str | None, Header(max_length=MAX_IDEMPOTENCY_KEY_CHARS)] = None,
+) -> Any:
+    """Accepted = committed (turn, `user.message`, `turn.queued`); a retry with the same key
+    returns the first turn (`created: false`) and writes nothing."""
+    body = await parse_body(request, PostMessage)
+    p = platform(request)
+    submission = await p.worker.submit(session_id, body.content, body.files, idempotency_key or None)
+    turn = submission.turn
+    data = {"turn_id": turn.id, "created": submission.created, "turn": turn.to_dict()}
+    return JSONResponse(data, status_code=202)
+
+
+@router.get("/{session_id}/turns")
+async def list_turns(request: Request, session_id: str) -> Any:
+    p = platform(request)
+    await p.store.get_session(session_id)
+    return {"items": [t.to_dict() for t in await p.store.list_turns(session_id)]}
+
+
+@router.get("/{session_id}/turns/{turn_id}")
+async def get_turn(request: Request, session_id: str, turn_id: str) -> Any:
+    return (await platform(request).store.get_turn(turn_id, session_id)).to_dict()
+
+
+@router.post("/{session_id}/turns/{turn_id}/abort")
+async def abort_turn(request: Request, session_id: str, turn_id: str) -> Any:
+    """The turn as it stands after: `aborted`, or the terminal state it had reached already."""
+    p = platform(request)
+    await p.store.get_turn(turn_id, session_id)
+    return (await p.worker.abort(turn_id)).to_dict()
+
+
+@router.post("/{session_id}/abort")
+async def abort_active(request: Request, session_id: str) -> Any:
+    """Abort the session's active turn; `turn` is null when nothing was open."""
+    p = platform(request)
+    await p.store.get_session(session_id)
+    turn = await p.worker.abort_active(session_id)
+    return {"turn": turn.to_dict() if turn is not None else None}
+
+
+# ---------------------------------------------------------------- events
+
+
+@router.get("/{session_id}/events")
+async def list_events(
+    request: Request,
+    session_id: str,
+    after: Annotated[int, Query(ge=0, description="Events with a greater seq.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_EVENTS_PAGE)] = LIST_LIMIT_DEFAULT,
+) -> Any:
+    p = platform(request)
+    await p.store.get_session(session_id)
+    events = await p.store.list_events(session_id, after=after, limit=limit)
+    last = await p.store.last_seq(session_id)
+    has_more = bool(events) and events[-1].seq < last
+    return {
+        "items": [e.to_dict() for e in events],
+        "has_more": has_more,
+        "next_after": events[-1].seq if events else after,
+    }
+
+
+@router.get("/{session_id}/events/stream", response_class=StreamingResponse)
+async def stream_events(
+    request: Request,
+    session_id: str,
+    after: Annotated[int, Query(ge=0, description="Replay events with a greater seq.")] = 0,
+    until: Annotated[Literal["turn_end"] | None, Query(description="Close after a turn's end.")] = None,
+    heartbeat: Annotated[float, Query(ge=HEARTBEAT_MIN_S, le=HEARTBEAT_MAX_S)] = HEARTBEAT_DEFAULT_S,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> Response:
+    """`Last-Event-ID` (a reconnecting client's cursor) wins over `after`."""
+    p = platform(request)
+    await p.store.get_session(session_id)
+    cursor = after
+    if last_event_id is not None:
+        if not last_event_id.strip().isdigit():
+            return query_error(f"Invalid request parameters: Last-Event-ID: {last_event_id!r} is not a seq")
+        cursor = int(last_event_id)
+    target = await turn_to_follow(p.store, session_id, cursor) if until == "turn_end" else None
+    frames = sse(p, session_id, cursor, target, heartbeat)
+    return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@dataclass
+class Follow:
+    """The turn `until=turn_end` waits for: `turn_id`, or else the first turn with an id > `floor`."""
+
+    turn_id: str | None
+    floor: str
+
+    def matches(self, event: Event) -> bool:
+        if self.turn_id is None and event.turn_id is not None and event.turn_id > self.floor:
+            self.turn_id = event.turn_id  # turn ids sort by creation: this is the next turn
+        return event.turn_id is not None and event.turn_id == self.turn_id and event.type in TERMINAL_EVENTS
+
+
+async def turn_to_follow(store: SessionStore, session_id: str, cursor: int) -> Follow:
+    """The open turn that runs now; else the last turn if it ended after `cursor` (the client
+    has not seen its end: a message posted just before the stream was opened); else the next."""
+    turns = await store.list_turns(session_id)  # before active_turn: a turn submitted between is caught
+    active = await store.active_turn(session_id)
+    if active is not None:
+        return Follow(active.id, "")
+    if not turns:
+        return Follow(None, "")
+    last = turns[-1]
+    ended = await store.list_events(session_id, after=cursor, turn_id=last.id, types=TERMINAL_EVENTS, limit=1)
+    return Follow(last.id if ended else None, last.id)
+
+
+async def sse(
+    p: Platform, session_id: str, after: int, follow: Follow | None, heartbeat: float
+) -> AsyncIterator[str]:
+    async for event in p.bus.subscribe(session_id, after, idle_timeout=heartbeat):
+        if event is None:
+            if not await session_exists(p.store, session_id):
+                return  # deleted while streaming: nothing more will come
+            yield ": heartbeat\n\n"
+            continue
+        yield frame(event)
+        if follow is not None and follow.matches(event):
+            return
+
+
+def frame(event: Event) -> str:
+    return f"id: {event.seq}\nevent: {event.type}\ndata: {_json(event.to_dict())}\n\n"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+async def session_exists(store: SessionStore, session_id: str) -> bool:
+    try:
+        await store.get_session(session_id)
+    except SessionNotFound:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- approvals
+
+
+@router.get("/{session_id}/approvals")
+async def list_approvals(
+    request: Request,
+    session_id: str,
+    status: Annotated[Literal["pending"] | None, Query(description="Only unanswered ones.")] = None,
+) -> Any:
+    p = platform(request)
+    await p.store.get_session(session_id)
+    repo = p.approvals.repo
+    rows = await (repo.pending(session_id) if status == "pending" else repo.of_session(session_id))
+    return {"items": jsonable_encoder(rows)}
+
+
+@router.post("/{session_id}/approvals/{approval_id}", openapi_extra=json_body(Answer))
+async def answer_approval(request: Request, session_id: str, approval_id: str) -> Any:
+    """Answer once (a second answer is 409); an allow with scope `session` covers later calls."""
+    body = await parse_body(request, Answer)
+    p = platform(request)
+    approval = await p.approvals.repo.get(approval_id)
+    if approval.session_id != session_id:
+        raise NotInSession(f"no approval {approval_id} in session {session_id}")
+    answered = await p.approvals.resolve(approval_id, body.decision, body.scope, body.message)
+    return jsonable_encoder(answered)
+
+
+# ---------------------------------------------------------------- change sets
+
+
+@router.get("/{session_id}/changes")
+async def list_changes(request: Request, session_id: str) -> Any:
+    p = platform(request)
+    await p.store.get_session(session_id)
+    sets = await p.changes.repo.of_session(session_id)
+    return {"items": [change_set_view(s, diffs=False) for s in sets]}
+
+
+@router.get("/{session_id}/changes/{change_set_id}")
+async def get_changes(request: Request, session_id: str, change_set_id: str) -> Any:
+    return change_set_view(await change_set_of(platform(request), session_id, change_set_id), diffs=True)
+
+
+@router.post("/{session_id}/changes/{change_set_id}/apply", openapi_extra=json_body(Decide))
+async def apply_changes(request: Request, session_id: str, change_set_id: str) -> Any:
+    """Apply the named operations (all pending when none are named); each ends applied or failed."""
+    body = await parse_body(request, Decide)
+    p = platform(request)
+    change_set = await change_set_of(p, session_id, change_set_id)
+    chosen = operations_of(change_set, body.operations)
+    session = await p.store.get_session(session_id)
+    machine = cast(GovernedMachine, await p.registry.open(session.id, session.machine))
+    await p.changes.apply(machine, chosen)
+    return change_set_view(await p.changes.repo.get(change_set_id), diffs=True)
+
+
+@router.post("/{session_id}/changes/{change_set_id}/reject", openapi_extra=json_body(Decide))
+async def reject_changes(request: Request, session_id: str, change_set_id: str) -> Any:
+    """Reject the named operations (all pending when none are named); nothing touches the disk."""
+    body = await parse_body(request, Decide)
+    p = platform(request)
+    change_set = await change_set_of(p, session_id, change_set_id)
+    await p.changes.reject(operations_of(change_set, body.operations), body.message)
+    return change_set_view(await p.changes.repo.get(change_set_id), diffs=True)
+
+
+async def change_set_of(p: Platform, session_id: str, change_set_id: str) -> ChangeSet:
+    await p.store.get_session(session_id)
+    change_set = await p.changes.repo.get(change_set_id)
+    if change_set.session_id != session_id:
+        raise NotInSession(f"no change set {change_set_id} in session {session_id}")
+    return change_set
+
+
+def operations_of(change_set: ChangeSet, named: list[str] | None) -> list[str]:
+    """The ids to decide: the named ones (which must be this set's), or every pending one."""
+    if named is None:
+        return [op.id for op in change_set.pending()]
+    known = {op.id for op in change_set.operations}
+    foreign = [op_id for op_id in named if op_id not in known]
+    if foreign:
+        raise ValueError(f"not operations of change set {change_set.id}: {', '.join(foreign)}")
+    if not named:
+        raise ValueError("`operations` is empty: name at least one, or leave it out for all pending")
+    return list(dict.fromkeys(named))
+
+
+#: Operation fields left out of views: the full texts (the diff shows the change) and the fingerprint.
+_HIDDEN: tuple[str, ...] = ("before", "after", "expect")
+
+
+def change_set_view(change_set: ChangeSet, *, diffs: bool) -> dict[str, Any]:
+    hidden = _HIDDEN if diffs else (*_HIDDEN, "diff")
+    operations: list[Mapping[str, Any]] = [
+        {k: v for k, v in jsonable_encoder(op).items() if k not in hidden} for op in change_set.operations
+    ]
+    data = jsonable_encoder(change_set)
+    data["operations"] = operations
+    return cast(dict[str, Any], data)

@@ -1,0 +1,349 @@
+"""The sessions API against a real server: uvicorn on loopback, a SQLite file, real sandboxes,
+the scripted model. Every wait is for a condition (an event, a status) with a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from agentbox.api.sessions import HEARTBEAT_MIN_S, MAX_IDEMPOTENCY_KEY_CHARS
+from agentbox.store.sessions import MAX_EVENTS_PAGE, TERMINAL_EVENTS
+from tests.conftest import Server
+
+#: Seconds a test waits for an event or a status before failing.
+DEADLINE = 20.0
+
+
+@dataclass
+class Frame:
+    id: int | None
+    event: str | None
+    data: dict[str, Any] | None
+    comment: str | None = None
+
+
+@pytest.fixture
+async def client(server: Server) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as c:
+        yield c
+
+
+def bash(command: str) -> dict[str, Any]:
+    return {"tool_calls": [{"name": "bash", "input": {"command": command}}]}
+
+
+def write(path: str, content: str) -> dict[str, Any]:
+    return {"name": "write_file", "input": {"path": path, "content": content}}
+
+
+async def create(client: httpx.AsyncClient, script: list[Any], **fields: Any) -> str:
+    r = await client.post("/v1/sessions", json={"model": "scripted", "script": script, **fields})
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+async def post(client: httpx.AsyncClient, sid: str, content: str = "go", **kw: Any) -> httpx.Response:
+    return await client.post(
+        f"/v1/sessions/{sid}/messages", json={"content": content, **kw.pop("body", {})}, **kw
+    )
+
+
+async def frames(
+    client: httpx.AsyncClient,
+    sid: str,
+    *,
+    params: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    stop: Callable[[Frame], bool] | None = None,
+) -> list[Frame]:
+    """Read the SSE stream until it closes (or `stop` says so), within DEADLINE."""
+
+    async def read() -> list[Frame]:
+        got: list[Frame] = []
+        async with client.stream(
+            "GET", f"/v1/sessions/{sid}/events/stream", params=params, headers=headers
+        ) as r:
+            assert r.status_code == 200, await r.aread()
+            assert r.headers["content-type"].startswith("text/event-stream")
+            fields: dict[str, str] = {}
+            async for line in r.aiter_lines():
+                if line.startswith(":"):
+                    got.append(Frame(None, None, None, comment=line[1:].strip()))
+                elif line:
+                    name, _, value = line.partition(": ")
+                    fields[name] = value
+                    continue
+                elif fields:
+                    got.append(Frame(int(fields["id"]), fields["event"], json.loads(fields["data"])))
+                    fields = {}
+                else:
+                    continue
+                if stop is not None and stop(got[-1]):
+                    break
+        return got
+
+    return await asyncio.wait_for(read(), DEADLINE)
+
+
+async def until_turn_end(client: httpx.AsyncClient, sid: str, after: int = 0) -> list[Frame]:
+    got = await frames(client, sid, params={"after": after, "until": "turn_end"})
+    return [f for f in got if f.comment is None]
+
+
+async def events(client: httpx.AsyncClient, sid: str, after: int = 0) -> list[dict[str, Any]]:
+    r = await client.get(f"/v1/sessions/{sid}/events", params={"after": after, "limit": MAX_EVENTS_PAGE})
+    assert r.status_code == 200, r.text
+    return list(r.json()["items"])
+
+
+async def wait_status(client: httpx.AsyncClient, sid: str, turn_id: str, status: str) -> None:
+    deadline = asyncio.get_running_loop().time() + DEADLINE
+    while (await client.get(f"/v1/sessions/{sid}/turns/{turn_id}")).json()["status"] != status:
+        assert asyncio.get_running_loop().time() < deadline, f"turn never became {status}"
+        await asyncio.sleep(0.02)
+
+
+def in_order(types: list[str], expected: list[str]) -> bool:
+    """`expected` is a subsequence of `types`."""
+    rest = iter(types)
+    return all(t in rest for t in expected)
+
+
+async def test_a_scripted_turn_streams_in_order_and_the_views_agree(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [{"text": "Let me look.", **bash("echo hi")}, {"text": "Done."}])
+    r = await post(client, sid)
+    assert r.status_code == 202 and r.json()["created"] is True
+    turn_id = r.json()["turn_id"]
+    streamed = await until_turn_end(client, sid)
+    types = [f.event for f in streamed]
+    assert in_order(
+        [t for t in types if t],
+        ["user.message", "turn.queued", "turn.started", "agent.tool_use", "sandbox.ready",
+         "agent.tool_result", "agent.message", "turn.completed"],
+    )  # fmt: skip
+    # sandbox.ready comes when the first tool call opens the machine, after its agent.tool_use
+    assert types[0] == "session.created" and types[-1] == "turn.completed"
+    assert [f.id for f in streamed] == list(range(1, len(streamed) + 1))
+    assert all(f.data is not None and f.data["seq"] == f.id and f.data["type"] == f.event for f in streamed)
+    assert streamed[-1].data is not None and streamed[-1].data["turn_id"] == turn_id
+    # the JSON page is the same log as the stream's replay, for any cursor
+    assert await events(client, sid) == [f.data for f in streamed]
+    assert await events(client, sid, after=3) == [f.data for f in streamed[3:]]
+    # Last-Event-ID resumes after that seq: no gap, no duplicate (and wins over ?after)
+    last = streamed[-1].id
+    resumed = await frames(
+        client, sid, params={"after": 0}, headers={"Last-Event-ID": "4"}, stop=lambda f: f.id == last
+    )
+    assert [f.id for f in resumed] == list(range(5, (last or 0) + 1))
+    session = (await client.get(f"/v1/sessions/{sid}")).json()
+    assert session["status"] == "idle" and session["usage"]["model_calls"] == 2
+    assert session["sandbox"]["state"] == "running"
+    turn = (await client.get(f"/v1/sessions/{sid}/turns/{turn_id}")).json()
+    assert turn["status"] == "completed" and turn["stop_reason"] == "end_turn"
+    listed = (await client.get(f"/v1/sessions/{sid}/turns")).json()["items"]
+    assert [t["id"] for t in listed] == [turn_id]
+
+
+async def test_until_turn_end_waits_for_the_next_turn_when_none_is_open(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [{"text": "one"}, {"text": "two"}])
+    await post(client, sid, "1")
+    first = await until_turn_end(client, sid)
+    # the cursor is past the first turn's end: the stream follows the next turn, posted before
+    # or after the stream is opened (either way, the client has not seen that turn's end)
+    watcher = asyncio.create_task(until_turn_end(client, sid, after=first[-1].id or 0))
+    second = (await post(client, sid, "2")).json()["turn_id"]
+    got = await watcher
+    assert got[0].event == "user.message"
+    assert got[-1].event == "turn.completed" and got[-1].data is not None
+    assert got[-1].data["turn_id"] == second
+
+
+async def test_idempotent_post_returns_the_same_turn_and_writes_nothing(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [{"text": "once"}])
+    key = "k" * MAX_IDEMPOTENCY_KEY_CHARS
+    first = await post(client, sid, "hello", headers={"Idempotency-Key": key})
+    await until_turn_end(client, sid)
+    before = await events(client, sid)
+    again = await post(client, sid, "hello", headers={"Idempotency-Key": key})
+    assert again.status_code == 202 and again.json()["created"] is False
+    assert again.json()["turn_id"] == first.json()["turn_id"]
+    assert await events(client, sid) == before
+    conflict = await post(client, sid, "other", headers={"Idempotency-Key": key})
+    assert conflict.status_code == 409 and conflict.json()["success"] is False
+    too_long = await post(
+        client, sid, "x", headers={"Idempotency-Key": "k" * (MAX_IDEMPOTENCY_KEY_CHARS + 1)}
+    )
+    assert too_long.status_code == 400
+    assert len((await client.get(f"/v1/sessions/{sid}/turns")).json()["items"]) == 1
+
+
+async def test_unknown_file_ids_are_refused_before_anything_is_queued(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [])
+    before = await events(client, sid)
+    r = await post(client, sid, body={"files": ["file_01NOSUCHFILE0000000000000"]})
+    assert r.status_code == 400 and "file_01NOSUCHFILE" in r.json()["message"]
+    assert (await client.get(f"/v1/sessions/{sid}/turns")).json()["items"] == []
+    assert await events(client, sid) == before
+
+
+async def test_bad_input_is_400_and_unknown_ids_404(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/v1/sessions", json={"model": "nobody:x"})).status_code == 400
+    assert (
+        await client.post("/v1/sessions", json={"model": "scripted", "script": [{"nope": 1}]})
+    ).status_code == 400
+    assert (
+        await client.post("/v1/sessions", json={"model": "scripted", "permission_mode": "god"})
+    ).status_code == 400
+    assert (
+        await client.post("/v1/sessions", json={"model": "scripted", "machine": "nowhere"})
+    ).status_code == 400
+    assert (await client.post("/v1/sessions", content=b"{not json")).status_code == 400
+    provider = await client.post("/v1/sessions", json={"model": "anthropic:claude-x"})
+    assert provider.status_code == 201
+    assert (await client.get("/v1/sessions/sess_missing")).status_code == 404
+    assert (await post(client, "sess_missing")).status_code == 404
+    sid = provider.json()["id"]
+    assert (await client.get(f"/v1/sessions/{sid}/turns/turn_missing")).status_code == 404
+    assert (await client.get(f"/v1/sessions/{sid}/changes/cs_missing")).status_code == 404
+    assert (
+        await client.post(f"/v1/sessions/{sid}/approvals/appr_missing", json={"decision": "allow"})
+    ).status_code == 404
+    page = f"/v1/sessions/{sid}/events"
+    assert (await client.get(page, params={"limit": MAX_EVENTS_PAGE})).status_code == 200
+    assert (await client.get(page, params={"limit": MAX_EVENTS_PAGE + 1})).status_code == 400
+    assert (await client.get(page, params={"after": -1})).status_code == 400
+    listed = (await client.get("/v1/sessions", params={"limit": 1000})).json()["items"]
+    assert sid in [s["id"] for s in listed]
+
+
+async def test_patch_changes_mode_and_metadata_and_refuses_the_rest(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [])
+    r = await client.patch(f"/v1/sessions/{sid}", json={"permission_mode": "full-ask", "metadata": {"a": 1}})
+    assert (
+        r.status_code == 200
+        and r.json()["permission_mode"] == "full-ask"
+        and r.json()["metadata"] == {"a": 1}
+    )
+    for field, value in [("model", "openai:gpt"), ("instructions", "x"), ("mcp_servers", [])]:
+        refused = await client.patch(f"/v1/sessions/{sid}", json={field: value})
+        assert refused.status_code == 400 and "not supported" in refused.json()["message"]
+    assert (await client.patch(f"/v1/sessions/{sid}", json={"permission_mode": "god"})).status_code == 400
+    assert (await client.patch(f"/v1/sessions/{sid}", json={"permission_mode": None})).status_code == 400
+    assert (await client.get(f"/v1/sessions/{sid}")).json()["permission_mode"] == "full-ask"
+    assert [e["type"] for e in await events(client, sid)] == ["session.created", "session.updated"]
+
+
+async def test_abort_of_a_hanging_turn_ends_it_once(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [{"hang": True}])
+    turn_id = (await post(client, sid)).json()["turn_id"]
+    await wait_status(client, sid, turn_id, "running")
+    aborted = await client.post(f"/v1/sessions/{sid}/turns/{turn_id}/abort")
+    assert aborted.status_code == 200 and aborted.json()["status"] == "aborted"
+    again = await client.post(f"/v1/sessions/{sid}/turns/{turn_id}/abort")
+    assert again.status_code == 200 and again.json()["status"] == "aborted"
+    assert (await client.post(f"/v1/sessions/{sid}/abort")).json() == {"turn": None}
+    terminal = [e["type"] for e in await events(client, sid) if e["type"] in TERMINAL_EVENTS]
+    assert terminal == ["turn.aborted"]
+    # the session-level abort finds the active turn itself
+    sid2 = await create(client, [{"hang": True}])
+    turn2 = (await post(client, sid2)).json()["turn_id"]
+    await wait_status(client, sid2, turn2, "running")
+    r = await client.post(f"/v1/sessions/{sid2}/abort")
+    assert r.json()["turn"]["id"] == turn2 and r.json()["turn"]["status"] == "aborted"
+
+
+async def test_approval_allow_runs_the_call(client: httpx.AsyncClient) -> None:
+    script = [bash("echo approved"), {"expect": {"tool_result_contains": "approved"}, "text": "done"}]
+    sid = await create(client, script, permission_mode="full-ask")
+    await post(client, sid)
+    asked = await frames(client, sid, stop=lambda f: f.event == "approval.requested")
+    approval_id = asked[-1].data["approval_id"] if asked[-1].data else None
+    assert (await client.get(f"/v1/sessions/{sid}")).json()["status"] == "awaiting_approval"
+    pending = (await client.get(f"/v1/sessions/{sid}/approvals", params={"status": "pending"})).json()[
+        "items"
+    ]
+    assert [a["id"] for a in pending] == [approval_id] and pending[0]["tool"] == "bash"
+    r = await client.post(f"/v1/sessions/{sid}/approvals/{approval_id}", json={"decision": "allow"})
+    assert r.status_code == 200 and r.json()["status"] == "allowed"
+    twice = await client.post(f"/v1/sessions/{sid}/approvals/{approval_id}", json={"decision": "deny"})
+    assert twice.status_code == 409
+    assert (await until_turn_end(client, sid))[-1].event == "turn.completed"
+    assert (await client.get(f"/v1/sessions/{sid}/approvals", params={"status": "pending"})).json()[
+        "items"
+    ] == []
+
+
+async def test_approval_deny_tells_the_model_the_message(client: httpx.AsyncClient) -> None:
+    script = [bash("echo never"), {"expect": {"tool_result_contains": "not today"}, "text": "ok"}]
+    sid = await create(client, script, permission_mode="full-ask")
+    await post(client, sid)
+    asked = await frames(client, sid, stop=lambda f: f.event == "approval.requested")
+    approval_id = asked[-1].data["approval_id"] if asked[-1].data else None
+    bad = await client.post(f"/v1/sessions/{sid}/approvals/{approval_id}", json={"decision": "maybe"})
+    assert bad.status_code == 400
+    body = {"decision": "deny", "message": "not today"}
+    assert (await client.post(f"/v1/sessions/{sid}/approvals/{approval_id}", json=body)).status_code == 200
+    streamed = await until_turn_end(client, sid)
+    assert streamed[-1].event == "turn.completed"  # the expectation saw the message
+    result = next(f.data for f in streamed if f.event == "agent.tool_result")
+    assert result is not None and result["is_error"] and "not today" in result["content"][0]["text"]
+
+
+async def test_a_change_set_is_applied_in_part(client: httpx.AsyncClient) -> None:
+    script = [{"tool_calls": [write("a.txt", "A\n"), write("b.txt", "B\n")]}, {"text": "staged"}]
+    sid = await create(client, script, permission_mode="workspace-write")
+    await post(client, sid)
+    assert any(f.event == "change_set.updated" for f in await until_turn_end(client, sid))
+    [listed] = (await client.get(f"/v1/sessions/{sid}/changes")).json()["items"]
+    cid = listed["id"]
+    detail = (await client.get(f"/v1/sessions/{sid}/changes/{cid}")).json()
+    op_a, op_b = (op["id"] for op in detail["operations"])
+    assert "+A" in detail["operations"][0]["diff"] and "after" not in detail["operations"][0]
+    applied = await client.post(f"/v1/sessions/{sid}/changes/{cid}/apply", json={"operations": [op_a]})
+    assert applied.status_code == 200, applied.text
+    assert [op["status"] for op in applied.json()["operations"]] == ["applied", "pending"]
+    assert applied.json()["status"] == "open"
+    rejected = await client.post(f"/v1/sessions/{sid}/changes/{cid}/reject", json={"operations": [op_b]})
+    assert [op["status"] for op in rejected.json()["operations"]] == ["applied", "rejected"]
+    assert rejected.json()["status"] == "partially_applied"
+    again = await client.post(f"/v1/sessions/{sid}/changes/{cid}/apply", json={"operations": [op_a]})
+    assert again.status_code == 409
+    foreign = await client.post(f"/v1/sessions/{sid}/changes/{cid}/apply", json={"operations": ["cs_x:1"]})
+    assert foreign.status_code == 400
+    read = f"/sandboxes/{sid}/v1/file/read"
+    assert (await client.post(read, json={"file": "/workspace/a.txt"})).json()["data"]["content"] == "A\n"
+    assert (await client.post(read, json={"file": "/workspace/b.txt"})).json()["success"] is False
+
+
+async def test_delete_removes_the_session_and_keeps_its_files(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [{"text": "got it"}])
+    up = await client.post("/v1/files", files={"file": ("notes.txt", b"hello")}, data={"session_id": sid})
+    assert up.status_code == 201, up.text
+    file_id = up.json()["id"]
+    await post(client, sid, body={"files": [file_id]})
+    streamed = await until_turn_end(client, sid)
+    assert "files.placed" in [f.event for f in streamed] and streamed[-1].event == "turn.completed"
+    r = await client.delete(f"/v1/sessions/{sid}")
+    assert r.status_code == 200 and r.json() == {"id": sid, "deleted": True}
+    assert (await client.get(f"/v1/sessions/{sid}")).status_code == 404
+    assert (await client.get(f"/v1/sessions/{sid}/events")).status_code == 404
+    assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 404
+    assert (await client.get(f"/v1/files/{file_id}")).status_code == 200
+
+
+async def test_an_idle_stream_sends_heartbeats(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [])
+    got = await frames(
+        client, sid, params={"after": 1, "heartbeat": HEARTBEAT_MIN_S}, stop=lambda f: f.comment is not None
+    )
+    assert got[-1].comment == "heartbeat"
+    low = await client.get(f"/v1/sessions/{sid}/events/stream", params={"heartbeat": HEARTBEAT_MIN_S - 0.01})
+    assert low.status_code == 400
+    bad = await client.get(f"/v1/sessions/{sid}/events/stream", headers={"Last-Event-ID": "x"})
+    assert bad.status_code == 400
