@@ -61,6 +61,18 @@ TOOLS_FIGURES = {
     "commands_run_true",
     "tool_bash_true",
 }
+SESSIONS_FIGURES = {
+    "health_rtt",
+    "session_turn_started",
+    "session_post_to_started",
+    "sessions_sandbox_warmup",
+    "sessions_load_turns",
+    "sessions_load_events",
+    "sessions_load_event_latency",
+    "server_rss_idle",
+    "server_rss_peak",
+    "sandboxes_rss_peak",
+}
 #: Each tool row's ratios to the layers it calls (`extra.ratio_to_<layer>`).
 TOOLS_LAYER_RATIOS = {
     "tool_read_file_4k": {"ratio_to_files_read_text"},
@@ -135,3 +147,11 @@ def test_bench_tools_quick(tmp_path: Path) -> None:
         extra = document["figures"][key]["extra"]
         assert ratios <= set(extra), f"{key}: missing {sorted(ratios - set(extra))}"
         assert all(isinstance(extra[r], int | float) for r in ratios), key
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_sessions_quick(tmp_path: Path) -> None:
+    document = run_quick("bench_sessions.py", tmp_path / "sessions.json")
+    check_figures(document, SESSIONS_FIGURES, "bench_sessions")
+    assert document["missing_routes"] == []
+    assert document["counts"]["sessions"] == 3
