@@ -398,7 +398,9 @@ class McpHttp:
 
     def host(self, state: Any) -> ToolHost:
         if self._host is None:
-            self._host = ToolHost(state.registry, state.db, state.settings.home, files=getattr(state, "files", None))
+            self._host = ToolHost(
+                state.registry, state.db, state.settings.home, files=getattr(state, "files", None)
+            )
         return self._host
 
     async def _resolve(self, ctx: ServerRequestContext[Any, Any]) -> SessionTools:

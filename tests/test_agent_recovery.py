@@ -15,10 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agentbox.agent.worker import RECOVERY, Act, State
+from agentbox.store.approvals import ApprovalsRepo, Decision
 from agentbox.store.db import Database
 from agentbox.store.sessions import INTERRUPTED, TERMINAL_EVENTS, Message, SessionStore, insert_message
-from tests.test_agent_loop import DEADLINE, Kit, bash, make_kit, terminal
+from tests.test_agent_loop import DEADLINE, Kit, bash, make_kit, terminal, wait_for
 
 #: The server stand-in: opens the home, recovers, runs turns until killed.
 CHILD = textwrap.dedent(
@@ -196,6 +199,79 @@ async def test_a_turn_awaiting_approval_stays_waiting_after_a_restart(sandbox_tm
         assert (await kit.store.get_turn(second)).status == "queued"
         assert (await kit.worker.abort(first)).status == "aborted"
         assert (await terminal(kit, session.id, second)).type == "turn.completed"
+    finally:
+        await kit.close()
+
+
+@pytest.mark.parametrize("decision", ["allow", "deny"])
+async def test_answering_an_approval_after_a_restart_resumes_the_turn(
+    sandbox_tmp: Path, decision: Decision
+) -> None:
+    """Graceful restart (close, then a new worker on the same home): the question survives, and
+    answering it through the new worker runs the call once (allow) or tells the model (deny)."""
+    home = sandbox_tmp / "home"
+    seen = "wrote" if decision == "allow" else "not now"
+    script = [
+        bash("echo ran >> /workspace/side.txt; echo wrote"),
+        {"expect": {"tool_result_contains": seen}, "text": "resumed"},
+        {"text": "second turn"},
+    ]
+    kit = await make_kit(home)
+    try:
+        session = await kit.worker.create_session("scripted", permission_mode="full-ask", script=script)
+        turns = [(await kit.worker.submit(session.id, f"message {i}")).turn.id for i in range(2)]
+        asked = await wait_for(kit, session.id, lambda e: e.type == "approval.requested")
+    finally:
+        await kit.close()
+    kit = await make_kit(home)
+    try:
+        await kit.worker.idle(session.id)
+        assert (await kit.store.get_turn(turns[0])).status == "awaiting_approval"
+        assert [a.id for a in await kit.approvals.repo.pending(session.id)] == [asked.data["approval_id"]]
+        side = kit.registry.session_dir(session.id) / "workspace" / "side.txt"
+        assert not side.exists()
+        await kit.approvals.resolve(asked.data["approval_id"], decision, message="not now")
+        for turn_id in turns:
+            assert (await terminal(kit, session.id, turn_id)).type == "turn.completed"
+        await check_log(kit, session.id, turns)
+        if decision == "allow":
+            assert side_lines(kit, session.id) == ["ran"]
+        else:
+            assert not side.exists()
+        results = [
+            e for e in await kit.store.list_events(session.id, limit=1000) if e.type == "agent.tool_result"
+        ]
+        assert len(results) == 1 and results[0].data["is_error"] == (decision == "deny")
+        assert seen in results[0].data["content"][0]["text"]
+        assert await kit.approvals.repo.pending(session.id) == []
+    finally:
+        await kit.close()
+
+
+async def test_a_tool_allowed_before_a_crash_but_not_recorded_is_interrupted_not_rerun(
+    sandbox_tmp: Path,
+) -> None:
+    """An approval answered `allow` by an earlier process: the call may have run, so it is not run
+    again (only an answer this process saw arrive resumes a call)."""
+    home = sandbox_tmp / "home"
+    script = [
+        bash("echo ran >> /workspace/side.txt"),
+        {"expect": {"tool_result_contains": "interrupted"}, "text": "the model saw it"},
+    ]
+    kit = await make_kit(home)
+    try:
+        session = await kit.worker.create_session("scripted", permission_mode="full-ask", script=script)
+        turn_id = (await kit.worker.submit(session.id, "message 0")).turn.id
+        asked = await wait_for(kit, session.id, lambda e: e.type == "approval.requested")
+    finally:
+        await kit.close()
+    async with Database.in_home(home) as db:  # the crashed state: answered, turn back to running
+        await ApprovalsRepo(db).resolve(asked.data["approval_id"], "allow")
+        await SessionStore(db).set_waiting(turn_id, False)
+    kit = await make_kit(home)
+    try:
+        assert (await terminal(kit, session.id, turn_id)).type == "turn.completed"
+        assert not (kit.registry.session_dir(session.id) / "workspace" / "side.txt").exists()
     finally:
         await kit.close()
 

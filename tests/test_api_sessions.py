@@ -14,7 +14,7 @@ import pytest
 
 from agentbox.api.sessions import HEARTBEAT_MIN_S, MAX_IDEMPOTENCY_KEY_CHARS
 from agentbox.store.sessions import MAX_EVENTS_PAGE, TERMINAL_EVENTS
-from tests.conftest import Server
+from tests.conftest import Server, start_server, stop_server, traversable
 
 #: Seconds a test waits for an event or a status before failing.
 DEADLINE = 20.0
@@ -295,6 +295,41 @@ async def test_approval_deny_tells_the_model_the_message(client: httpx.AsyncClie
     assert result is not None and result["is_error"] and "not today" in result["content"][0]["text"]
 
 
+async def test_an_approval_answered_after_a_server_restart_resumes_the_turn(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """SIGTERM (a graceful shutdown) while a turn waits for the user, start again on the same home,
+    answer: the call runs once and the turn completes."""
+    home = traversable(tmp_path_factory.mktemp("restart"), tmp_path_factory) / "home"
+    home.mkdir()
+    script = [
+        bash("echo ran >> /workspace/side.txt; echo wrote"),
+        {"expect": {"tool_result_contains": "wrote"}},
+    ]
+    first = start_server(home)
+    try:
+        async with httpx.AsyncClient(base_url=first.url, timeout=DEADLINE) as client:
+            sid = await create(client, script, permission_mode="full-ask")
+            turn_id = (await post(client, sid)).json()["turn_id"]
+            asked = await frames(client, sid, stop=lambda f: f.event == "approval.requested")
+            approval_id = asked[-1].data["approval_id"] if asked[-1].data else None
+    finally:
+        stop_server(first)
+    second = start_server(home)
+    try:
+        async with httpx.AsyncClient(base_url=second.url, timeout=DEADLINE) as client:
+            assert (await client.get(f"/v1/sessions/{sid}")).json()["status"] == "awaiting_approval"
+            r = await client.post(f"/v1/sessions/{sid}/approvals/{approval_id}", json={"decision": "allow"})
+            assert r.status_code == 200, r.text
+            await wait_status(client, sid, turn_id, "completed")
+            results = [e for e in await events(client, sid) if e["type"] == "agent.tool_result"]
+            assert len(results) == 1 and "wrote" in results[0]["content"][0]["text"]
+            cat = await client.post(f"/sandboxes/{sid}/v1/file/read", json={"file": "/workspace/side.txt"})
+            assert cat.json()["data"]["content"] == "ran\n"
+    finally:
+        stop_server(second)
+
+
 async def test_a_change_set_is_applied_in_part(client: httpx.AsyncClient) -> None:
     script = [{"tool_calls": [write("a.txt", "A\n"), write("b.txt", "B\n")]}, {"text": "staged"}]
     sid = await create(client, script, permission_mode="workspace-write")
@@ -319,6 +354,41 @@ async def test_a_change_set_is_applied_in_part(client: httpx.AsyncClient) -> Non
     read = f"/sandboxes/{sid}/v1/file/read"
     assert (await client.post(read, json={"file": "/workspace/a.txt"})).json()["data"]["content"] == "A\n"
     assert (await client.post(read, json={"file": "/workspace/b.txt"})).json()["success"] is False
+
+
+async def test_applying_and_rejecting_a_change_set_appear_in_the_event_log(client: httpx.AsyncClient) -> None:
+    script = [{"tool_calls": [write("a.txt", "A\n"), write("b.txt", "B\n")]}, {"text": "staged"}]
+    sid = await create(client, script, permission_mode="workspace-write")
+    await post(client, sid)
+    cursor = (await until_turn_end(client, sid))[-1].id or 0
+    [listed] = (await client.get(f"/v1/sessions/{sid}/changes")).json()["items"]
+    cid = listed["id"]
+    op_a, op_b = (op["id"] for op in listed["operations"])
+    tail = asyncio.create_task(
+        frames(client, sid, params={"after": cursor}, stop=lambda f: f.event == "change_set.updated"
+               and f.data is not None and f.data["status"] != "open")
+    )  # fmt: skip
+    assert (
+        await client.post(f"/v1/sessions/{sid}/changes/{cid}/apply", json={"operations": [op_a]})
+    ).is_success
+    assert (
+        await client.post(f"/v1/sessions/{sid}/changes/{cid}/reject", json={"operations": [op_b]})
+    ).is_success
+    streamed = [f for f in await tail if f.comment is None]
+    logged = await events(client, sid, after=cursor)
+    assert [(f.id, f.event) for f in streamed] == [(e["seq"], e["type"]) for e in logged]
+    assert [e["type"] for e in logged] == ["change_set.updated", "change_set.updated"]
+    applied, rejected = logged
+    assert all(e["turn_id"] is None for e in logged)
+    assert applied["change_set_id"] == cid and applied["status"] == "open"
+    assert [(op["id"], op["status"]) for op in applied["operations"]] == [
+        (op_a, "applied"),
+        (op_b, "pending"),
+    ]
+    assert rejected["status"] == "partially_applied"
+    assert [op["status"] for op in rejected["operations"]] == ["applied", "rejected"]
+    refused = await client.post(f"/v1/sessions/{sid}/changes/{cid}/apply", json={"operations": [op_a]})
+    assert refused.status_code == 409 and len(await events(client, sid, after=cursor)) == 2
 
 
 async def test_delete_removes_the_session_and_keeps_its_files(client: httpx.AsyncClient) -> None:

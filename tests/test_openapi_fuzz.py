@@ -1,4 +1,4 @@
-"""Schemathesis over our own OpenAPI document: no generated request gets a 5xx.
+"""Schemathesis (4.x API) over our own OpenAPI document: no generated request gets a 5xx.
 
 The schema is loaded from a real `agentbox serve` (the session's `server` fixture, real
 bubblewrap sandboxes) and every operation at the root gets its own test: hypothesis draws
@@ -11,7 +11,8 @@ What is left out, and why:
   twice), and every valid generated id would start a new sandbox.
 Nothing else is. No route kills the server: the DELETE routes only end watchers, commands
 and shell sessions of the default sandbox, and whatever a generated path or command does
-stays inside that sandbox (no other test uses the default session).
+stays inside that sandbox (no other test uses the default session). The SSE routes are
+fuzzed too (see below), and so is `/v1/sessions`, with generated ids only.
 
 Random input alone rarely gets past the first lookup (an unknown id is a 404, a random
 `user` a 400, a random editor command a 400), so for half of the cases the test steers
@@ -49,10 +50,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import Case, GenerationMode
 from schemathesis.checks import not_a_server_error
+from schemathesis.core.result import Ok
 from schemathesis.schemas import APIOperation, BaseSchema
 
 from agentbox.api.app import create_app
+from agentbox.api.v2_watch import MAX_SEQ_DIGITS
 from agentbox.config import Settings
+from agentbox.workspace.files import MAX_RANGE_DIGITS
 
 #: Cases hypothesis tries per operation (positive and negative together); AGENTBOX_FUZZ_EXAMPLES
 #: raises it for a deeper run by hand (the default keeps the file well under two minutes).
@@ -91,7 +95,7 @@ KNOWN_PATHS = (
     f"{KNOWN_DIR}/sub/../notes.txt",
     "/tmp",
     "/etc/passwd",
-    "/usr/bin",
+    "/etc",
 )
 #: Fields (query or body) that name a path.
 PATH_FIELDS = ("path", "file", "exec_dir", "cwd")
@@ -104,6 +108,32 @@ EDITOR_ROUTES = ("/v2/fs/edit", "/v1/file/str_replace_editor")
 LIVE_PATH_PARAMETERS = ("watcher_id", "command_id", "shell_session_id", "bash_session_id")
 SESSION_BODY_FIELDS = {"/v1/shell/": "id", "/v1/bash/": "session_id"}
 
+#: Headers some routes read that the document does not list (or lists as plain text).
+RANGE_ROUTES = ("/v2/fs/download", "/v1/file/download")
+RESUME_ROUTES = ("/v2/watch/{watcher_id}/events", "/v1/file/watch/{watcher_id}/events")
+#: Digits past what `int()` reads from text (4300 by default): a number no parser should choke on.
+HUGE_DIGITS = "1" * 5000
+#: `Range` values tried besides generated text: one byte, a suffix, open-ended, reversed, two
+#: ranges, another unit, an empty suffix, no numbers, past any file, too long to parse, a digit
+#: that is not ASCII (latin-1 has three).
+RANGE_DICTIONARY = (
+    "bytes=0-0",
+    "bytes=-1",
+    "bytes=0-",
+    "bytes=5-1",
+    "bytes=0-1,3-4",
+    "items=0-1",
+    "bytes=-0",
+    "bytes=-",
+    "bytes=" + "9" * 30 + "-",
+    f"bytes={HUGE_DIGITS}-",
+    f"bytes=-{HUGE_DIGITS}",
+    f"bytes=0-{HUGE_DIGITS}",
+    "bytes=\u00b2-",
+)
+#: Sequence numbers after `<watcher_id>:` in `Last-Event-ID`, besides generated text.
+SEQ_DICTIONARY = ("0", "1", "-1", "99999999999999999999", HUGE_DIGITS, "\u00b2", "")
+
 #: Long-poll fields, by operation label: (where, name) with where "query" or "body".
 LONG_POLLS: dict[str, tuple[tuple[str, str], ...]] = {
     "GET /v2/watch/{watcher_id}/poll": (("query", "timeout"),),
@@ -113,7 +143,7 @@ LONG_POLLS: dict[str, tuple[tuple[str, str], ...]] = {
     "POST /v1/shell/wait": (("body", "seconds"), ("body", "max_wait_seconds")),
     "POST /v1/bash/output": (("body", "wait_timeout"),),
 }
-#: Long-poll fields whose absence means a long wait (`watch/wait`: 30 s on any path).
+#: Long-poll fields whose absence (or null) means a long wait (`watch/wait`: 30 s on any path).
 LONG_POLL_DEFAULTS: dict[str, tuple[str, str]] = {"POST /v1/file/watch/wait": ("body", "timeout")}
 #: Route prefixes whose cases leave watchers or shell sessions behind.
 STATEFUL_PREFIXES = ("/v1/shell/", "/v1/bash/", "/v2/watch", "/v1/file/watch")
@@ -216,6 +246,23 @@ def steer(case: Case, live: Live, data: st.DataObject) -> None:
     if case.operation.label == TREE_PUT_LABEL:
         case.body = data.draw(tar_archives(), label="tar")
         case.media_type = "application/x-tar"
+    if path in RANGE_ROUTES:
+        value = data.draw(st.one_of(st.sampled_from(RANGE_DICTIONARY), header_text()), label="Range")
+        set_header(case, "Range", value)
+    if path in RESUME_ROUTES and case.path_parameters:
+        seq = data.draw(st.one_of(st.sampled_from(SEQ_DICTIONARY), header_text()), label="seq")
+        set_header(case, "last-event-id", f"{case.path_parameters['watcher_id']}:{seq}")
+
+
+def header_text() -> st.SearchStrategy[str]:
+    """Text an HTTP client can send as a header value: latin-1, no controls, no edge whitespace."""
+    chars = st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f")
+    return st.text(chars, max_size=30).map(str.strip)
+
+
+def set_header(case: Case, name: str, value: str) -> None:
+    """Set a header, replacing one the case has under any spelling of its name."""
+    case.headers[name] = value  # a case-insensitive dict
 
 
 def cap_waits(case: Case) -> None:
@@ -228,7 +275,7 @@ def cap_waits(case: Case) -> None:
     if label in LONG_POLL_DEFAULTS:
         where, name = LONG_POLL_DEFAULTS[label]
         fields = holder(case, where)
-        if fields is not None and name not in fields:
+        if fields is not None and fields.get(name) is None:  # null is the default too
             fields[name] = LONG_POLL_CAP_SECONDS
 
 
@@ -257,7 +304,7 @@ MEMBER_NAMES = ("a", "a/b", "./a", "a/", "../x", "/abs", "sub", "notes.txt", "li
 
 @st.composite
 def tar_members(draw: st.DrawFn) -> tuple[tarfile.TarInfo, bytes]:
-    text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=20)
+    text = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=20)
     info = tarfile.TarInfo(draw(st.one_of(st.sampled_from(MEMBER_NAMES), text)))
     info.type = draw(st.sampled_from(MEMBER_TYPES))
     info.mode = draw(st.integers(0, 0o7777))
@@ -318,7 +365,10 @@ def documented_server_error(case: Case, response: schemathesis.Response) -> bool
 
 def test_every_served_operation_is_fuzzed(fuzz: Fuzz) -> None:
     """The parametrisation comes from the app; the served document must have the same operations."""
-    served = [result.ok().label for result in fuzz.schema.get_all_operations()]
+    served = []
+    for result in fuzz.schema.get_all_operations():
+        assert isinstance(result, Ok), result
+        served.append(result.ok().label)
     assert sorted(label for label in served if SESSION_PREFIX not in label) == sorted(OPERATIONS)
     assert len(OPERATIONS) > 50
 
@@ -328,10 +378,64 @@ def test_long_poll_cap_boundary() -> None:
     assert not exceeds_cap(LONG_POLL_CAP_SECONDS)
     assert not exceeds_cap(str(LONG_POLL_CAP_SECONDS))
     assert exceeds_cap(math.nextafter(LONG_POLL_CAP_SECONDS, math.inf))
-    assert exceeds_cap("1e3") and exceeds_cap(10**9) and exceeds_cap("inf")
-    assert (
-        not exceeds_cap(True) and not exceeds_cap("nan") and not exceeds_cap("soon") and not exceeds_cap(None)
-    )
+    assert all(exceeds_cap(value) for value in ("1e3", 10**9, "inf"))
+    assert not any(exceeds_cap(value) for value in (True, "nan", "soon", None))
+
+
+# ---------------------------------------------------------------- what the fuzzing found
+
+
+@pytest.mark.parametrize("route", RANGE_ROUTES)
+def test_range_positions_longer_than_int_reads(route: str, fuzz: Fuzz) -> None:
+    """Found by this file: a `Range` position of 5000 digits was a 500 (`int()` refuses it).
+
+    Up to MAX_RANGE_DIGITS digits a position is read as written; past it, it is past the end.
+    """
+    path, content = "/workspace/range-check.txt", "one\ntwo\nthree\n"  # outside KNOWN_DIR: cases leave it be
+    fuzz.live.call("POST", "/v2/fs/write", {"path": path, "content": content})
+    at_limit, over = "9" * MAX_RANGE_DIGITS, "1" + "0" * MAX_RANGE_DIGITS
+    expected = {
+        f"bytes={at_limit}-": 416,
+        f"bytes={over}-": 416,
+        f"bytes={HUGE_DIGITS}-": 416,
+        f"bytes=0-{HUGE_DIGITS}": 206,
+        f"bytes=-{HUGE_DIGITS}": 206,
+        f"bytes=0{'0' * MAX_RANGE_DIGITS}1-": 206,  # leading zeros do not count
+    }
+    for value, status in expected.items():
+        response = fuzz.live.http.get(
+            fuzz.live.url + route,
+            params={"path": path},
+            headers={"Range": value},
+            timeout=REQUEST_TIMEOUT_SECONDS,
+        )
+        assert response.status_code == status, (value[:40], response.text)
+        if status == 206:
+            assert response.content == content.encode()[-len(response.content) :]
+
+
+@pytest.mark.parametrize("route", RESUME_ROUTES)
+def test_last_event_id_seq_is_ascii_and_bounded(route: str, fuzz: Fuzz) -> None:
+    """Found by this file: `Last-Event-ID: <id>:²` and a 5000-digit seq were 500s.
+
+    A seq of up to MAX_SEQ_DIGITS ASCII digits is a position (past the last event: 400);
+    anything else is not a `<watcher_id>:<seq>` (400 too, saying so).
+    """
+    watcher = fuzz.live.watcher()
+    url = fuzz.live.url + route.replace("{watcher_id}", watcher)
+    try:
+        for seq, message in [
+            ("9" * MAX_SEQ_DIGITS, "cursor must be between"),
+            ("9" * (MAX_SEQ_DIGITS + 1), "Last-Event-ID must be"),
+            (HUGE_DIGITS, "Last-Event-ID must be"),
+            ("\u00b2", "Last-Event-ID must be"),
+        ]:
+            headers = {"Last-Event-ID": f"{watcher}:{seq}".encode("latin-1")}
+            response = fuzz.live.http.get(url, headers=headers, timeout=REQUEST_TIMEOUT_SECONDS)
+            assert response.status_code == 400, (seq[:40], response.text)
+            assert message in response.json()["message"]
+    finally:
+        fuzz.live.reset()
 
 
 @pytest.mark.parametrize("label", OPERATIONS)

@@ -27,8 +27,16 @@ by the dead process becomes `aborted`), then classify and act by `RECOVERY`:
     replied             the last reply had no tool calls                complete (end_turn)
 
 Repair keeps recorded results (never re-run), re-runs read-only tools, and gives every other
-unresolved call the "interrupted, outcome unknown" result. A shutdown (`close`) cancels
-tasks without finishing their turns: the next start recovers them.
+unresolved call the "interrupted, outcome unknown" result, except a call whose approval was
+answered: denied, the refusal is its result; allowed, it runs (without asking again) only if
+this process saw the answer arrive while no task waited for it (a turn left waiting by a
+restart), since then it cannot have started; else its outcome is unknown. The calls after
+such a call never started either, so they run as usual.
+
+Resume: answering the approval of a turn that waits with no live task (after a restart)
+moves it to running and wakes the session; its drain repairs it as above and continues.
+A shutdown (`close`) cancels tasks without finishing their turns or cancelling their
+approvals: the next start recovers them, and a turn waiting for the user still waits.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from agentbox.store.approvals import Approval
 from agentbox.store.files import FileStore
 from agentbox.store.sessions import (
     INTERRUPTED,
+    MAX_EVENTS_PAGE,
     Event,
     Message,
     NewEvent,
@@ -65,7 +74,7 @@ from agentbox.store.todos import TodoRepo
 from agentbox.tools.approvals import Approvals, EventKind
 from agentbox.tools.base import ToolResult
 from agentbox.tools.changes import ChangeSets
-from agentbox.tools.runner import SessionTools
+from agentbox.tools.runner import SessionTools, denied
 from agentbox.tools.tiers import Tier, decide
 from agentbox.tools.toolsets import TOOLSETS, toolset
 
@@ -167,11 +176,11 @@ class SessionToolHost:
         tool = self.tools.toolset.get(name)
         return tool is not None and tool.read_only
 
-    async def call(self, call: ToolCall) -> ToolResult:
+    async def call(self, call: ToolCall, preapproved: str | None = None) -> ToolResult:
         self.tools.machine = await self.open_machine()
         self.current = call.id
         try:
-            return await self.tools.call(call.name, call.input)
+            return await self.tools.call(call.name, call.input, preapproved=preapproved)
         finally:
             self.current = None
 
@@ -199,6 +208,7 @@ class Worker:
         self._active: dict[str, str] = {}  # session id -> the turn it runs now
         self._hosts: dict[str, SessionToolHost] = {}  # turn id -> its tools
         self._aborting: dict[str, str] = {}  # turn id -> why it is being aborted
+        self._resumes: dict[str, str] = {}  # turn id -> approval answered while no task waited for it
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -208,6 +218,7 @@ class Worker:
         if self._started:
             return
         self._started = True
+        self.approvals.shutting_down = False
         self.registry.on_ready.append(self._sandbox_ready)
         self.approvals.listeners.append(self._approval_event)
         for session_id in dict.fromkeys(turn.session_id for turn in await self.store.open_turns()):
@@ -216,6 +227,7 @@ class Worker:
     async def close(self) -> None:
         """Stop working (turns stay as they are in the database; the next start recovers them)."""
         tasks = [*self._drains.values(), *self._turns.values()]
+        self.approvals.shutting_down = True  # questions stay pending for the next start
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -404,14 +416,46 @@ class Worker:
         replies = [
             m for m in transcript if m.turn_id == turn.id and m.role == "assistant" and m.status == "complete"
         ]
+        resumed = self._resumes.pop(turn.id, None)
+        asked = await self._asked(turn)
+        host = self._hosts[turn.id]
+        waited = False  # a call that waited for the user was found: the calls after it never started
         for raw in replies[-1].content.get("tool_calls", []):
             call = ToolCall(raw["id"], raw["name"], raw["input"])
             if call.id in answered:
                 continue
-            if loop.tools.read_only(call.name):
+            approval = await self.approvals.repo.get(asked[call.id]) if call.id in asked else None
+            if approval is not None and approval.status == "denied":
+                await loop.record_result(call, ToolResult.error(denied(approval.tool, approval.message)))
+                waited = True
+            elif (
+                approval is not None
+                and approval.allowed
+                and (approval.id == resumed or host.read_only(call.name))
+            ):
+                await loop.record_result(call, await host.call(call, preapproved=approval.action))
+                waited = True
+            elif waited or host.read_only(call.name):
                 await loop.execute_action(call)
             else:
                 await loop.record_result(call, ToolResult.error(INTERRUPTED))
+
+    async def _asked(self, turn: Turn) -> dict[str, str]:
+        """tool_use_id -> approval id, for the turn's calls that asked the user (from its events)."""
+        asked: dict[str, str] = {}
+        cursor = 0
+        while page := await self.store.list_events(
+            turn.session_id,
+            after=cursor,
+            limit=MAX_EVENTS_PAGE,
+            turn_id=turn.id,
+            types=["approval.requested"],
+        ):
+            asked.update(
+                {e.data["tool_use_id"]: e.data["approval_id"] for e in page if e.data.get("tool_use_id")}
+            )
+            cursor = page[-1].seq
+        return asked
 
     def _tool_host(self, session: Session, turn: Turn) -> SessionToolHost:
         tier, plan = tier_of(session.permission_mode)
@@ -457,6 +501,10 @@ class Worker:
             )
         except TurnClosed:
             await self._append(approval.session_id, None, [event])
+            return
+        if approval.status in ("allowed", "denied") and approval.turn_id not in self._turns:
+            self._resumes[approval.turn_id] = approval.id  # answered after a restart: resume the turn
+            self.wake(approval.session_id)
 
     async def _append(self, session_id: str, turn_id: str | None, events: list[NewEvent]) -> list[Event]:
         """Append, falling back to a session-level event when the turn has ended; [] without a session."""

@@ -24,6 +24,10 @@ reads every event from the database, so the two views cannot differ). `until=tur
 closes after the terminal event of the turn open at request time; with none open, of the
 last turn if its end is after the cursor (it was posted just before the stream opened),
 else of the next turn submitted. A comment line is sent after `heartbeat` seconds without events.
+
+Applying or rejecting a change set appends `change_set.updated` (the set's id, status and each
+operation's status) to the session's log, committed then published, as a session-level event
+(no turn_id): it is the user's act, and often comes after the turn that staged the set ended.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from agentbox.store.sessions import (
     UPDATABLE,
     Event,
     IdempotencyConflict,
+    NewEvent,
     Session,
     SessionNotFound,
     SessionStore,
@@ -514,7 +519,7 @@ async def apply_changes(request: Request, session_id: str, change_set_id: str) -
     session = await p.store.get_session(session_id)
     machine = cast(GovernedMachine, await p.registry.open(session.id, session.machine))
     await p.changes.apply(machine, chosen)
-    return change_set_view(await p.changes.repo.get(change_set_id), diffs=True)
+    return change_set_view(await changes_updated(p, change_set_id), diffs=True)
 
 
 @router.post("/{session_id}/changes/{change_set_id}/reject", openapi_extra=json_body(Decide))
@@ -524,7 +529,22 @@ async def reject_changes(request: Request, session_id: str, change_set_id: str) 
     p = platform(request)
     change_set = await change_set_of(p, session_id, change_set_id)
     await p.changes.reject(operations_of(change_set, body.operations), body.message)
-    return change_set_view(await p.changes.repo.get(change_set_id), diffs=True)
+    return change_set_view(await changes_updated(p, change_set_id), diffs=True)
+
+
+async def changes_updated(p: Platform, change_set_id: str) -> ChangeSet:
+    """The set as it stands after a decision, told to the session's log (`change_set.updated`)."""
+    change_set = await p.changes.repo.get(change_set_id)
+    data = {
+        "change_set_id": change_set.id,
+        "status": change_set.status,
+        "operations": [
+            {"id": op.id, "summary": op.summary, "status": op.status, "reason": op.reason}
+            for op in change_set.operations
+        ],
+    }
+    p.bus.publish(await p.store.append(change_set.session_id, None, [NewEvent("change_set.updated", data)]))
+    return change_set
 
 
 async def change_set_of(p: Platform, session_id: str, change_set_id: str) -> ChangeSet:

@@ -165,7 +165,9 @@ async def write(request: Request, sandbox: CurrentSandbox, user: UserQuery = Non
         trailing_newline=body.trailing_newline,
         path=body.path,
     )
-    result = await offload(len(data), files.write_file, machine, body.path, data, append=body.append, user=user)
+    result = await offload(
+        len(data), files.write_file, machine, body.path, data, append=body.append, user=user
+    )
     return ok(data_of(result))
 
 

@@ -41,6 +41,9 @@ MIN_HEARTBEAT_SECONDS = 1.0
 MAX_HEARTBEAT_SECONDS = 300.0
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: Most digits the seq of a `Last-Event-ID` may have (a 64-bit count); a longer one is refused
+#: before `int()`, which raises past 4300 digits.
+MAX_SEQ_DIGITS = 19
 
 
 class WatchBody(BaseModel):
@@ -134,7 +137,8 @@ def resume_position(watcher: Watcher, last_event_id: str | None, cursor: int | N
     after = cursor or 0
     if last_event_id:
         owner, _, seq = last_event_id.strip().rpartition(":")
-        if owner != watcher.id or not seq.isdigit():
+        # isascii: str.isdigit() also accepts digits int() does not read, such as "²".
+        if owner != watcher.id or not (seq.isascii() and seq.isdigit()) or len(seq) > MAX_SEQ_DIGITS:
             raise bad_request(
                 "watch", f"Last-Event-ID must be '{watcher.id}:<seq>', got {last_event_id!r}", watcher.path
             )

@@ -8,7 +8,8 @@ The row is the truth: the waiter reads the decision back from it.
 
 One `Approvals` per server: `resolve` can only wake waiters of the same instance. A
 waiting call that is cancelled (its turn was stopped) marks its approval `cancelled`; a
-process that dies leaves it `pending`, and `wait(approval_id)` can pick it up again.
+process that dies leaves it `pending`, and `wait(approval_id)` can pick it up again. So does
+a shutdown: once `shutting_down` is set, cancelled waiters leave their approvals pending.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Approvals:
         self.listeners: list[Listener] = []
         """Called with ("approval.requested" | "approval.resolved", approval); may be async."""
         self._events: dict[str, asyncio.Event] = {}
+        self.shutting_down = False
+        """Set by the server's shutdown: a waiter cancelled now keeps its question for the next start."""
 
     async def request_and_wait(
         self, session_id: str, turn_id: str | None, tool: str, action: str, detail: dict[str, Any]
@@ -55,6 +58,8 @@ class Approvals:
                 await event.wait()
                 approval = await self.repo.get(approval_id)
         except asyncio.CancelledError:
+            if self.shutting_down:
+                raise
             with contextlib.suppress(ApprovalNotPending):
                 cancelled = await asyncio.shield(self.repo.cancel(approval_id))
                 await self._notify("approval.resolved", cancelled)

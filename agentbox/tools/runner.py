@@ -18,7 +18,9 @@ The gate, per call, by `decide(tier, tool.action, plan)`:
 A call that passed the gate is pre-authorized for its own action (a context variable, so
 concurrent calls don't share it): a tool that also calls `ctx.authorize` for that action
 is not asked twice. Other actions a tool discovers while running (a read that turns out to
-be outside the workspace) go through `authorize` on their own. Approvals and change sets
+be outside the workspace) go through `authorize` on their own. `call(..., preapproved=action)`
+runs a call whose question the user already answered (a turn resumed after a restart): a
+question about that action is not asked again, within that call only. Approvals and change sets
 name the tool as the model called it (`read_file`, `bash`), not by its canonical name.
 
 `commit(ops, tool)` by `decide(tier, WRITE, plan)`: ALLOW applies now (`apply_operations`),
@@ -65,6 +67,10 @@ _authorized: contextvars.ContextVar[frozenset[Action]] = contextvars.ContextVar(
 #: The name the model called the running tool by (`bash`, not the canonical `exec`): what
 #: approvals and change sets record, since it is what the user sees in the tool-use events.
 _calling: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentbox_tools_calling", default=None)
+#: Actions the user already allowed for the running call (an approval answered before a restart).
+_preapproved: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "agentbox_tools_preapproved", default=frozenset()
+)
 
 
 def not_permitted(tool: str, action: Action, tier: Tier, plan: bool) -> str:
@@ -118,8 +124,19 @@ class SessionTools:
         """The tools the model may see: those whose action this tier (and plan) does not forbid."""
         return [tool for tool in self.toolset.values() if self._decision(tool.action) != Decision.FORBID]
 
-    async def call(self, name: str, args: Any) -> ToolResult:
-        """Run one tool call; every outcome but cancellation is a `ToolResult`."""
+    async def call(self, name: str, args: Any, *, preapproved: str | None = None) -> ToolResult:
+        """Run one tool call; every outcome but cancellation is a `ToolResult`.
+
+        `preapproved`: the action of an approval the user allowed for this very call; a
+        question about it is not asked again. What the tier forbids stays refused.
+        """
+        token = _preapproved.set(frozenset({preapproved}) if preapproved else frozenset())
+        try:
+            return await self._call(name, args)
+        finally:
+            _preapproved.reset(token)
+
+    async def _call(self, name: str, args: Any) -> ToolResult:
         tool = self.toolset.get(name)
         if tool is None:
             names = ", ".join(t.name for t in self.offered())
@@ -196,6 +213,8 @@ class SessionTools:
         return decide(self.tier, action, plan=self.plan)
 
     async def _ask(self, tool: str, action: str, detail: dict[str, Any]) -> str | None:
+        if action in _preapproved.get():
+            return None
         allowed, message = await self.approvals.request_and_wait(
             self.session_id, self.turn_id, tool, action, detail
         )

@@ -818,6 +818,8 @@ def iter_download(target: DownloadTarget, start: int = 0, end: int | None = None
 
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+#: Digits of a `Range` byte position read as written; more is past the end of any file.
+MAX_RANGE_DIGITS = 19
 
 
 def parse_range(header: str | None, size: int, path: str | None = None) -> tuple[int, int] | None:
@@ -837,16 +839,27 @@ def parse_range(header: str | None, size: int, path: str | None = None) -> tuple
     if not first and not last:
         return None
     if not first:
-        suffix = int(last)
+        suffix = _position(last)
         if suffix == 0:
             raise _unsatisfiable(header, size, path)
         return None if size == 0 else (max(size - suffix, 0), size - 1)
-    start = int(first)
-    if last and int(last) < start:
+    start = _position(first)
+    if last and _position(last) < start:
         return None
     if start >= size:
         raise _unsatisfiable(header, size, path)
-    return start, size - 1 if not last else min(int(last), size - 1)
+    return start, size - 1 if not last else min(_position(last), size - 1)
+
+
+def _position(digits: str) -> int:
+    """A byte position of a `Range` header; one longer than MAX_RANGE_DIGITS reads as 10**that.
+
+    Such a position is past the end of any file, which is all the caller needs to know, and
+    `int()` raises on text of more than 4300 digits. (Two of them compare equal, so
+    `bytes=<huge>-<smaller huge>` is a 416 rather than an ignored header.)
+    """
+    significant = digits.lstrip("0") or "0"
+    return int(significant) if len(significant) <= MAX_RANGE_DIGITS else 10**MAX_RANGE_DIGITS
 
 
 def _unsatisfiable(header: str, size: int, path: str | None) -> RangeNotSatisfiable:
