@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +15,30 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
+#: Where a root test run keeps its temp dirs: below /var/tmp (sticky, world-searchable), so
+#: the sandbox uid can reach session homes. pytest's own /tmp/pytest-of-root is 0700 and
+#: pytest resets it to 0700 whenever any other pytest session starts on the machine.
+ROOT_TEMP_PARENT = Path("/var/tmp")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.basetemp is None and os.geteuid() == 0 and ROOT_TEMP_PARENT.is_dir():
+        import tempfile
+
+        base = Path(tempfile.mkdtemp(prefix="agentbox-tests-", dir=ROOT_TEMP_PARENT))
+        base.chmod(0o755)
+        config.option.basetemp = str(base / "t")
+        config.stash[_OWN_BASE] = base
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    base = config.stash.get(_OWN_BASE, None)
+    if base is not None:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+_OWN_BASE = pytest.StashKey[Path]()
 
 if TYPE_CHECKING:
     from agentbox.config import Settings

@@ -16,6 +16,7 @@ from agentbox.agent.events import EventBus
 from agentbox.agent.inputs import variant
 from agentbox.agent.loop import MAX_STEPS, MODEL_RETRIES, LoopConfig
 from agentbox.agent.models import ScriptError
+from agentbox.agent.providers.arguments import INVALID_ARGUMENTS
 from agentbox.agent.worker import Worker
 from agentbox.machines.registry import Registry
 from agentbox.store.approvals import ApprovalsRepo
@@ -325,3 +326,15 @@ async def test_an_approval_parks_the_turn_until_the_user_answers(kit: Kit) -> No
     result = next(e for e in events if e.type == "agent.tool_result")
     assert "approved" in result.data["content"][0]["text"]
     assert await kit.store.activity(session.id) == "idle"
+
+
+async def test_unparsable_tool_arguments_become_an_error_result_not_a_failed_turn(kit: Kit) -> None:
+    """A provider's tool call whose arguments were not JSON (marked by the adapter) is never run."""
+    broken = {"tool_calls": [{"name": "bash", "input": {INVALID_ARGUMENTS: '{"command": "touch ran'}}]}
+    script = [broken, {"expect": {"tool_result_contains": "not a valid JSON object"}, "text": "ok"}]
+    session = await kit.worker.create_session("scripted", script=script)
+    sub = await kit.worker.submit(session.id, "go")
+    end = await terminal(kit, session.id, sub.turn.id)
+    assert end.type == "turn.completed"
+    result = next(e for e in await turn_events(kit, session.id, sub.turn.id) if e.type == "agent.tool_result")
+    assert result.data["is_error"]

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentbox.agent.models import DELTA_CHUNKS
 from agentbox.api.sessions import HEARTBEAT_MIN_S, MAX_IDEMPOTENCY_KEY_CHARS
 from agentbox.store.sessions import MAX_EVENTS_PAGE, TERMINAL_EVENTS
 from tests.conftest import Server, start_server, stop_server, traversable
@@ -80,7 +81,8 @@ async def frames(
                     fields[name] = value
                     continue
                 elif fields:
-                    got.append(Frame(int(fields["id"]), fields["event"], json.loads(fields["data"])))
+                    seq = int(fields["id"]) if "id" in fields else None
+                    got.append(Frame(seq, fields["event"], json.loads(fields["data"])))
                     fields = {}
                 else:
                     continue
@@ -148,6 +150,49 @@ async def test_a_scripted_turn_streams_in_order_and_the_views_agree(client: http
     assert turn["status"] == "completed" and turn["stop_reason"] == "end_turn"
     listed = (await client.get(f"/v1/sessions/{sid}/turns")).json()["items"]
     assert [t["id"] for t in listed] == [turn_id]
+
+
+async def test_text_deltas_are_opt_in_unstored_and_carry_no_id(client: httpx.AsyncClient) -> None:
+    texts = ["Let me look around first.", "All done, the answer is here now."]
+    sid = await create(client, [{"text": texts[0], **bash("true")}, {"text": texts[1]}])
+
+    async def watch(params: dict[str, Any], subscribed: asyncio.Event) -> list[Frame]:
+        def stop(f: Frame) -> bool:
+            subscribed.set()  # a replayed frame: the stream's subscription is registered
+            return f.event in TERMINAL_EVENTS
+
+        return await frames(client, sid, params=params, stop=stop)
+
+    # both streams are open before the message, so the live deltas reach the opted-in one
+    ready = [asyncio.Event(), asyncio.Event()]
+    opted = asyncio.create_task(watch({"deltas": "true"}, ready[0]))
+    plain = asyncio.create_task(watch({}, ready[1]))
+    await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), DEADLINE)
+    assert (await post(client, sid)).status_code == 202
+    with_deltas, without = [[f for f in await t if f.comment is None] for t in (opted, plain)]
+
+    deltas = [f for f in with_deltas if f.event == "agent.message.delta"]
+    assert deltas and all(f.id is None for f in deltas)
+    assert all(f.id is not None for f in with_deltas if f.event != "agent.message.delta")
+    # each reply's deltas come before its agent.message, in index order, and join to its text
+    pending: list[dict[str, Any]] = []
+    messages = []
+    for f in with_deltas:
+        assert f.data is not None
+        if f.event == "agent.message.delta":
+            pending.append(f.data)
+        elif f.event == "agent.message":
+            text = f.data["content"][0]["text"]
+            assert [d["index"] for d in pending] == list(range(DELTA_CHUNKS))
+            assert "".join(d["text"] for d in pending) == text
+            assert {d["turn_id"] for d in pending} == {f.data["turn_id"]}
+            messages.append(text)
+            pending = []
+    assert messages == texts and not pending
+    # the stored views never have them: the plain stream and the JSON page are the same log
+    assert [f for f in with_deltas if f.event != "agent.message.delta"] == without
+    assert not any(f.event == "agent.message.delta" for f in without)
+    assert await events(client, sid) == [f.data for f in without]
 
 
 async def test_until_turn_end_waits_for_the_next_turn_when_none_is_open(client: httpx.AsyncClient) -> None:

@@ -13,12 +13,40 @@ read publishes after its commit and so sets the flag again.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 from agentbox.store.sessions import TERMINAL_EVENTS, Event, SessionStore
 
 #: Events read from the database per round trip while catching up.
 SUBSCRIBE_PAGE = 500
+
+
+#: The type of the ephemeral text-delta event.
+DELTA_EVENT = "agent.message.delta"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of a reply's text as the model produced it; never stored, no seq."""
+
+    session_id: str
+    turn_id: str
+    text: str
+    index: int
+    """The piece's place in its reply (0, 1, ...)."""
+    after: int
+    """The highest seq published for the session when this was: send it before any greater seq."""
+
+    type = DELTA_EVENT
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": self.type, "session_id": self.session_id, "turn_id": self.turn_id,
+            "text": self.text, "index": self.index,
+        }  # fmt: skip
 
 
 class EventBus:
@@ -27,15 +55,52 @@ class EventBus:
     def __init__(self, store: SessionStore) -> None:
         self.store = store
         self._flags: dict[str, set[asyncio.Event]] = {}
+        self._deltas: dict[asyncio.Event, deque[Delta]] = {}
+        """The delta queue of each subscriber that asked for deltas, by its wake flag."""
+        self._published: dict[str, int] = {}
+        """The highest seq published per session (one int per session this process published)."""
 
     def publish(self, events: Sequence[Event]) -> None:
         """Call after the transaction that inserted `events` committed (never before)."""
+        for event in events:
+            self._published[event.session_id] = max(self._published.get(event.session_id, 0), event.seq)
         for session_id in {event.session_id for event in events}:
             for flag in self._flags.get(session_id, ()):
                 flag.set()
 
+    def publish_delta(self, session_id: str, turn_id: str, text: str, index: int) -> None:
+        """Hand a text delta to the session's subscribers that asked for deltas (nothing is stored)."""
+        delta = Delta(session_id, turn_id, text, index, self._published.get(session_id, 0))
+        for flag in self._flags.get(session_id, ()):
+            queue = self._deltas.get(flag)
+            if queue is not None:
+                queue.append(delta)
+                flag.set()
+
     def subscribers(self, session_id: str) -> int:
         return len(self._flags.get(session_id, ()))
+
+    @overload
+    def subscribe(
+        self,
+        session_id: str,
+        after: int = 0,
+        *,
+        until_turn: str | None = None,
+        idle_timeout: float | None = None,
+        deltas: Literal[False] = False,
+    ) -> AsyncGenerator[Event | None, None]: ...
+
+    @overload
+    def subscribe(
+        self,
+        session_id: str,
+        after: int = 0,
+        *,
+        until_turn: str | None = None,
+        idle_timeout: float | None = None,
+        deltas: bool,
+    ) -> AsyncGenerator[Event | Delta | None, None]: ...
 
     async def subscribe(
         self,
@@ -44,31 +109,40 @@ class EventBus:
         *,
         until_turn: str | None = None,
         idle_timeout: float | None = None,
-    ) -> AsyncGenerator[Event | None, None]:
+        deltas: bool = False,
+    ) -> AsyncGenerator[Event | Delta | None, None]:
         """The session's events with seq > `after`: stored ones first, then live ones, forever.
 
         With `until_turn`, ends after that turn's terminal event. With `idle_timeout`, yields
         None whenever that many seconds pass without an event (the SSE heartbeat's moment).
+        With `deltas`, also the text deltas published from now on, each before the stored
+        events with a greater seq than its `after`.
         """
         flag = asyncio.Event()
         self._flags.setdefault(session_id, set()).add(flag)
+        queue: deque[Delta] | None = self._deltas.setdefault(flag, deque()) if deltas else None
         cursor = after
         try:
             while True:
                 flag.clear()
                 page = await self.store.list_events(session_id, after=cursor, limit=SUBSCRIBE_PAGE)
                 for event in page:
+                    while queue and queue[0].after < event.seq:
+                        yield queue.popleft()
                     cursor = event.seq
                     yield event
                     if event.turn_id == until_turn and event.type in TERMINAL_EVENTS:
                         return
                 if page:
                     continue
+                while queue and queue[0].after <= cursor:
+                    yield queue.popleft()
                 if idle_timeout is None:
                     await flag.wait()
                 elif not await _wait(flag, idle_timeout):
                     yield None
         finally:
+            self._deltas.pop(flag, None)
             flags = self._flags.get(session_id)
             if flags is not None:
                 flags.discard(flag)

@@ -12,6 +12,8 @@ can be lost in a crash (C6.5 of the session API notes, Flue's write-ahead discip
                     wins: a recorded result is never replaced, its call never re-run)
 
 Every write is fenced by the turn being open, so an aborted turn gets no more events.
+The one thing not written: text the model reports while it produces it (`on_text`), which
+goes to the bus as ephemeral `agent.message.delta` events (`EventBus.publish_delta`).
 
 Control flow by exception type (mini-swe-agent): tool errors are results the model reads;
 what ends the turn is a `TurnEnded`:
@@ -31,11 +33,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from agentbox.agent.events import EventBus
-from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, Reply, ToolCall, ToolSpec
+from agentbox.agent.models import (
+    ChatMessage,
+    Model,
+    ModelError,
+    ModelRequest,
+    Reply,
+    TextSink,
+    ToolCall,
+    ToolSpec,
+)
 from agentbox.store.sessions import Event, Message, NewEvent, SessionStore, Turn
 from agentbox.tools.base import ToolResult
 
@@ -122,7 +133,7 @@ class TurnLoop:
     async def query(self) -> Reply:
         """One model reply, retried on retryable errors; recorded before it is returned."""
         for attempt in range(1, self.config.model_retries + 2):
-            request = await self.observe()
+            request = replace(await self.observe(), on_text=self.deltas())
             message_id = await self.store.open_reply(self.turn.id)
             started = time.monotonic()
             try:
@@ -135,6 +146,17 @@ class TurnLoop:
             await self.record_reply(message_id, reply, time.monotonic() - started)
             return reply
         raise AssertionError("unreachable: the last attempt raises")
+
+    def deltas(self) -> TextSink:
+        """Where one model call's text goes as it is produced: the bus, numbered from 0, unstored."""
+        count = 0
+
+        def sink(text: str) -> None:
+            nonlocal count
+            self.bus.publish_delta(self.turn.session_id, self.turn.id, text, count)
+            count += 1
+
+        return sink
 
     async def observe(self) -> ModelRequest:
         """The model's view: the recorded conversation (the only source, also after a restart)."""

@@ -22,13 +22,18 @@ so a restart continues the script where the dead process stopped. A step is an o
     error       "rate_limited" | "overloaded": raise that error (the step is consumed)
 
 An exhausted script replies with nothing, which ends the turn (`end_turn`).
+
+A model may report text as it produces it through `ModelRequest.on_text` (the loop passes a
+sink; models that cannot stream ignore it). The scripted model hands each step's `text` to it
+in `DELTA_CHUNKS` pieces split at word boundaries, before it returns the whole reply.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -38,6 +43,11 @@ SCRIPTED = "scripted"
 STEP_KEYS = frozenset({"text", "tool_calls", "expect", "delay_ms", "hang", "error"})
 #: The errors a step may raise, by its `error` value.
 STEP_ERRORS = ("rate_limited", "overloaded")
+#: Pieces the scripted model streams a step's text in (fewer when the text has fewer words).
+DELTA_CHUNKS = 3
+
+#: Where a model reports text as it is produced; each call gets the next piece.
+TextSink = Callable[[str], None]
 
 
 class ModelError(Exception):
@@ -108,6 +118,8 @@ class ModelRequest:
     tools: list[ToolSpec]
     call_index: int = 0
     """How many model calls this session made before this one (recorded replies of any status)."""
+    on_text: TextSink | None = field(default=None, compare=False, repr=False)
+    """Optional: told each piece of the reply's text as it is produced (not stored anywhere)."""
 
 
 class Model(Protocol):
@@ -141,6 +153,10 @@ class ScriptedModel:
         if step.get("error") == "overloaded":
             raise ModelOverloaded(f"scripted step {request.call_index}: overloaded")
         text = str(step.get("text", ""))
+        if request.on_text is not None:
+            for piece in chunks(text, DELTA_CHUNKS):
+                request.on_text(piece)
+                await asyncio.sleep(0)  # let readers run between pieces, as a real stream would
         calls = [
             ToolCall(f"toolu_{uuid.uuid4().hex}", call["name"], dict(call.get("input") or {}))
             for call in step.get("tool_calls") or []
@@ -149,6 +165,13 @@ class ScriptedModel:
         return Reply(
             text, calls, Usage(input_tokens=prompt // 4 + 1, output_tokens=len(text) // 4 + len(calls))
         )
+
+
+def chunks(text: str, count: int) -> list[str]:
+    """`text` in at most `count` non-empty pieces that end at word boundaries and join to it."""
+    words = re.findall(r"\S+\s*|\s+", text)
+    size = -(-len(words) // count) if words else 0
+    return ["".join(words[i : i + size]) for i in range(0, len(words), size)] if size else []
 
 
 def check_step(step: Any, index: int) -> None:

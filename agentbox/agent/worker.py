@@ -54,6 +54,8 @@ from agentbox.agent.events import EventBus
 from agentbox.agent.inputs import PlacementError, place_inputs
 from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop
 from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, ToolSpec, check_script
+from agentbox.agent.providers import provider_model
+from agentbox.agent.providers.arguments import invalid_arguments
 from agentbox.machines.registry import Entry, Registry
 from agentbox.store.approvals import Approval
 from agentbox.store.files import FileStore
@@ -138,9 +140,12 @@ class UnknownModel(ValueError):
 
 
 def scripted_or_refuse(session: Session) -> Model:
-    """The default model factory: the scripted model; providers come with the runtime issue."""
+    """The default model factory: the scripted model, or a provider (`openai:<m>`, `anthropic:<m>`)."""
     if session.model == SCRIPTED:
         return ScriptedModel(session.script or [])
+    provider = provider_model(session.model)
+    if provider is not None:
+        return provider
     raise UnknownModel(f"model {session.model!r} is not available in this build (only {SCRIPTED!r})")
 
 
@@ -177,6 +182,9 @@ class SessionToolHost:
         return tool is not None and tool.read_only
 
     async def call(self, call: ToolCall, preapproved: str | None = None) -> ToolResult:
+        problem = invalid_arguments(call)  # a provider sent arguments that are not JSON
+        if problem is not None:
+            return ToolResult.error(problem)
         self.tools.machine = await self.open_machine()
         self.current = call.id
         try:

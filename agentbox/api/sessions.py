@@ -24,6 +24,10 @@ reads every event from the database, so the two views cannot differ). `until=tur
 closes after the terminal event of the turn open at request time; with none open, of the
 last turn if its end is after the cursor (it was posted just before the stream opened),
 else of the next turn submitted. A comment line is sent after `heartbeat` seconds without events.
+With `?deltas=true` the stream also carries the reply text as it is produced: `event:
+agent.message.delta` frames (`{type, session_id, turn_id, text, index}`) WITHOUT an `id:` line,
+so they never move a client's Last-Event-ID; they are not stored, so the JSON page and a
+replay never have them, and the `agent.message` after them carries the whole text.
 
 Applying or rejecting a change set appends `change_set.updated` (the set's id, status and each
 operation's status) to the session's log, committed then published, as a session-level event
@@ -44,7 +48,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentbox.agent.events import EventBus
+from agentbox.agent.events import Delta, EventBus
 from agentbox.agent.models import SCRIPTED, ModelError
 from agentbox.agent.worker import Worker
 from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error
@@ -393,6 +397,7 @@ async def stream_events(
     after: Annotated[int, Query(ge=0, description="Replay events with a greater seq.")] = 0,
     until: Annotated[Literal["turn_end"] | None, Query(description="Close after a turn's end.")] = None,
     heartbeat: Annotated[float, Query(ge=HEARTBEAT_MIN_S, le=HEARTBEAT_MAX_S)] = HEARTBEAT_DEFAULT_S,
+    deltas: Annotated[bool, Query(description="Also send unstored `agent.message.delta` frames.")] = False,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> Response:
     """`Last-Event-ID` (a reconnecting client's cursor) wins over `after`."""
@@ -404,7 +409,7 @@ async def stream_events(
             return query_error(f"Invalid request parameters: Last-Event-ID: {last_event_id!r} is not a seq")
         cursor = int(last_event_id)
     target = await turn_to_follow(p.store, session_id, cursor) if until == "turn_end" else None
-    frames = sse(p, session_id, cursor, target, heartbeat)
+    frames = sse(p, session_id, cursor, target, heartbeat, deltas)
     return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -436,13 +441,16 @@ async def turn_to_follow(store: SessionStore, session_id: str, cursor: int) -> F
 
 
 async def sse(
-    p: Platform, session_id: str, after: int, follow: Follow | None, heartbeat: float
+    p: Platform, session_id: str, after: int, follow: Follow | None, heartbeat: float, deltas: bool = False
 ) -> AsyncIterator[str]:
-    async for event in p.bus.subscribe(session_id, after, idle_timeout=heartbeat):
+    async for event in p.bus.subscribe(session_id, after, idle_timeout=heartbeat, deltas=deltas):
         if event is None:
             if not await session_exists(p.store, session_id):
                 return  # deleted while streaming: nothing more will come
             yield ": heartbeat\n\n"
+            continue
+        if isinstance(event, Delta):
+            yield f"event: {event.type}\ndata: {_json(event.to_dict())}\n\n"  # no id: not in the log
             continue
         yield frame(event)
         if follow is not None and follow.matches(event):

@@ -1,0 +1,145 @@
+"""The frozen system prompt (Flue's context composition, a.6), assembled once per baseline.
+
+Sections, in order, blank-line joined (an empty section is left out):
+
+1. the session's instructions;
+2. `AGENTS.md` and `CLAUDE.md` from the working directory, each under a `# <file>` heading;
+3. `## Available Skills`: how to use them, then one catalog line per skill;
+4. `## Available Agents`: the subagent roster (or that there is none and `task` is not to be used);
+5. `Date: <YYYY-MM-DD>`, then the machine line (seed 004), `Working directory: <root>` and
+   `Directory structure:` (the top level of the working directory only, as Flue does).
+
+Why frozen: a prompt that changes under the model invalidates provider prompt caches and
+rewrites history the model already reasoned about. Changes during a session are told as
+signals (`agent/signals.py`) at the next turn boundary; compaction rebaselines, i.e. calls
+`assemble` again against the current environment.
+
+A session without a machine (`machine: none`) gets no workspace part (2 and the machine,
+working directory and listing lines of 5): it has no file or shell tools to use them with.
+
+Files are read through the machine's path map (`HostMapped.host_path`, links followed inside
+the machine only), so a context file that links out of the workspace is skipped, never read.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import date
+from typing import Any
+
+from agentbox.machines.base import environment_line
+from agentbox.tools.skills import Skill, catalog_text
+
+#: The context files read from the working directory, in this order (Flue reads both).
+CONTEXT_FILES = ("AGENTS.md", "CLAUDE.md")
+#: Characters of one context file put in the prompt; the rest is cut with a marker (the prompt
+#: is sent with every model call, so one huge file must not eat the context window).
+MAX_CONTEXT_FILE_CHARS = 32_000
+#: Entries of the working directory's top-level listing; past it a line says how many more.
+MAX_LISTING_ENTRIES = 100
+
+SKILLS_HEADING = "## Available Skills"
+SKILLS_INTRO = (
+    "Before starting work that matches a skill below, call `use_skill` with its name to load "
+    "its instructions."
+)
+AGENTS_HEADING = "## Available Agents"
+AGENTS_INTRO = "Delegate with the `task` tool to one of these agents:"
+NO_AGENTS = "None. There are no subagents: do not call `task`."
+
+
+@dataclass(frozen=True)
+class Subagent:
+    """One roster entry: what the `task` tool can delegate to."""
+
+    name: str
+    description: str
+
+    def roster_line(self) -> str:
+        return f"- {self.name}: {' '.join(self.description.split())}"
+
+
+def assemble(
+    instructions: str,
+    machine: Any | None,
+    *,
+    skills: Sequence[Skill] = (),
+    subagents: Sequence[Subagent] = (),
+    today: date | None = None,
+) -> str:
+    """The system prompt for one baseline. `machine` is None for a session without a sandbox."""
+    sections = [
+        instructions.strip(),
+        context_files(machine) if machine is not None else "",
+        skills_section(skills),
+        agents_section(subagents),
+        facts(machine, today or date.today()),
+    ]
+    return "\n\n".join(s for s in sections if s)
+
+
+def context_files(machine: Any) -> str:
+    """AGENTS.md then CLAUDE.md from the working directory, each under its name; '' if neither."""
+    parts = []
+    for name in CONTEXT_FILES:
+        text = read_context_file(machine, name)
+        if text is not None and text.strip():
+            parts.append(f"# {name}\n\n{text.strip()}")
+    return "\n\n".join(parts)
+
+
+def read_context_file(machine: Any, name: str) -> str | None:
+    """The file's text (cut at `MAX_CONTEXT_FILE_CHARS`), or None when absent or not readable."""
+    try:
+        host = machine.host_path(posixpath.join(machine.root, name))
+        if not host.is_file():
+            return None
+        with open(host, encoding="utf-8", errors="replace") as f:
+            text = f.read(MAX_CONTEXT_FILE_CHARS + 1)
+    except Exception:  # PathEscape (a link out of the machine), permissions, a vanished file
+        return None
+    if len(text) > MAX_CONTEXT_FILE_CHARS:
+        return text[:MAX_CONTEXT_FILE_CHARS] + f"\n[... {name} cut at {MAX_CONTEXT_FILE_CHARS} characters]"
+    return text
+
+
+def skills_section(skills: Sequence[Skill]) -> str:
+    if not skills:
+        return ""
+    return f"{SKILLS_HEADING}\n\n{SKILLS_INTRO}\n\n{catalog_text(list(skills))}"
+
+
+def agents_section(subagents: Sequence[Subagent]) -> str:
+    if not subagents:
+        return f"{AGENTS_HEADING}\n\n{NO_AGENTS}"
+    lines = "\n".join(agent.roster_line() for agent in subagents)
+    return f"{AGENTS_HEADING}\n\n{AGENTS_INTRO}\n\n{lines}"
+
+
+def facts(machine: Any | None, today: date) -> str:
+    lines = [f"Date: {today.isoformat()}"]
+    if machine is not None:
+        lines.append(environment_line(machine))
+        lines.append(f"Working directory: {machine.root}")
+        listing = directory_listing(machine)
+        if listing:
+            lines.append(f"Directory structure:\n{listing}")
+    return "\n".join(lines)
+
+
+def directory_listing(machine: Any) -> str:
+    """The working directory's top level (not recursive), folders with a trailing `/`, sorted."""
+    try:
+        host = machine.host_path(machine.root)
+        with os.scandir(host) as entries:
+            names = sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries)
+    except Exception:  # an unreadable root leaves the listing out rather than failing the prompt
+        return ""
+    shown = names[:MAX_LISTING_ENTRIES]
+    lines = [f"- {name}" for name in shown]
+    if len(names) > len(shown):
+        lines.append(f"[... and {len(names) - len(shown)} more entries]")
+    return "\n".join(lines)

@@ -1,0 +1,31 @@
+"""Real model providers behind the `Model` protocol: `openai:<model>` and `anthropic:<model>`.
+
+Both are thin adapters on httpx and one SSE parser (no SDKs: the official ones depend on
+httpx2). Failures are typed (`errors`), retries are `retry.with_retries` / `RetryingModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from agentbox.agent.models import Model
+from agentbox.agent.providers.anthropic import AnthropicModel
+from agentbox.agent.providers.openai import OpenAIModel
+
+__all__ = ["PROVIDERS", "AnthropicModel", "OpenAIModel", "provider_model"]
+
+#: Model name prefixes and the adapters they select.
+PROVIDERS: dict[str, Callable[[str, Mapping[str, Any] | None], Model]] = {
+    "openai": OpenAIModel,
+    "anthropic": AnthropicModel,
+}
+
+
+def provider_model(name: str, options: Mapping[str, Any] | None = None) -> Model | None:
+    """The adapter for `<provider>:<model>`; None if the name names no provider here."""
+    provider, sep, model = name.partition(":")
+    adapter = PROVIDERS.get(provider)
+    if not sep or not model or adapter is None:
+        return None
+    return adapter(model, options)

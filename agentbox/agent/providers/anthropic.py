@@ -1,0 +1,241 @@
+"""`anthropic:<model>`: the Anthropic Messages API, streamed, with tool_use and thinking.
+
+Stream events (`message_start`, `content_block_start|delta|stop`, `message_delta`,
+`message_stop`, `ping`, `error`) build one `Reply`: text blocks join into its text, tool_use
+blocks (their `input_json_delta` pieces joined) become its tool calls. Thinking blocks
+(`thinking` with its `signature`, `redacted_thinking`) are passed through: the API wants them
+back, unchanged and first, in the assistant message of a tool-use loop, and `Reply` has no
+place for them, so the model keeps them by the reply's tool_use ids and puts them back when it
+sends that reply again (in this process; after a restart the reply goes back without them).
+
+Configuration: `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY`, overridden by the session's
+`model_options` keys `base_url` / `api_key`; `max_tokens` defaults to `MAX_TOKENS`; other keys
+(`thinking`, `temperature`, ...) are added to the request body.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from agentbox.agent.models import ChatMessage, ModelRequest, Reply, ToolCall, Usage
+from agentbox.agent.providers.arguments import parse_arguments, raw_arguments
+from agentbox.agent.providers.errors import ServerError, classify_stream_error
+from agentbox.agent.providers.sse import post_sse
+
+#: Where requests go without `ANTHROPIC_BASE_URL` or a `base_url` option (`/v1/messages` is added).
+DEFAULT_BASE_URL = "https://api.anthropic.com"
+#: The API version header every request carries.
+API_VERSION = "2023-06-01"
+#: `max_tokens` (required by the API) unless the session's options say otherwise.
+MAX_TOKENS = 8192
+#: Seconds to connect; seconds of silence mid-stream before the call is a `Timeout`.
+CONNECT_TIMEOUT = 10.0
+READ_TIMEOUT = 300.0
+#: `model_options` keys that configure the client rather than the request body.
+CLIENT_OPTIONS = frozenset({"base_url", "api_key", "timeout"})
+#: Content block types passed through as they came (the thinking kinds).
+THINKING_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+
+
+class AnthropicModel:
+    """A `Model` over `POST {base_url}/v1/messages` with `stream: true`."""
+
+    def __init__(self, model: str, options: Mapping[str, Any] | None = None) -> None:
+        options = dict(options or {})
+        self.model = model
+        self.name = f"anthropic:{model}"
+        base = options.get("base_url") or os.environ.get("ANTHROPIC_BASE_URL") or DEFAULT_BASE_URL
+        self.url = str(base).rstrip("/") + "/v1/messages"
+        self.api_key = options.get("api_key") or os.environ.get("ANTHROPIC_API_KEY") or ""
+        self.timeout = httpx.Timeout(float(options.get("timeout") or READ_TIMEOUT), connect=CONNECT_TIMEOUT)
+        self.extra = {k: v for k, v in options.items() if k not in CLIENT_OPTIONS}
+        self.thinking: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        """Thinking blocks of the replies that called tools, by their tool_use ids."""
+
+    async def query(self, request: ModelRequest) -> Reply:
+        headers = {
+            "content-type": "application/json",
+            "accept": "text/event-stream",
+            "anthropic-version": API_VERSION,
+        }
+        if self.api_key:
+            headers["x-api-key"] = self.api_key
+        stream = MessageStream(on_text=getattr(request, "on_text", None))
+        events = post_sse(self.url, headers, self.body(request), timeout=self.timeout, provider=self.name)
+        async with aclosing(events):
+            async for event in events:
+                if stream.feed(event.event, decode_event(event.data)):
+                    break
+        reply = stream.reply()
+        if reply.tool_calls and stream.thinking_blocks():
+            self.thinking[tuple(c.id for c in reply.tool_calls)] = stream.thinking_blocks()
+        return reply
+
+    def body(self, request: ModelRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": MAX_TOKENS,
+            "messages": to_messages(request.messages, self.thinking),
+            "stream": True,
+        }
+        if request.system:
+            body["system"] = request.system
+        if request.tools:
+            body["tools"] = [
+                {"name": t.name, "description": t.description, "input_schema": t.input_schema}
+                for t in request.tools
+            ]
+        body.update(self.extra)
+        return body
+
+
+def decode_event(data: str) -> dict[str, Any]:
+    """One event's data; data that is not a JSON object is a broken stream (retryable)."""
+    try:
+        value = json.loads(data)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ServerError(f"anthropic: the stream sent unreadable event data: {data[:200]!r}")
+    return value
+
+
+def to_messages(
+    messages: list[ChatMessage], thinking: Mapping[tuple[str, ...], list[dict[str, Any]]] | None = None
+) -> list[dict[str, Any]]:
+    """Alternating user / assistant messages of content blocks; tool results open the next user one."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.role == "assistant":
+            blocks = assistant_blocks(m, thinking or {})
+            if blocks:
+                out.append({"role": "assistant", "content": blocks})
+            continue
+        block: dict[str, Any]
+        if m.role == "tool":
+            block = {"type": "tool_result", "tool_use_id": m.tool_use_id or "", "content": m.text}
+            if m.is_error:
+                block["is_error"] = True
+        else:
+            block = {"type": "text", "text": m.text}
+        if out and out[-1]["role"] == "user":
+            out[-1]["content"].append(block)
+        else:
+            out.append({"role": "user", "content": [block]})
+    return out
+
+
+def assistant_blocks(
+    message: ChatMessage, thinking: Mapping[tuple[str, ...], list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    blocks = list(thinking.get(tuple(c.id for c in message.tool_calls), [])) if message.tool_calls else []
+    if message.text:
+        blocks.append({"type": "text", "text": message.text})
+    for call in message.tool_calls:
+        raw = raw_arguments(call)
+        # The API takes only an object as input; unparsable arguments go back as the text they were.
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call.id,
+                "name": call.name,
+                "input": call.input if raw is None else {"arguments": raw},
+            }
+        )
+    return blocks
+
+
+@dataclass
+class _Block:
+    type: str
+    start: dict[str, Any]
+    parts: list[str] = field(default_factory=list)
+    signature: str = ""
+
+
+@dataclass
+class MessageStream:
+    """Accumulates Messages stream events into a `Reply` (and the thinking blocks)."""
+
+    blocks: dict[int, _Block] = field(default_factory=dict)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    stop_reason: str | None = None
+    on_text: Callable[[str], None] | None = None
+    """Told each piece of text as it arrives (`ModelRequest.on_text`)."""
+
+    def feed(self, name: str, data: dict[str, Any]) -> bool:
+        """Take one event; True once the message is complete (`message_stop`)."""
+        kind = data.get("type") or name
+        if kind == "error":
+            raise classify_stream_error(data.get("error") or data, provider="anthropic")
+        if kind == "message_start":
+            self._usage((data.get("message") or {}).get("usage") or {})
+        elif kind == "content_block_start":
+            block = dict(data.get("content_block") or {})
+            self.blocks[int(data.get("index", len(self.blocks)))] = _Block(str(block.get("type")), block)
+        elif kind == "content_block_delta":
+            self._delta(int(data.get("index", 0)), data.get("delta") or {})
+        elif kind == "message_delta":
+            self.stop_reason = (data.get("delta") or {}).get("stop_reason") or self.stop_reason
+            self._usage(data.get("usage") or {})
+        return kind == "message_stop"
+
+    def _usage(self, usage: dict[str, Any]) -> None:
+        """Input counts cached tokens too (they fill the context); output is the running total."""
+        if "input_tokens" in usage:
+            self.input_tokens = sum(
+                int(usage.get(k) or 0)
+                for k in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+            )
+        if "output_tokens" in usage:
+            self.output_tokens = int(usage.get("output_tokens") or 0)
+
+    def _delta(self, index: int, delta: dict[str, Any]) -> None:
+        block = self.blocks.get(index)
+        if block is None:
+            return
+        kind = delta.get("type")
+        if kind == "text_delta":
+            block.parts.append(str(delta.get("text", "")))
+            if self.on_text is not None and block.parts[-1]:
+                self.on_text(block.parts[-1])
+        elif kind == "input_json_delta":
+            block.parts.append(str(delta.get("partial_json", "")))
+        elif kind == "thinking_delta":
+            block.parts.append(str(delta.get("thinking", "")))
+        elif kind == "signature_delta":
+            block.signature += str(delta.get("signature", ""))
+
+    def reply(self) -> Reply:
+        ordered = [b for _, b in sorted(self.blocks.items())]
+        text = "".join(str(b.start.get("text", "")) + "".join(b.parts) for b in ordered if b.type == "text")
+        calls = [self._call(b) for b in ordered if b.type == "tool_use"]
+        return Reply(text, calls, Usage(self.input_tokens, self.output_tokens))
+
+    @staticmethod
+    def _call(block: _Block) -> ToolCall:
+        raw = "".join(block.parts)
+        start_input = block.start.get("input")
+        if not raw.strip() and isinstance(start_input, dict):
+            return ToolCall(str(block.start.get("id")), str(block.start.get("name")), start_input)
+        return ToolCall(str(block.start.get("id")), str(block.start.get("name")), parse_arguments(raw))
+
+    def thinking_blocks(self) -> list[dict[str, Any]]:
+        """The thinking blocks as the API wants them back (thinking text and signature joined)."""
+        blocks = []
+        for _, block in sorted(self.blocks.items()):
+            if block.type == "thinking":
+                thinking = str(block.start.get("thinking", "")) + "".join(block.parts)
+                signature = str(block.start.get("signature", "")) + block.signature
+                blocks.append({"type": "thinking", "thinking": thinking, "signature": signature})
+            elif block.type == "redacted_thinking":
+                blocks.append(dict(block.start))
+        return blocks

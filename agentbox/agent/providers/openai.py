@@ -1,0 +1,189 @@
+"""`openai:<model>`: OpenAI-compatible Chat Completions, streamed, with tool calls.
+
+Tolerant of the servers users point it at (vLLM, llama.cpp, Ollama, LM Studio, gateways):
+tool-call fragments are joined by `index` (or by id when a server leaves the index out), a
+missing id is made up, arguments may come whole in one chunk (even as an object), and tool
+calls count whatever the `finish_reason` says. Arguments that are not a JSON object do not
+fail the turn: the call is marked (`arguments.py`) for an error result the model reads.
+
+Configuration: `OPENAI_BASE_URL` / `OPENAI_API_KEY`, overridden by the session's
+`model_options` keys `base_url` / `api_key`; its other keys (temperature, max_tokens, ...)
+are added to the request body.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from agentbox.agent.models import ModelRequest, Reply, ToolCall, Usage
+from agentbox.agent.providers.arguments import parse_arguments, raw_arguments
+from agentbox.agent.providers.errors import ServerError, classify_stream_error
+from agentbox.agent.providers.sse import post_sse
+
+#: Where requests go without `OPENAI_BASE_URL` or a `base_url` option.
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+#: Seconds to connect; seconds of silence mid-stream before the call is a `Timeout`.
+CONNECT_TIMEOUT = 10.0
+READ_TIMEOUT = 300.0
+#: `model_options` keys that configure the client rather than the request body.
+CLIENT_OPTIONS = frozenset({"base_url", "api_key", "timeout"})
+
+
+class OpenAIModel:
+    """A `Model` over `POST {base_url}/chat/completions` with `stream: true`."""
+
+    def __init__(self, model: str, options: Mapping[str, Any] | None = None) -> None:
+        options = dict(options or {})
+        self.model = model
+        self.name = f"openai:{model}"
+        base = options.get("base_url") or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+        self.url = str(base).rstrip("/") + "/chat/completions"
+        self.api_key = options.get("api_key") or os.environ.get("OPENAI_API_KEY") or ""
+        self.timeout = httpx.Timeout(float(options.get("timeout") or READ_TIMEOUT), connect=CONNECT_TIMEOUT)
+        self.extra = {k: v for k, v in options.items() if k not in CLIENT_OPTIONS}
+
+    async def query(self, request: ModelRequest) -> Reply:
+        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        stream = ChatStream(on_text=getattr(request, "on_text", None))
+        events = post_sse(self.url, headers, self.body(request), timeout=self.timeout, provider=self.name)
+        async with aclosing(events):
+            async for event in events:
+                if event.data.strip() == "[DONE]":
+                    break
+                stream.feed(decode_chunk(event.data))
+        return stream.reply()
+
+    def body(self, request: ModelRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": to_messages(request),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if request.tools:
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+                }
+                for t in request.tools
+            ]
+        body.update(self.extra)
+        return body
+
+
+def decode_chunk(data: str) -> dict[str, Any]:
+    """One streamed chunk; a chunk that is not a JSON object is a broken stream (retryable)."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        chunk = None
+    if not isinstance(chunk, dict):
+        raise ServerError(f"openai: the stream sent an unreadable chunk: {data[:200]!r}")
+    return chunk
+
+
+def to_messages(request: ModelRequest) -> list[dict[str, Any]]:
+    """System text first, then user / assistant (with `tool_calls`) / tool messages."""
+    messages: list[dict[str, Any]] = []
+    if request.system:
+        messages.append({"role": "system", "content": request.system})
+    for m in request.messages:
+        if m.role == "user":
+            messages.append({"role": "user", "content": m.text})
+        elif m.role == "assistant":
+            message: dict[str, Any] = {"role": "assistant", "content": m.text or None}
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
+                    for c in m.tool_calls
+                ]
+            messages.append(message)
+        else:
+            messages.append({"role": "tool", "tool_call_id": m.tool_use_id or "", "content": m.text})
+    return messages
+
+
+def _arguments(call: ToolCall) -> str:
+    """The call's arguments as sent back: the raw text of unparsable ones, as the model wrote them."""
+    raw = raw_arguments(call)
+    return json.dumps(call.input) if raw is None else raw
+
+
+@dataclass
+class _Fragments:
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass
+class ChatStream:
+    """Accumulates `chat.completion.chunk` objects into a `Reply`."""
+
+    text: list[str] = field(default_factory=list)
+    calls: dict[int, _Fragments] = field(default_factory=dict)
+    usage: Usage = field(default_factory=Usage)
+    on_text: Callable[[str], None] | None = None
+    """Told each piece of text as it arrives (`ModelRequest.on_text`)."""
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        if chunk.get("error"):
+            raise classify_stream_error(chunk["error"], provider="openai")
+        if isinstance(chunk.get("usage"), dict):
+            u = chunk["usage"]
+            self.usage = Usage(int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0))
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or choice.get("message") or {}
+            if delta.get("content"):
+                self.text.append(str(delta["content"]))
+                if self.on_text is not None:
+                    self.on_text(self.text[-1])
+            for fragment in delta.get("tool_calls") or []:
+                self._fragment(fragment)
+
+    def _fragment(self, fragment: dict[str, Any]) -> None:
+        index = self._index(fragment)
+        call = self.calls.setdefault(index, _Fragments())
+        if fragment.get("id") and not call.id:
+            call.id = str(fragment["id"])
+        function = fragment.get("function") or {}
+        if function.get("name") and not call.name:
+            call.name = str(function["name"])
+        arguments = function.get("arguments")
+        if isinstance(arguments, (dict, list)):
+            call.arguments = json.dumps(arguments)
+        elif arguments:
+            call.arguments += str(arguments)
+
+    def _index(self, fragment: dict[str, Any]) -> int:
+        """The call a fragment belongs to: its `index`, else the call with its id, else a new/last one."""
+        if isinstance(fragment.get("index"), int):
+            return int(fragment["index"])
+        fragment_id = fragment.get("id")
+        for index, call in self.calls.items():
+            if fragment_id and call.id == fragment_id:
+                return index
+        if fragment_id or not self.calls:
+            return len(self.calls)
+        return max(self.calls)
+
+    def reply(self) -> Reply:
+        calls = [
+            ToolCall(c.id or f"call_{uuid.uuid4().hex[:24]}", c.name, parse_arguments(c.arguments))
+            for _, c in sorted(self.calls.items())
+            if c.name
+        ]
+        return Reply("".join(self.text), calls, self.usage)
