@@ -1,4 +1,4 @@
-"""`agentbox`: serve the API, or run one command in a session's sandbox."""
+"""`agentbox`: serve the API, run one command in a session's sandbox, or run an agent turn."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -146,6 +147,48 @@ def machines() -> None:
     from agentbox.machines.registry import Registry
 
     typer.echo(json.dumps(Registry(config_mod.load()).describe(), indent=2))
+
+
+@app.command()
+def run(
+    task: Annotated[str, typer.Argument(help="What the agent should do.")],
+    model: Annotated[
+        str, typer.Option(help='"scripted" (needs --script) or "<provider>:<name>".')
+    ] = "scripted",
+    mode: Annotated[str | None, typer.Option(help="Permission tier (default: full-auto).")] = None,
+    session: Annotated[str | None, typer.Option(help="Run in this existing session.")] = None,
+    script: Annotated[Path | None, typer.Option(help="JSON list of steps for the scripted model.")] = None,
+) -> None:
+    """Run one turn in-process and show it live; exit 0 completed, 1 failed, 2 aborted, 3 refused."""
+    from rich.console import Console
+
+    from agentbox.cli_run import RunOptions, run_turn
+
+    opts = RunOptions(task=task, model=model, mode=mode, session=session, script=script)
+    raise typer.Exit(asyncio.run(run_turn(opts, Console())))
+
+
+@app.command()
+def sessions() -> None:
+    """List sessions: id, model, status, created."""
+    from rich.console import Console
+
+    from agentbox.cli_run import list_sessions
+
+    asyncio.run(list_sessions(Console()))
+
+
+@app.command()
+def events(
+    session_id: Annotated[str, typer.Argument(help="The session.")],
+    after: Annotated[int, typer.Option(min=0, help="Only events with a greater seq.")] = 0,
+) -> None:
+    """Print a session's events, one line each."""
+    from rich.console import Console
+
+    from agentbox.cli_run import print_events
+
+    raise typer.Exit(asyncio.run(print_events(Console(), session_id, after)))
 
 
 def main() -> None:

@@ -1,0 +1,345 @@
+"""A session's external MCP servers as tools named `mcp__<server>__<tool>`.
+
+A session lists `mcp_servers` (`{"name", "command": [...], "env": {...}}` for stdio, or
+`{"name", "url", "headers": {...}, "trusted": bool}` for streamable HTTP). `McpTools` connects
+them with the official `mcp` client, lists their tools and wraps each as a `Tool` with
+`Action.MCP`, so the permission tier gates it like exec. A server's own read-only annotation
+is only believed when the session marks that server `trusted`: then the tool is `Action.READ`.
+
+A server that cannot be reached never fails a turn: its failure is recorded in `errors`
+(the caller turns each into a `session.error` event) and a call to one of its tools, or to
+a tool whose server went away, comes back as an error result for the model.
+
+Each connection lives in its own task: the client's transports are anyio context managers
+whose cancel scopes must be entered and left by the same task, so the owning task enters
+them, reports readiness and waits for `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import httpx2
+import mcp.types as mt
+from mcp import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from pydantic import BaseModel, ConfigDict
+
+from agentbox.tools.base import Action, Block, ImageBlock, TextBlock, Tool, ToolContext, ToolResult
+
+PREFIX = "mcp"
+"""Tool names are `mcp__<server>__<tool>`."""
+CONNECT_TIMEOUT = 30.0
+"""Seconds a server gets to start, complete the handshake and list its tools."""
+CALL_TIMEOUT = 300.0
+"""Seconds one `tools/call` may take before the model gets an error result."""
+CLOSE_TIMEOUT = 10.0
+"""Seconds `close()` waits for a connection to shut down before cancelling it."""
+STDERR_TAIL = 2000
+"""Characters of a failed stdio server's stderr quoted in its error."""
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class McpConfigError(ValueError):
+    """An `mcp_servers` entry that names neither a command nor a URL, or is malformed."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One `mcp_servers` entry, checked."""
+
+    name: str
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    url: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    trusted: bool = False
+
+    @classmethod
+    def parse(cls, entry: Any) -> ServerSpec:
+        if not isinstance(entry, dict):
+            raise McpConfigError(f"an MCP server entry must be an object, not {type(entry).__name__}")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            raise McpConfigError("an MCP server entry needs a non-empty 'name'")
+        command, url = entry.get("command"), entry.get("url")
+        if isinstance(command, str):
+            command = [command]
+        if (command is None) == (url is None):
+            raise McpConfigError(f"MCP server {name!r} needs exactly one of 'command' or 'url'")
+        if command is not None and (not command or not all(isinstance(c, str) for c in command)):
+            raise McpConfigError(f"MCP server {name!r}: 'command' must be a non-empty list of strings")
+        if url is not None and not isinstance(url, str):
+            raise McpConfigError(f"MCP server {name!r}: 'url' must be a string")
+        return cls(
+            name=name,
+            command=list(command or []),
+            env=_strings(name, "env", entry.get("env")),
+            url=url,
+            headers=_strings(name, "headers", entry.get("headers")),
+            trusted=entry.get("trusted") is True,
+        )
+
+
+def _strings(server: str, key: str, value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise McpConfigError(f"MCP server {server!r}: {key!r} must map names to strings")
+    return {str(k): v for k, v in value.items()}
+
+
+@dataclass(frozen=True)
+class ServerError:
+    """A server that could not be used; the caller reports it as a `session.error` event."""
+
+    server: str
+    message: str
+
+
+def mangle(server: str, tool: str) -> str:
+    """`mcp__<server>__<tool>` with every character outside `[A-Za-z0-9_-]` replaced by `_`."""
+    return f"{PREFIX}__{_UNSAFE.sub('_', server)}__{_UNSAFE.sub('_', tool)}"
+
+
+def action_of(spec: ServerSpec, tool: mt.Tool) -> Action:
+    """READ only for a read-only-annotated tool of a trusted server; MCP (gated like exec) otherwise."""
+    annotations = tool.annotations
+    if spec.trusted and annotations is not None and annotations.read_only_hint is True:
+        return Action.READ
+    return Action.MCP
+
+
+def params_model(schema: dict[str, Any]) -> type[BaseModel]:
+    """A pydantic model that accepts any object and reports the server's own input schema.
+
+    The server validates its arguments itself; the runner only needs an object to pass on.
+    """
+
+    class Arguments(BaseModel):
+        model_config = ConfigDict(extra="allow")
+
+        @classmethod
+        def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            return schema
+
+    return Arguments
+
+
+def block_of(item: Any) -> Block:
+    if isinstance(item, mt.TextContent):
+        return TextBlock(item.text)
+    if isinstance(item, mt.ImageContent):
+        return ImageBlock(item.mime_type, item.data)
+    if isinstance(item, mt.ResourceLink):
+        return TextBlock(f"[resource {item.uri}]")
+    if isinstance(item, mt.EmbeddedResource):
+        text = getattr(item.resource, "text", None)
+        return TextBlock(text if isinstance(text, str) else f"[resource {item.resource.uri}]")
+    return TextBlock(f"[{getattr(item, 'type', type(item).__name__)} content]")
+
+
+def tool_result(result: Any) -> ToolResult:
+    """A `tools/call` answer as a `ToolResult`: text and image blocks, and the server's isError."""
+    if not isinstance(result, mt.CallToolResult):
+        return ToolResult.error(f"The MCP server answered with an unsupported {type(result).__name__}.")
+    blocks = [block_of(item) for item in result.content]
+    if not blocks and result.structured_content is not None:
+        blocks = [TextBlock(json.dumps(result.structured_content))]
+    if not blocks:
+        blocks = [TextBlock("(no output)")]
+    return ToolResult(blocks, bool(result.is_error))
+
+
+def describe_failure(exc: BaseException) -> str:
+    """The innermost useful message of an exception (anyio wraps failures in groups)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def with_stderr(message: str, stderr: IO[str]) -> str:
+    """`message` followed by the tail of what a stdio server wrote to stderr (why it died)."""
+    stderr.flush()
+    stderr.seek(0)
+    tail = stderr.read()[-STDERR_TAIL:].strip()
+    return f"{message}; stderr: {tail}" if tail else message
+
+
+class Connection:
+    """One server: connected by its own task, which holds the client open until `close()`."""
+
+    def __init__(self, spec: ServerSpec) -> None:
+        self.spec = spec
+        self.session: ClientSession | None = None
+        self.tools: list[mt.Tool] = []
+        self.error: str | None = None
+        self._ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def connect(self) -> str | None:
+        """Start and wait for the handshake; None when connected, else why not."""
+        self._task = asyncio.create_task(self._hold(), name=f"mcp:{self.spec.name}")
+        try:
+            await asyncio.wait_for(self._ready.wait(), CONNECT_TIMEOUT)
+        except TimeoutError:
+            self._task.cancel()  # stuck in the handshake: nothing to shut down gracefully
+            await asyncio.gather(self._task, return_exceptions=True)
+            self.error = f"no answer within {CONNECT_TIMEOUT:g} s"
+        return self.error
+
+    async def _hold(self) -> None:
+        try:
+            if self.spec.url is not None:
+                await self._hold_http(self.spec.url)
+            else:
+                await self._hold_stdio()
+        except Exception as exc:
+            self.error = self.error or describe_failure(exc)
+        finally:
+            self.session = None
+            if self.error is None:
+                self.error = "the connection closed"
+            self._ready.set()
+
+    async def _hold_stdio(self) -> None:
+        params = StdioServerParameters(
+            command=self.spec.command[0], args=self.spec.command[1:], env=self.spec.env or None
+        )
+        with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as stderr:
+            try:
+                async with stdio_client(params, errlog=stderr) as (read, write):
+                    await self._serve(read, write)
+            except Exception as exc:
+                self.error = self.error or with_stderr(describe_failure(exc), stderr)
+
+    async def _hold_http(self, url: str) -> None:
+        timeout = httpx2.Timeout(CONNECT_TIMEOUT, read=CALL_TIMEOUT)
+        async with (
+            httpx2.AsyncClient(headers=self.spec.headers, timeout=timeout) as http,
+            streamable_http_client(url, http_client=http) as (read, write),
+        ):
+            await self._serve(read, write)
+
+    async def _serve(self, read: Any, write: Any) -> None:
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            self.tools = await self._list(session)
+            self.session = session
+            self._ready.set()
+            await self._stop.wait()
+            self.error = "the connection was closed"
+
+    @staticmethod
+    async def _list(session: ClientSession) -> list[mt.Tool]:
+        tools: list[mt.Tool] = []
+        cursor: str | None = None
+        while True:
+            page = await session.list_tools(
+                params=mt.PaginatedRequestParams(cursor=cursor) if cursor else None
+            )
+            tools.extend(page.tools)
+            cursor = page.next_cursor
+            if not cursor:
+                return tools
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        session = self.session
+        if session is None:
+            return ToolResult.error(f"MCP server {self.spec.name!r} is not connected: {self.error}")
+        try:
+            result = await session.call_tool(tool, arguments, read_timeout_seconds=CALL_TIMEOUT)
+        except Exception as exc:
+            return ToolResult.error(
+                f"MCP server {self.spec.name!r} failed on {tool}: {describe_failure(exc)}"
+            )
+        return tool_result(result)
+
+    async def close(self) -> None:
+        self._stop.set()
+        task = self._task
+        if task is None or task.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), CLOSE_TIMEOUT)
+        except TimeoutError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+@dataclass
+class McpTools:
+    """A session's MCP servers: `await connect()`, then `tools`, `errors`; `await close()` at the end."""
+
+    entries: list[Any]
+    tools: dict[str, Tool] = field(default_factory=dict)
+    errors: list[ServerError] = field(default_factory=list)
+    connections: list[Connection] = field(default_factory=list)
+
+    async def connect(self) -> None:
+        specs: list[ServerSpec] = []
+        for entry in self.entries:
+            try:
+                specs.append(ServerSpec.parse(entry))
+            except McpConfigError as exc:
+                name = entry.get("name") if isinstance(entry, dict) else None
+                self.errors.append(ServerError(str(name or "?"), str(exc)))
+        self.connections = [Connection(spec) for spec in specs]
+        failures = await asyncio.gather(*(c.connect() for c in self.connections))
+        for connection, failure in zip(self.connections, failures, strict=True):
+            if failure is not None:
+                message = f"MCP server {connection.spec.name!r} failed to connect: {failure}"
+                self.errors.append(ServerError(connection.spec.name, message))
+                continue
+            for remote in connection.tools:
+                self._add(connection, remote)
+
+    def _add(self, connection: Connection, remote: mt.Tool) -> None:
+        name = mangle(connection.spec.name, remote.name)
+        if name in self.tools:
+            message = (
+                f"MCP tool {remote.name!r} of {connection.spec.name!r} is skipped: {name} already exists"
+            )
+            self.errors.append(ServerError(connection.spec.name, message))
+            return
+        self.tools[name] = wrap(connection, remote)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.connections))
+
+    async def __aenter__(self) -> McpTools:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def wrap(connection: Connection, remote: mt.Tool) -> Tool:
+    """One remote tool as a local `Tool`; its run forwards the arguments unchanged."""
+    spec = connection.spec
+    action = action_of(spec, remote)
+    annotations = remote.annotations
+    destructive = action != Action.READ and (annotations is None or annotations.destructive_hint is not False)
+    description = f"(MCP server {spec.name}) {remote.description or remote.title or remote.name}"
+
+    async def run(ctx: ToolContext, params: Any) -> ToolResult:
+        return await connection.call(remote.name, params.model_dump())
+
+    return Tool(
+        mangle(spec.name, remote.name),
+        description,
+        params_model(dict(remote.input_schema)),
+        action,
+        run,
+        read_only=action == Action.READ,
+        destructive=destructive,
+    )

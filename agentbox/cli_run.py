@@ -1,0 +1,322 @@
+"""`agentbox run`, `sessions`, `events`: drive one turn in-process and show it in the terminal.
+
+`run` opens the home's database, machine registry and file store itself and starts the same
+`Platform` the server runs on (no server needed), so the turn, its events and its approvals
+are exactly what the sessions API would show. It follows the session's event log with
+`EventBus.subscribe(..., until_turn=, deltas=True)`: text deltas are printed as they come,
+tool calls with their inputs, results folded to `RESULT_LINES` lines, a spinner while a tool
+runs, and an `approval.requested` is asked at the prompt and answered through the platform's
+`Approvals` (the same path as POST .../approvals/{id}).
+
+The exit status says how the turn ended (`EXIT_CODES`): 0 completed, 1 failed, 2 aborted;
+3 when the run was refused before a turn started (a bad script, an unknown session). Ctrl-C
+aborts the turn (exit 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.status import Status
+
+from agentbox import config as config_mod
+from agentbox.agent.events import Delta
+from agentbox.agent.models import SCRIPTED, ModelError
+from agentbox.api.sessions import _PROVIDER_MODEL, PROVIDERS, Platform, start_platform
+from agentbox.store.approvals import ApprovalNotPending, Decision, Scope
+from agentbox.store.db import Database
+from agentbox.store.sessions import MAX_EVENTS_PAGE, Event, Session
+
+#: How each terminal turn event maps to the process's exit status.
+EXIT_CODES: dict[str, int] = {"turn.completed": 0, "turn.failed": 1, "turn.aborted": 2}
+#: Exit status when the run is refused before any turn starts (bad options, script or session).
+EXIT_REFUSED = 3
+#: Lines of a tool result shown before the rest is folded into "… N more lines".
+RESULT_LINES = 4
+#: Characters of a tool input (as JSON) shown on a tool call's line.
+INPUT_CHARS = 300
+#: Characters of an event's payload shown per line by `agentbox events`.
+EVENT_LINE_CHARS = 200
+#: Answers at the approval prompt: (decision, scope) for each accepted word.
+ANSWERS: dict[str, tuple[Decision, Scope]] = {
+    "y": ("allow", "once"),
+    "yes": ("allow", "once"),
+    "n": ("deny", "once"),
+    "no": ("deny", "once"),
+    "a": ("allow", "session"),
+    "always": ("allow", "session"),
+}
+
+#: What the approval prompt says.
+PROMPT = "  [y]es / [n]o / [a]lways (this session): "
+
+
+class RunRefused(Exception):
+    """The run cannot start (the message says why); nothing was submitted."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    task: str
+    model: str = SCRIPTED
+    mode: str | None = None
+    session: str | None = None
+    script: Path | None = None
+
+
+def load_script(path: Path) -> list[Any]:
+    """The scripted model's steps from a JSON file holding a list (as in the sessions API)."""
+    try:
+        steps = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise RunRefused(f"cannot read script {path}: {exc}") from None
+    if not isinstance(steps, list):
+        raise RunRefused(f"script {path} must hold a JSON list of steps")
+    return steps
+
+
+@asynccontextmanager
+async def opened_platform() -> AsyncIterator[Platform]:
+    """The home's database, registry and file store with a started platform; all closed after."""
+    from agentbox.machines.registry import Registry
+    from agentbox.store.files import FileStore
+    from agentbox.store.markers import MarkersRepo
+
+    settings = config_mod.load()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    db = Database.in_home(settings.home)
+    await db.connect()
+    registry = Registry(settings, MarkersRepo(db))
+    try:
+        platform = await start_platform(db, registry, FileStore(db, settings.home))
+        try:
+            yield platform
+        finally:
+            await platform.close()
+    finally:
+        await registry.shutdown()
+        await db.close()
+
+
+async def open_session(p: Platform, opts: RunOptions) -> Session:
+    """The session to run in: `--session` (its mode updated if `--mode` is given), or a new one."""
+    if opts.session is not None:
+        if opts.script is not None:
+            raise RunRefused("--script is fixed at creation: it cannot be given with --session")
+        session = await p.store.get_session(opts.session)
+        if opts.mode is not None and opts.mode != session.permission_mode:
+            session = await p.worker.update_session(session.id, {"permission_mode": opts.mode})
+        return session
+    if opts.model == SCRIPTED and opts.script is None:
+        raise RunRefused("--model scripted needs --script FILE.json (a list of steps)")
+    if opts.model != SCRIPTED and not _PROVIDER_MODEL.fullmatch(opts.model):
+        raise RunRefused(
+            f"--model must be {SCRIPTED!r} or '<provider>:<name>' with a provider of {PROVIDERS}"
+        )
+    script = load_script(opts.script) if opts.script is not None else None
+    fields: dict[str, Any] = {"permission_mode": opts.mode} if opts.mode is not None else {}
+    return await p.worker.create_session(opts.model, script=script, **fields)
+
+
+async def read_line() -> str | None:
+    """One line from stdin without blocking the loop (None at end of input); cancellable."""
+    loop = asyncio.get_running_loop()
+    fd = sys.stdin.fileno()
+    done: asyncio.Future[str | None] = loop.create_future()
+    buffer = bytearray()
+
+    def readable() -> None:
+        chunk = os.read(fd, 1024)
+        buffer.extend(chunk)
+        if (not chunk or b"\n" in buffer) and not done.done():
+            done.set_result(buffer.decode(errors="replace") if buffer else None)
+
+    try:
+        loop.add_reader(fd, readable)
+    except (OSError, ValueError, NotImplementedError):  # a regular file: it never blocks for long
+        line = await asyncio.to_thread(sys.stdin.readline)
+        return line or None
+    try:
+        return await done
+    finally:
+        loop.remove_reader(fd)
+
+
+@dataclass
+class Renderer:
+    """Shows one session's events in the terminal and answers its approvals at the prompt."""
+
+    console: Console
+    platform: Platform
+    streamed: set[str] = field(default_factory=set)
+    """Turns whose current reply was already printed from deltas."""
+    status: Status | None = None
+
+    def stop_spinner(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+    async def show(self, item: Event | Delta) -> None:
+        if isinstance(item, Delta):
+            self.stop_spinner()
+            self.console.print(escape(item.text), end="", style="bold", highlight=False)
+            self.streamed.add(item.turn_id)
+            return
+        data = item.data
+        if item.type == "agent.message":
+            self.stop_spinner()
+            if item.turn_id in self.streamed:
+                self.streamed.discard(item.turn_id)
+                self.console.print()
+            else:
+                self.console.print(escape(message_text(data)), style="bold", highlight=False)
+        elif item.type == "agent.tool_use":
+            self.stop_spinner()
+            shown = json.dumps(data.get("input", {}), ensure_ascii=False)
+            shown = shown if len(shown) <= INPUT_CHARS else shown[:INPUT_CHARS] + "…"
+            self.console.print(f"[cyan]→ {escape(str(data.get('name')))}[/] {escape(shown)}", highlight=False)
+            self.status = self.console.status(f"running {escape(str(data.get('name')))}…")
+            self.status.start()
+        elif item.type == "agent.tool_result":
+            self.stop_spinner()
+            style = "red" if data.get("is_error") else "dim"
+            self.console.print(escape(fold(message_text(data))), style=style, highlight=False)
+        elif item.type == "approval.requested":
+            self.stop_spinner()
+            await self.ask(data)
+        elif item.type == "approval.resolved":
+            self.console.print(f"[dim]approval {data.get('decision') or data.get('status', '')}[/]")
+        elif item.type in ("session.error", "turn.failed"):
+            self.stop_spinner()
+            error = data.get("error") or {}
+            self.console.print(f"[red]{escape(item.type)}: {escape(str(error.get('message', error)))}[/]")
+        elif item.type in EXIT_CODES:
+            self.stop_spinner()
+            self.console.print(f"[bold]{escape(item.type.removeprefix('turn.'))}[/]")
+
+    async def ask(self, data: dict[str, Any]) -> None:
+        """Ask until a known answer (y / n / always); end of input denies."""
+        arguments = json.dumps((data.get("detail") or {}).get("arguments", {}), ensure_ascii=False)
+        self.console.print(
+            f"[yellow]? allow {escape(str(data.get('tool')))} ({escape(str(data.get('action')))})"
+            f" {escape(arguments[:INPUT_CHARS])}[/]",
+            highlight=False,
+        )
+        decision, scope, message = await self.answer()
+        try:
+            await self.platform.approvals.resolve(str(data["approval_id"]), decision, scope, message)
+        except ApprovalNotPending:
+            self.console.print("[dim]already answered[/]")
+
+    async def answer(self) -> tuple[Decision, Scope, str | None]:
+        while True:
+            self.console.print(escape(PROMPT), style="yellow", end="", highlight=False)
+            line = await read_line()
+            if line is None:
+                return "deny", "once", "no answer (end of input)"
+            answer = ANSWERS.get(line.strip().lower())
+            if answer is not None:
+                return answer[0], answer[1], None
+
+
+def message_text(data: dict[str, Any]) -> str:
+    """The text blocks of an event's `content` (a list of blocks or a plain string)."""
+    content = data.get("content", "")
+    if isinstance(content, str):
+        return content
+    return "\n".join(str(b.get("text", "")) for b in content if isinstance(b, dict) and "text" in b)
+
+
+def fold(text: str, keep: int = RESULT_LINES) -> str:
+    """The first `keep` lines of `text` and how many more there were."""
+    lines = text.splitlines()
+    if len(lines) <= keep:
+        return "\n".join(lines)
+    return "\n".join([*lines[:keep], f"… {len(lines) - keep} more lines"])
+
+
+async def run_turn(opts: RunOptions, console: Console) -> int:
+    """Submit the task and render the turn to its end; the exit status (see `EXIT_CODES`)."""
+    async with opened_platform() as p:
+        try:
+            session = await open_session(p, opts)
+        except (RunRefused, LookupError, ValueError, ModelError) as exc:  # ModelError: a bad script
+            console.print(f"[red]agentbox run: {escape(str(exc))}[/]")
+            return EXIT_REFUSED
+        after = await p.store.last_seq(session.id)
+        submission = await p.worker.submit(session.id, opts.task)
+        turn_id = submission.turn.id
+        renderer = Renderer(console, p)
+        loop = asyncio.get_running_loop()
+        aborting: list[asyncio.Task[Any]] = []
+
+        def interrupted() -> None:
+            if not aborting:
+                aborting.append(loop.create_task(p.worker.abort(turn_id)))
+
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGINT, interrupted)
+        console.print(f"[dim]session {session.id} · turn {turn_id}[/]")  # Ctrl-C aborts from here
+        ended = "turn.aborted"
+        try:
+            async for item in p.bus.subscribe(session.id, after, until_turn=turn_id, deltas=True):
+                if item is None or (isinstance(item, Event) and item.turn_id not in (turn_id, None)):
+                    continue
+                if not (aborting and _is_approval(item)):  # an aborting turn is not asked about
+                    await renderer.show(item)
+                if isinstance(item, Event) and item.turn_id == turn_id and item.type in EXIT_CODES:
+                    ended = item.type
+        finally:
+            renderer.stop_spinner()
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGINT)
+            await asyncio.gather(*aborting, return_exceptions=True)
+        return EXIT_CODES[ended]
+
+
+def _is_approval(item: Event | Delta) -> bool:
+    return isinstance(item, Event) and item.type == "approval.requested"
+
+
+async def list_sessions(console: Console) -> None:
+    """One line per session: id, model, status (idle / running / awaiting_approval), created."""
+    async with opened_platform() as p:
+        after: str | None = None
+        while page := await p.store.list_sessions(after=after, limit=MAX_EVENTS_PAGE):
+            for s in page:
+                activity = await p.store.activity(s.id)
+                console.print(
+                    f"{s.id}  {s.model}  {activity}  {s.created_at}", highlight=False, soft_wrap=True
+                )
+            after = page[-1].id
+
+
+async def print_events(console: Console, session_id: str, after: int) -> int:
+    """One line per event (seq, type, turn, payload cut to `EVENT_LINE_CHARS`); 3 if no such session."""
+    async with opened_platform() as p:
+        try:
+            await p.store.get_session(session_id)
+        except LookupError as exc:
+            console.print(f"agentbox events: {escape(str(exc))}", highlight=False)
+            return EXIT_REFUSED
+        while page := await p.store.list_events(session_id, after=after, limit=MAX_EVENTS_PAGE):
+            for e in page:
+                payload = json.dumps(e.data, ensure_ascii=False)
+                payload = payload if len(payload) <= EVENT_LINE_CHARS else payload[:EVENT_LINE_CHARS] + "…"
+                line = f"{e.seq:>5}  {e.type:<22} {e.turn_id or '-'}  {payload}"
+                console.print(escape(line), highlight=False, soft_wrap=True)
+            after = page[-1].seq
+    return 0

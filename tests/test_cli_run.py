@@ -1,0 +1,187 @@
+"""`agentbox run` / `sessions` / `events` as a user runs them: real subprocesses on a real home,
+the scripted model, and an approval answered at the prompt of a pseudo-terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agentbox.cli_run import EXIT_CODES, EXIT_REFUSED, RESULT_LINES, fold
+
+#: Seconds one CLI run may take end to end (python start, imports, a sandbox start).
+CLI_DEADLINE = 30.0
+_ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
+
+
+def cli_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTBOX_")}
+    return {**env, "AGENTBOX_HOME": str(home), "AGENTBOX_NETWORK": "off", "COLUMNS": "200"}
+
+
+def agentbox(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentbox", *args], env=cli_env(home), cwd=home.parent,
+        capture_output=True, text=True, timeout=CLI_DEADLINE, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def script_file(tmp: Path, steps: list[Any]) -> Path:
+    path = tmp / "s.json"
+    path.write_text(json.dumps(steps))
+    return path
+
+
+def bash(command: str, text: str = "") -> dict[str, Any]:
+    return {"text": text, "tool_calls": [{"name": "bash", "input": {"command": command}}]}
+
+
+def session_ids(home: Path) -> list[str]:
+    listed = agentbox(home, "sessions")
+    assert listed.returncode == 0, listed.stderr
+    return [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+
+
+def test_a_completed_turn_renders_and_exits_0(sandbox_tmp: Path) -> None:
+    home = sandbox_tmp / "home"
+    steps = [
+        bash("seq 1 10", "Let me count."),
+        {"expect": {"tool_result_contains": "10"}, "text": "Counted."},
+    ]
+    done = agentbox(home, "run", "--script", str(script_file(sandbox_tmp, steps)), "count to ten")
+    assert done.returncode == EXIT_CODES["turn.completed"] == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "Let me count." in out and "Counted." in out
+    assert '→ bash {"command": "seq 1 10"}' in out
+    assert f"… {10 + 3 - RESULT_LINES} more lines" in out  # "Exit code", <stdout>, 1..10, </stdout>
+    assert "\n10\n" not in out  # folded
+    assert out.rstrip().endswith("completed")
+    # sessions lists it; events prints its log one line each, from a cursor
+    [sid] = session_ids(home)
+    listed = agentbox(home, "sessions").stdout.split()
+    assert listed[:3] == [sid, "scripted", "idle"]
+    log = agentbox(home, "events", sid)
+    assert log.returncode == 0
+    lines = log.stdout.splitlines()
+    assert [line.split()[1] for line in lines][:2] == ["session.created", "user.message"]
+    assert lines[-1].split()[1] == "turn.completed" and "agent.tool_result" in log.stdout
+    after = agentbox(home, "events", sid, "--after", "2").stdout.splitlines()
+    assert after == lines[2:]
+    assert agentbox(home, "events", "ses_nope").returncode == EXIT_REFUSED
+
+
+def test_a_failed_expect_exits_1_and_a_reused_session_runs_again(sandbox_tmp: Path) -> None:
+    home = sandbox_tmp / "home"
+    steps = [
+        bash("echo hi"),
+        {"expect": {"tool_result_contains": "nope"}, "text": "never"},
+        {"text": "again"},
+    ]
+    done = agentbox(home, "run", "--script", str(script_file(sandbox_tmp, steps)), "go")
+    assert done.returncode == EXIT_CODES["turn.failed"] == 1, done.stdout + done.stderr
+    assert "turn.failed" in done.stdout and "expected the last tool result to contain 'nope'" in done.stdout
+    [sid] = session_ids(home)
+    assert agentbox(home, "sessions").stdout.split()[2] == "idle"
+    again = agentbox(home, "run", "--session", sid, "once more")
+    assert again.returncode == 0 and "again" in again.stdout, again.stdout + again.stderr
+    assert session_ids(home) == [sid]
+
+
+def test_refusals_before_a_turn_exit_3(sandbox_tmp: Path) -> None:
+    home = sandbox_tmp / "home"
+    no_script = agentbox(home, "run", "task")
+    assert no_script.returncode == EXIT_REFUSED and "--script" in no_script.stdout
+    bad = agentbox(home, "run", "--script", str(script_file(sandbox_tmp, [{"nope": 1}])), "task")
+    assert bad.returncode == EXIT_REFUSED
+    assert agentbox(home, "run", "--session", "ses_nope", "task").returncode == EXIT_REFUSED
+    assert session_ids(home) == []
+
+
+def test_an_approval_answered_y_at_the_prompt_runs_the_command(sandbox_tmp: Path) -> None:
+    home = sandbox_tmp / "home"
+    steps = [bash("echo approved-run"), {"expect": {"tool_result_contains": "approved-run"}, "text": "Done."}]
+    script = script_file(sandbox_tmp, steps)
+    primary, secondary = os.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agentbox", "run", "--mode", "full-ask", "--script", str(script), "go"],
+        env=cli_env(home), cwd=sandbox_tmp, stdin=secondary, stdout=secondary, stderr=secondary,
+    )  # fmt: skip
+    os.close(secondary)
+    seen = b""
+    try:
+        seen = read_until(primary, b"[a]lways", seen)
+        text = _ANSI.sub(b"", seen).decode()
+        assert "? allow bash (exec)" in text and "approved-run" in text
+        assert "Done." not in text
+        os.write(primary, b"maybe\n")  # not an answer: asked again
+        seen = read_until(primary, b"[a]lways", seen, start=len(seen))
+        os.write(primary, b"y\n")
+        assert process.wait(timeout=CLI_DEADLINE) == 0
+        seen += drain(primary)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(primary)
+    text = _ANSI.sub(b"", seen).decode()
+    assert "approval allow" in text and "Done." in text and "completed" in text
+    assert "Exit code: 0" in text
+
+
+def test_ctrl_c_aborts_the_turn_and_exits_2(sandbox_tmp: Path) -> None:
+    """SIGINT once the turn is announced (the handler is in place by then) aborts the hanging turn."""
+    home = sandbox_tmp / "home"
+    script = script_file(sandbox_tmp, [{"hang": True}])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agentbox", "run", "--script", str(script), "wait"],
+        env=cli_env(home), cwd=sandbox_tmp, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        announced = process.stdout.readline()
+        assert b"turn trn_" in announced
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=CLI_DEADLINE) == EXIT_CODES["turn.aborted"] == 2
+        assert b"aborted" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def read_until(fd: int, marker: bytes, seen: bytes, start: int = 0) -> bytes:
+    deadline = time.monotonic() + CLI_DEADLINE
+    while marker not in _ANSI.sub(b"", seen[start:]):
+        assert time.monotonic() < deadline, seen.decode(errors="replace")
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                seen += os.read(fd, 4096)
+            except OSError:  # the child closed the terminal
+                break
+    return seen
+
+
+def drain(fd: int) -> bytes:
+    out = b""
+    while select.select([fd], [], [], 0.2)[0]:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def test_fold_keeps_its_boundary() -> None:
+    lines = [str(i) for i in range(RESULT_LINES)]
+    assert fold("\n".join(lines)) == "\n".join(lines)
+    assert fold("\n".join([*lines, "x"])) == "\n".join([*lines, "… 1 more lines"])
