@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,3 +339,24 @@ async def test_unparsable_tool_arguments_become_an_error_result_not_a_failed_tur
     assert end.type == "turn.completed"
     result = next(e for e in await turn_events(kit, session.id, sub.turn.id) if e.type == "agent.tool_result")
     assert result.data["is_error"]
+
+
+async def test_mcp_servers_tools_join_the_toolset_and_failures_are_session_errors(
+    kit: Kit, tmp_path: Path
+) -> None:
+    from tests.test_mcp_tools import SERVER_SCRIPT
+
+    server = tmp_path / "server.py"
+    server.write_text(SERVER_SCRIPT)
+    servers = [
+        {"name": "srv", "command": [sys.executable, str(server)]},
+        {"name": "gone", "command": [sys.executable, "-c", "raise SystemExit(3)"]},
+    ]
+    call = {"tool_calls": [{"name": "mcp__srv__echo_v1", "input": {"text": "hi"}}]}
+    script = [call, {"expect": {"tool_result_contains": "echo: hi"}, "text": "done"}]
+    session = await kit.worker.create_session("scripted", script=script, mcp_servers=servers)
+    sub = await kit.worker.submit(session.id, "go")
+    end = await terminal(kit, session.id, sub.turn.id)
+    assert end.type == "turn.completed", end.data
+    errors = [e for e in await kit.store.list_events(session.id, limit=1000) if e.type == "session.error"]
+    assert [e.data["server"] for e in errors] == ["gone"]

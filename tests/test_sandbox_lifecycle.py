@@ -187,7 +187,8 @@ async def test_idle_sweep_spares_a_sandbox_running_a_command(make_registry: Regi
     idle_seconds = kit.settings.idle_minutes * 60
     assert sandbox(busy.machine).busy() and not sandbox(idle.machine).busy()
 
-    await kit.registry.sweep(now=sandbox(idle.machine).last_used + idle_seconds)  # at the limit: not yet
+    # Just inside the limit: not yet ((a + b) - a can exceed b in floating point, hence the margin).
+    await kit.registry.sweep(now=sandbox(idle.machine).last_used + idle_seconds - 1e-3)
     assert idle.state == "running"
     await kit.registry.sweep(now=time.monotonic() + idle_seconds + 1)
     assert idle.state == "suspended" and sandbox(idle.machine).state == "stopped"

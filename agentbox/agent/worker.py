@@ -53,6 +53,7 @@ from typing import Any
 from agentbox.agent.events import EventBus
 from agentbox.agent.inputs import PlacementError, place_inputs
 from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop
+from agentbox.agent.mcp_tools import McpTools
 from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, ToolSpec, check_script
 from agentbox.agent.providers import provider_model
 from agentbox.agent.providers.arguments import invalid_arguments
@@ -74,7 +75,7 @@ from agentbox.store.sessions import (
 )
 from agentbox.store.todos import TodoRepo
 from agentbox.tools.approvals import Approvals, EventKind
-from agentbox.tools.base import ToolResult
+from agentbox.tools.base import Tool, ToolResult
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools, denied
 from agentbox.tools.tiers import Tier, decide
@@ -217,6 +218,7 @@ class Worker:
         self._hosts: dict[str, SessionToolHost] = {}  # turn id -> its tools
         self._aborting: dict[str, str] = {}  # turn id -> why it is being aborted
         self._resumes: dict[str, str] = {}  # turn id -> approval answered while no task waited for it
+        self._mcp: dict[str, McpTools] = {}  # session id -> its connected MCP servers
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -243,6 +245,9 @@ class Worker:
             self.registry.on_ready.remove(self._sandbox_ready)
         with contextlib.suppress(ValueError):
             self.approvals.listeners.remove(self._approval_event)
+        for mcp in self._mcp.values():
+            await mcp.close()
+        self._mcp.clear()
         self._started = False
 
     # ------------------------------------------------------------------ the API's side
@@ -297,6 +302,9 @@ class Worker:
         if drain is not None:
             drain.cancel()
             await asyncio.gather(drain, return_exceptions=True)
+        mcp = self._mcp.pop(session_id, None)
+        if mcp is not None:
+            await mcp.close()
         await self.registry.close_session(session_id, purge=True)
         await self.store.delete_session(session_id)
 
@@ -392,7 +400,7 @@ class Worker:
             model = self.models(session)
         except (UnknownModel, ModelError) as exc:
             return Failed("model_unavailable", str(exc))
-        host = self._tool_host(session, turn)
+        host = self._tool_host(session, turn, await self._mcp_tools(session, turn))
         loop = TurnLoop(
             self.store, self.bus, model, host, turn, system=session.instructions, config=self.config
         )
@@ -465,10 +473,26 @@ class Worker:
             cursor = page[-1].seq
         return asked
 
-    def _tool_host(self, session: Session, turn: Turn) -> SessionToolHost:
+    async def _mcp_tools(self, session: Session, turn: Turn) -> dict[str, Tool]:
+        """The session's MCP servers' tools, connected once per session; failures become `session.error`."""
+        if not session.mcp_servers:
+            return {}
+        mcp = self._mcp.get(session.id)
+        if mcp is None:
+            mcp = self._mcp[session.id] = McpTools(list(session.mcp_servers))
+            await mcp.connect()
+            errors = [NewEvent("session.error", {"type": "mcp_unavailable", "server": e.server, "message": e.message})
+                      for e in mcp.errors]  # fmt: skip
+            if errors:
+                await self._append(session.id, turn.id, errors)
+        return mcp.tools
+
+    def _tool_host(
+        self, session: Session, turn: Turn, extra: Mapping[str, Tool] | None = None
+    ) -> SessionToolHost:
         tier, plan = tier_of(session.permission_mode)
         tools = SessionTools(
-            machine=None, session_id=session.id, tier=tier, toolset=toolset(session.toolset),
+            machine=None, session_id=session.id, tier=tier, toolset={**toolset(session.toolset), **(extra or {})},
             changes=self.changes, approvals=self.approvals, todos=self.todos, files=self.files, plan=plan,
         )  # fmt: skip
         tools.begin_turn(turn.id)
