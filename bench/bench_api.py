@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +26,18 @@ from typing import Any
 
 import httpx
 from asyncinotify import Inotify, Mask
-from figures import Figure, Target, footer, latency_figure, percentile, table, time_calls, write_json
+from figures import (
+    Figure,
+    Target,
+    arg_parser,
+    footer,
+    latency_figure,
+    percentile,
+    scratch_dir,
+    table,
+    time_calls,
+    write_json,
+)
 
 from agentbox.workspace.grep import rg_binary
 
@@ -573,26 +582,16 @@ def run(counts: Counts, root: Path) -> tuple[list[Figure], list[str], dict[str, 
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny counts: checks the script runs, measures little"
-    )
-    parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    parser = arg_parser(__doc__)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     counts = QUICK if args.quick else Counts()
-    tmp = Path(tempfile.mkdtemp(prefix="agentbox-bench-api-"))
-    os.chmod(tmp, 0o755)  # the sandbox uid must reach its directories below
     started = time.perf_counter()
-    try:
+    with scratch_dir("api") as tmp:
         figures, missing, details = run(counts, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(table(figures))
     print(footer(time.perf_counter() - started))
     if args.json:

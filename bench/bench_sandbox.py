@@ -14,12 +14,10 @@ import asyncio
 import contextlib
 import os
 import secrets
-import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -27,7 +25,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from figures import P95, Figure, Target, footer, latency_figure, percentile, table, time_calls, write_json
+from figures import (
+    P95,
+    Figure,
+    Target,
+    arg_parser,
+    footer,
+    latency_figure,
+    percentile,
+    scratch_dir,
+    table,
+    time_calls,
+    write_json,
+)
 
 from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines.base import ExecRequest
@@ -465,13 +475,7 @@ async def run(counts: Counts, root: Path) -> tuple[list[Figure], list[str], dict
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny counts: checks the script runs, measures little"
-    )
-    parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    parser = arg_parser(__doc__)
     parser.add_argument(
         "--sandboxes", type=int, help="idle sandboxes for the memory figure, network off (200)"
     )
@@ -486,13 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         counts = Counts(**{**counts.__dict__, "idle_off": args.sandboxes})
     if args.sandboxes_net is not None:
         counts = Counts(**{**counts.__dict__, "idle_on": args.sandboxes_net})
-    tmp = Path(tempfile.mkdtemp(prefix="agentbox-bench-"))
-    os.chmod(tmp, 0o755)  # the sandbox uid must reach its directories below
     started = time.perf_counter()
-    try:
+    with scratch_dir("sandbox") as tmp:
         figures, notes, details = asyncio.run(run(counts, tmp / "home"))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(table(figures))
     for note in notes:
         print(note)

@@ -18,10 +18,8 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -32,7 +30,18 @@ from typing import Any
 
 import httpx
 from bench_api import MISSING_ROUTES_EXIT, ApiError, MissingRoute, Server, call, serving
-from figures import Figure, Target, footer, latency_figure, percentile, table, time_calls, write_json
+from figures import (
+    Figure,
+    Target,
+    arg_parser,
+    footer,
+    latency_figure,
+    percentile,
+    scratch_dir,
+    table,
+    time_calls,
+    write_json,
+)
 
 #: Issue 5's target: message accepted (202) -> `turn.started` received over SSE, median.
 TURN_START_TARGET_MS = 15.0
@@ -550,26 +559,16 @@ def run(counts: Counts, root: Path) -> tuple[list[Figure], list[str], dict[str, 
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny counts: checks the script runs, measures little"
-    )
-    parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    parser = arg_parser(__doc__)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     counts = QUICK if args.quick else Counts()
-    tmp = Path(tempfile.mkdtemp(prefix="agentbox-bench-sessions-"))
-    os.chmod(tmp, 0o755)  # the sandbox uid must reach its directories below
     started = time.perf_counter()
-    try:
+    with scratch_dir("sessions") as tmp:
         figures, missing, details = run(counts, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     if figures:
         print(table(figures))
     print(footer(time.perf_counter() - started))

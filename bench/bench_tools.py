@@ -16,18 +16,16 @@ import argparse
 import asyncio
 import os
 import secrets
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from figures import Figure, footer, latency_figure, table, write_json
+from figures import Figure, arg_parser, footer, latency_figure, scratch_dir, table, write_json
 
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
@@ -48,9 +46,6 @@ from agentbox.workspace import files
 from agentbox.workspace import grep as workspace_grep
 from agentbox.workspace.commands import CommandManager
 
-#: Where the temporary AGENTBOX home goes: on disk (not a tmpfs), below parents every uid can
-#: traverse (bwrap resolves the sandbox's bind sources as the sandbox uid). Falls back to $TMPDIR.
-BENCH_PARENT = Path("/var/tmp")
 #: Size of the text file `read_file` reads (it fits one read window, so one call reads it all).
 READ_FILE_BYTES = 4096
 READ_FILE = "/workspace/bench-4k.txt"
@@ -389,27 +384,16 @@ async def run(counts: Counts, root: Path) -> tuple[list[Figure], dict[str, objec
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny counts: checks the script runs, measures little"
-    )
-    parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    parser = arg_parser(__doc__)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     counts = QUICK if args.quick else Counts()
-    parent = BENCH_PARENT if BENCH_PARENT.is_dir() else None
-    tmp = Path(tempfile.mkdtemp(prefix="agentbox-bench-tools-", dir=parent))
-    os.chmod(tmp, 0o755)  # the sandbox uid must reach its directories below
     started = time.perf_counter()
-    try:
+    with scratch_dir("tools") as tmp:
         figures, details = asyncio.run(run(counts, tmp / "home"))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     notes = layer_notes(figures)
     print(table(figures))
     for note in notes:

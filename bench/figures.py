@@ -8,14 +8,18 @@ the run: these numbers depend on the machine, so nothing asserts them.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -190,3 +194,31 @@ def write_json(path: Path, script: str, quick: bool, figures: Sequence[Figure], 
         "figures": {f.key: f.to_dict() for f in figures},
     }
     path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+#: Where scratch homes go: sticky and world-searchable, so the sandbox uid reaches below it.
+SCRATCH_PARENT = Path("/var/tmp")
+
+
+def arg_parser(description: str | None) -> argparse.ArgumentParser:
+    """The options every bench script takes; scripts add their own."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny counts: checks the script runs, measures little"
+    )
+    parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    return parser
+
+
+@contextmanager
+def scratch_dir(name: str) -> Iterator[Path]:
+    """A temporary directory the sandbox uid can reach (0755), removed afterwards."""
+    parent = SCRATCH_PARENT if SCRATCH_PARENT.is_dir() else None
+    tmp = Path(tempfile.mkdtemp(prefix=f"agentbox-bench-{name}-", dir=parent))
+    os.chmod(tmp, 0o755)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
