@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.pathmap import Mount, PathMap
+
 #: Where a root test run keeps its temp dirs: below /var/tmp (sticky, world-searchable), so
 #: the sandbox uid can reach session homes. pytest's own /tmp/pytest-of-root is 0700 and
 #: pytest resets it to 0700 whenever any other pytest session starts on the machine.
@@ -268,3 +271,23 @@ async def sandbox_host_pid(m: SandboxMachine, inside_pid: int) -> int:
     found = host_pid_of(inside_pid, namespace)
     assert found is not None, f"no host process is pid {inside_pid} of the sandbox"
     return found
+
+
+# --- seed 002's demo file and a sandbox-like view of a host directory ---------------------
+
+APP = (
+    "import sys\n\n"
+    "def main():\n"
+    "    # TODO: read the input path from argv\n"
+    "    print('hello')\n\n"
+    "if __name__ == '__main__':\n"
+    "    main()\n"
+)
+
+
+class Mounted(HostFiles):
+    """A machine view like a sandbox's: `/workspace` is a host directory somewhere else."""
+
+    def __init__(self, name: str, workspace: Path) -> None:
+        self.name = name
+        self.paths = PathMap([Mount("/workspace", workspace)], "/workspace")

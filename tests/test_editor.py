@@ -7,10 +7,9 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import APP, Mounted
 
-from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.local import LocalMachine
-from agentbox.machines.pathmap import Mount, PathMap
 from agentbox.workspace import editor as ed
 from agentbox.workspace.editor import (
     MAX_EDIT_BYTES,
@@ -25,23 +24,6 @@ from agentbox.workspace.editor import (
     replace_in_file,
 )
 from agentbox.workspace.errors import WorkspaceError
-
-APP = (
-    "import sys\n\n"
-    "def main():\n"
-    "    # TODO: read the input path from argv\n"
-    "    print('hello')\n\n"
-    "if __name__ == '__main__':\n"
-    "    main()\n"
-)
-
-
-class Mounted(HostFiles):
-    """A machine view like a sandbox's: `/workspace` is a host directory somewhere else."""
-
-    def __init__(self, name: str, workspace: Path) -> None:
-        self.name = name
-        self.paths = PathMap([Mount("/workspace", workspace)], "/workspace")
 
 
 @pytest.fixture
