@@ -21,6 +21,17 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     kind = "local"
     root = "/srv/projects"
 
+    [models."openai:my-local-model"]  # limits compaction uses (agentbox.agent.limits)
+    context_window = 32768
+    max_output_tokens = 4096
+
+    [[agents]]                      # a subagent for the `task` tool (agentbox.agent.subagents)
+    name = "reviewer"
+    description = "Reviews a diff and reports problems"
+    instructions = "You review code. Report concrete problems with file and line."
+    tools = ["read", "grep", "glob"]
+    permission = "read-only"
+
 Secret fields (`password`, `private_key`, `token`, `api_key`, `passphrase`) in a machine
 entry may be stored encrypted (`enc:...`, see `agentbox.secrets`) and are decrypted only
 when the machine is opened.
@@ -90,6 +101,10 @@ class Settings:
     purge_days: float = DEFAULT_PURGE_DAYS
     sandbox_uid: int = 64999
     """Host uid (and gid) sandbox processes run as when the server is root."""
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per model (`provider:name`): `context_window`, `max_output_tokens`."""
+    agents: list[dict[str, Any]] = field(default_factory=list)
+    """Subagents besides the built-in ones (name, description, instructions, tools, permission, model)."""
 
     def machine(self, name: str) -> MachineConfig | None:
         return self.machines.get(name)
@@ -134,6 +149,8 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
         ),
         purge_days=float(env.get("AGENTBOX_PURGE_DAYS") or data.get("purge_days", DEFAULT_PURGE_DAYS)),
         sandbox_uid=int(env.get("AGENTBOX_SANDBOX_UID") or data.get("sandbox_uid", 64999)),
+        models={str(k): dict(v) for k, v in (data.get("models") or {}).items()},
+        agents=[dict(a) for a in data.get("agents") or []],
     )
     if "AGENTBOX_NETWORK" in env and "sandbox" in machines:
         machines["sandbox"].options["network"] = env["AGENTBOX_NETWORK"]

@@ -115,6 +115,21 @@ def test_cut_moves_past_tool_results_and_reports_split_turn() -> None:
     assert cut == c.Cut(3, 0) and cut.split_turn
 
 
+def test_trailing_tool_results_cut_before_their_call() -> None:
+    call = ToolCall("a", "exec", {"cmd": "seq 1 100000"})
+    msgs = [
+        user(tokens(10)),
+        assistant(tokens(10)),
+        user(tokens(10)),
+        assistant("", call),
+        result(call, tokens(9000)),
+    ]
+    cut = c.cut_point(msgs, keep_recent_tokens=8000)
+    assert cut == c.Cut(3, 2) and cut.split_turn  # the call stays with its result
+    assert c.cut_point(msgs[2:], keep_recent_tokens=8000) == c.Cut(1, 0)
+    assert c.cut_point([user(tokens(10)), result(call, tokens(9000))], keep_recent_tokens=8000) is None
+
+
 def test_cut_respects_previous_summary_head() -> None:
     msgs = [c.summary_message("old"), user(tokens(9000)), assistant(tokens(10))]
     assert c.cut_point(msgs, keep_recent_tokens=8000, start=1) is None
@@ -156,7 +171,8 @@ def test_cut_never_separates_a_tool_result_from_its_call() -> None:
         old_calls = {call.id for m in old for call in m.tool_calls}
         assert all(m.tool_use_id in kept_calls for m in kept if m.role == "tool")
         assert all(m.tool_use_id in old_calls for m in old if m.role == "tool")
-        assert sum(c.estimate_tokens(m) for m in msgs[cut.index + 1 :]) < keep  # never keeps too much
+        only_results = all(m.role == "tool" for m in msgs[cut.index + 1 :])  # the fallback: keep their call
+        assert only_results or sum(c.estimate_tokens(m) for m in msgs[cut.index + 1 :]) < keep
         assert msgs[cut.turn_start].role == "user" and cut.turn_start <= cut.index
         c.rebaseline("sys", "summary", kept)  # a valid head
     assert cuts > 100

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentbox.agent.models import ChatMessage, ModelRequest
+from agentbox.tools.toolsets import TOOLSETS
 
 #: Reserve for the reply when the model's max output is unknown or larger (Flue).
 DEFAULT_RESERVE_TOKENS = 20_000
@@ -43,9 +44,14 @@ MAX_SUMMARY_TOKENS = 16_000
 SUMMARY_RESERVE_SHARE = 0.8
 #: Keys allowed in a `compaction` config object; any other is a mistake (Flue throws too).
 CONFIG_KEYS = frozenset({"reserve_tokens", "keep_recent_tokens"})
-#: Tool names whose `path` argument counts as read / modified for the summary's file lists.
-READ_TOOLS = frozenset({"read", "read_image"})
-MODIFY_TOOLS = frozenset({"write", "edit"})
+#: Tool names (as any toolset calls them) whose `path` argument counts as read / modified for
+#: the summary's file lists.
+READ_TOOLS = frozenset(
+    name for names in TOOLSETS.values() for name, canonical in names if canonical in ("read", "read_image")
+)
+MODIFY_TOOLS = frozenset(
+    name for names in TOOLSETS.values() for name, canonical in names if canonical in ("write", "edit")
+)
 
 
 class CompactionConfigError(ValueError):
@@ -137,7 +143,8 @@ def cut_point(
 
     Walk back from the end until the kept messages reach `keep_recent_tokens`, then move to the
     nearest user or assistant message at or after that point (never a tool result: its call is
-    before it). `start` is the first message after a previous compaction's summary head.
+    before it); when only tool results follow the point, back to the reply that called them.
+    `start` is the first message after a previous compaction's summary head.
     """
     kept = 0
     point = len(messages)
@@ -147,6 +154,10 @@ def cut_point(
     if kept < keep_recent_tokens:
         return None  # everything fits in the kept part
     index = next((i for i in range(point, len(messages)) if messages[i].role != "tool"), None)
+    if index is None:
+        # Only tool results after the point (a long command's output, mid-turn): keep the reply
+        # that called them, more than asked but still a cut, rather than not compacting at all.
+        index = next((i for i in range(point - 1, start - 1, -1) if messages[i].role != "tool"), None)
     if index is None or index <= start:
         return None
     turn_start = next((i for i in range(index, start - 1, -1) if messages[i].role == "user"), start)

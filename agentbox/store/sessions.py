@@ -51,7 +51,9 @@ TERMINAL_EVENTS: tuple[str, ...] = tuple(f"turn.{outcome}" for outcome in TERMIN
 
 #: What a session may change after creation; the rest is fixed (seed 000: "not supported").
 UPDATABLE: frozenset[str] = frozenset({"permission_mode", "metadata"})
-FIXED: frozenset[str] = frozenset({"model", "instructions", "mcp_servers", "toolset", "machine", "script"})
+FIXED: frozenset[str] = frozenset(
+    {"model", "instructions", "mcp_servers", "toolset", "machine", "script", "model_options", "compaction"}
+)
 
 #: Most events one `list_events` call returns (the HTTP page limit).
 MAX_EVENTS_PAGE = 1000
@@ -121,9 +123,34 @@ class Session:
     status: str
     created_at: str
     updated_at: str
+    model_options: dict[str, Any] = field(default_factory=dict)
+    compaction: Any = None
+    """None (the defaults), False (off) or {reserve_tokens, keep_recent_tokens}."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The record as shown (API, events): secrets in `model_options` redacted."""
+        data = dict(self.__dict__)
+        data["model_options"] = redact_options(self.model_options)
+        return data
+
+
+#: What a redacted option shows instead of its value.
+REDACTED = "***"
+#: Fragments of option names whose values are secrets (matched case-insensitively).
+SECRET_OPTION_WORDS = ("key", "token", "secret", "password", "authorization")
+
+
+def redact_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` with the values of secret-looking keys (and of `headers`) replaced by `REDACTED`."""
+    shown: dict[str, Any] = {}
+    for name, value in options.items():
+        if name == "headers" and isinstance(value, dict):
+            shown[name] = {k: REDACTED for k in value}
+        elif any(word in name.lower() for word in SECRET_OPTION_WORDS):
+            shown[name] = REDACTED
+        else:
+            shown[name] = value
+    return shown
 
 
 @dataclass(frozen=True)
@@ -225,6 +252,8 @@ class SessionStore:
         machine: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         script: Sequence[Any] | None = None,
+        model_options: Mapping[str, Any] | None = None,
+        compaction: Any = None,
     ) -> tuple[Session, list[Event]]:
         """A new session and its `session.created` event (validation of values is the caller's)."""
         session_id, now = ids.new_id(ids.SESSION), timestamp()
@@ -232,10 +261,11 @@ class SessionStore:
         def write(conn: sqlite3.Connection) -> tuple[Session, list[Event]]:
             conn.execute(
                 "INSERT INTO sessions (id, model, instructions, mcp_servers, toolset, permission_mode,"
-                " machine, metadata, script, created_at, updated_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " machine, metadata, script, model_options, compaction, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (session_id, model, instructions, _json(list(mcp_servers)), toolset, permission_mode,
                  machine, _json(dict(metadata or {})), None if script is None else _json(list(script)),
+                 _json(dict(model_options or {})), None if compaction is None else _json(compaction),
                  now, now),
             )  # fmt: skip
             session = _session_row(conn, session_id)
@@ -378,7 +408,7 @@ class SessionStore:
         """queued (or running, after a restart) → running, attempt + 1, `turn.started`."""
 
         def write(conn: sqlite3.Connection) -> tuple[Turn, list[Event]]:
-            turn = _open_turn(conn, turn_id)
+            turn = open_turn(conn, turn_id)
             conn.execute(
                 "UPDATE turns SET status = 'running', attempt = attempt + 1,"
                 " started_at = COALESCE(started_at, ?) WHERE id = ?",
@@ -395,7 +425,7 @@ class SessionStore:
         """running ⇄ awaiting_approval, with `events` (e.g. `approval.requested`), fenced."""
 
         def write(conn: sqlite3.Connection) -> list[Event]:
-            turn = _open_turn(conn, turn_id)
+            turn = open_turn(conn, turn_id)
             status = "awaiting_approval" if waiting else "running"
             conn.execute("UPDATE turns SET status = ? WHERE id = ?", (status, turn_id))
             return [insert_event(conn, turn.session_id, turn_id, e.type, e.data) for e in events]
@@ -438,7 +468,7 @@ class SessionStore:
 
         def write(conn: sqlite3.Connection) -> list[Event]:
             if turn_id is not None:
-                _open_turn(conn, turn_id)
+                open_turn(conn, turn_id)
             else:
                 _session_row(conn, session_id)
             return [insert_event(conn, session_id, turn_id, e.type, e.data) for e in events]
@@ -449,7 +479,7 @@ class SessionStore:
         """Where the message's files went: on its user row (the model reads it) and `files.placed`."""
 
         def write(conn: sqlite3.Connection) -> list[Event]:
-            turn = _open_turn(conn, turn_id)
+            turn = open_turn(conn, turn_id)
             row = conn.execute(
                 "SELECT id, content FROM messages WHERE turn_id = ? AND role = 'user' ORDER BY id LIMIT 1",
                 (turn_id,),
@@ -466,7 +496,7 @@ class SessionStore:
         """Record that a model call starts (an assistant row `streaming`); its message id."""
 
         def write(conn: sqlite3.Connection) -> int:
-            turn = _open_turn(conn, turn_id)
+            turn = open_turn(conn, turn_id)
             return insert_message(conn, turn.session_id, turn_id, "assistant", {}, status="streaming")
 
         return await self.db.transaction(write)
@@ -483,7 +513,7 @@ class SessionStore:
             row = conn.execute(
                 "SELECT session_id, turn_id FROM messages WHERE id = ?", (message_id,)
             ).fetchone()
-            _open_turn(conn, row["turn_id"])
+            open_turn(conn, row["turn_id"])
             conn.execute(
                 "UPDATE messages SET status = ?, content = ? WHERE id = ? AND status = 'streaming'",
                 (status, _json(dict(content)), message_id),
@@ -507,7 +537,7 @@ class SessionStore:
         """
 
         def write(conn: sqlite3.Connection) -> list[Event]:
-            turn = _open_turn(conn, turn_id)
+            turn = open_turn(conn, turn_id)
             return _record_result(conn, turn.session_id, turn_id, tool_use_id, name, text, is_error, events)
 
         return await self.db.transaction(write)
@@ -518,10 +548,16 @@ class SessionStore:
             "UPDATE messages SET status = 'aborted' WHERE turn_id = ? AND status = 'streaming'", (turn_id,)
         )
 
-    async def transcript(self, session_id: str) -> list[Message]:
-        """The session's conversation as recorded, oldest first."""
+    async def transcript(self, session_id: str, through: Turn | None = None) -> list[Message]:
+        """The session's conversation as recorded, turn by turn (then oldest first within a turn).
+
+        Ordered by turn, not by row id: a message queued while a turn runs is written at once,
+        but belongs after that turn's replies. `through`: only turns up to that one.
+        """
         rows = await self.db.fetchall(
-            "SELECT * FROM messages WHERE session_id = ? ORDER BY id", (session_id,)
+            "SELECT m.* FROM messages m JOIN turns t ON t.id = m.turn_id"
+            " WHERE m.session_id = ? AND t.seq <= ? ORDER BY t.seq, m.id",
+            (session_id, through.seq if through is not None else 2**62),
         )
         return [_message(row) for row in rows]
 
@@ -668,7 +704,7 @@ def _resolve_files(
     return named
 
 
-def _open_turn(conn: sqlite3.Connection, turn_id: str) -> Turn:
+def open_turn(conn: sqlite3.Connection, turn_id: str) -> Turn:
     turn = _turn_row(conn, turn_id)
     if turn.terminal:
         raise TurnClosed(turn_id, turn.status)
@@ -704,6 +740,8 @@ def _session(row: sqlite3.Row) -> Session:
         machine=row["machine"],
         metadata=json.loads(row["metadata"]),
         script=json.loads(row["script"]) if row["script"] is not None else None,
+        model_options=json.loads(row["model_options"]),
+        compaction=json.loads(row["compaction"]) if row["compaction"] is not None else None,
         status=row["status"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],

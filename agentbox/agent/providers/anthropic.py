@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from agentbox.agent.limits import LIMIT_OPTIONS
 from agentbox.agent.models import ChatMessage, ModelRequest, Reply, ToolCall, Usage
 from agentbox.agent.providers.arguments import parse_arguments, raw_arguments
 from agentbox.agent.providers.errors import ServerError, classify_stream_error
@@ -39,7 +40,7 @@ MAX_TOKENS = 8192
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 300.0
 #: `model_options` keys that configure the client rather than the request body.
-CLIENT_OPTIONS = frozenset({"base_url", "api_key", "timeout"})
+CLIENT_OPTIONS = frozenset({"base_url", "api_key", "timeout", *LIMIT_OPTIONS})
 #: Content block types passed through as they came (the thinking kinds).
 THINKING_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 
@@ -93,6 +94,8 @@ class AnthropicModel:
                 for t in request.tools
             ]
         body.update(self.extra)
+        if request.max_tokens is not None:
+            body["max_tokens"] = min(request.max_tokens, int(body["max_tokens"]))
         return body
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from agentbox.agent.limits import LIMIT_OPTIONS
 from agentbox.agent.models import ModelRequest, Reply, ToolCall, Usage
 from agentbox.agent.providers.arguments import parse_arguments, raw_arguments
 from agentbox.agent.providers.errors import ServerError, classify_stream_error
@@ -34,7 +35,7 @@ DEFAULT_BASE_URL = "https://api.openai.com/v1"
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 300.0
 #: `model_options` keys that configure the client rather than the request body.
-CLIENT_OPTIONS = frozenset({"base_url", "api_key", "timeout"})
+CLIENT_OPTIONS = frozenset({"base_url", "api_key", "timeout", *LIMIT_OPTIONS})
 
 
 class OpenAIModel:
@@ -79,6 +80,8 @@ class OpenAIModel:
                 for t in request.tools
             ]
         body.update(self.extra)
+        if request.max_tokens is not None:
+            body["max_tokens"] = min(request.max_tokens, int(body.get("max_tokens") or request.max_tokens))
         return body
 
 
