@@ -117,6 +117,12 @@ def check_session(session_id: str) -> str:
     return session_id
 
 
+def served(tools: dict[str, Tool]) -> dict[str, Tool]:
+    """The tools an MCP client gets: all but `task`, which needs a model of our own to run a
+    subagent; over MCP the client is the agent, and delegates with its own means."""
+    return {name: tool for name, tool in tools.items() if tool.action != Action.TASK}
+
+
 def check_toolset(name: str) -> str:
     if name not in TOOLSETS:
         raise ChoiceError(f"unknown toolset {name!r}; choose one of {', '.join(sorted(TOOLSETS))}")
@@ -188,7 +194,7 @@ class ToolHost:
                 machine=machine,
                 session_id=session_id,
                 tier=tier,
-                toolset=make_toolset(toolset),
+                toolset=served(make_toolset(toolset)),
                 changes=self.changes,
                 approvals=Unattended(ApprovalsRepo(self.db), tier),
                 todos=self.todos,

@@ -342,4 +342,5 @@ def wrap(connection: Connection, remote: mt.Tool) -> Tool:
         run,
         read_only=action == Action.READ,
         destructive=destructive,
+        machine=False,
     )

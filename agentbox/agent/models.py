@@ -14,7 +14,9 @@ step, counted over the whole session (`ModelRequest.call_index`, from the record
 so a restart continues the script where the dead process stopped. A step is an object with:
 
     text        the reply's text
-    tool_calls  [{"name", "input"}]: tools to call (the step's reply stops with `tool_use`)
+    tool_calls  [{"name", "input", "script"?}]: tools to call (the step's reply stops with
+                `tool_use`); call i of step n gets the id `toolu_s{n}_{i}`. `script` (a `task`
+                call's): the steps of the subagent that call starts (see below)
     expect      {"tool_result_contains": s}: checked first, against the latest tool result
                 of the conversation; absent → `ScriptError` (the turn fails with that message)
     delay_ms    wait that long before replying
@@ -22,6 +24,14 @@ so a restart continues the script where the dead process stopped. A step is an o
     error       "rate_limited" | "overloaded": raise that error (the step is consumed)
 
 An exhausted script replies with nothing, which ends the turn (`end_turn`).
+
+Subagents: a request with a `task_path` is a child's. Its script is found by walking from the
+session's script along the path: for each id `toolu_s{n}_{i}`, the steps become
+`steps[n]["tool_calls"][i]["script"]` (missing → `ScriptError` naming the id); the child's own
+`call_index` (its model calls so far) then picks the step. Ids are deterministic so that the
+path can be walked; they stay unique per session because `call_index` counts every recorded
+reply of the session. A child's ids are unique only within its run (its transcript is not
+stored; events about it carry the whole `task_path`).
 
 A model may report text as it produces it through `ModelRequest.on_text` (the loop passes a
 sink; models that cannot stream ignore it). The scripted model hands each step's `text` to it
@@ -32,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -120,6 +129,10 @@ class ModelRequest:
     """How many model calls this session made before this one (recorded replies of any status)."""
     on_text: TextSink | None = field(default=None, compare=False, repr=False)
     """Optional: told each piece of the reply's text as it is produced (not stored anywhere)."""
+    max_tokens: int | None = None
+    """Cap on the reply's tokens for this call (a compaction summary); None = the provider's setting."""
+    task_path: tuple[str, ...] = ()
+    """For a subagent's call: the tool_use_ids of the `task` calls that led to it, outermost first."""
 
 
 class Model(Protocol):
@@ -139,9 +152,10 @@ class ScriptedModel:
         self.script = list(script)
 
     async def query(self, request: ModelRequest) -> Reply:
-        if request.call_index >= len(self.script):
+        steps = self.steps_for(request.task_path)
+        if request.call_index >= len(steps):
             return Reply()
-        step = self.script[request.call_index]
+        step = steps[request.call_index]
         check_step(step, request.call_index)
         _expect(step.get("expect"), request.messages, request.call_index)
         if step.get("delay_ms"):
@@ -158,13 +172,46 @@ class ScriptedModel:
                 request.on_text(piece)
                 await asyncio.sleep(0)  # let readers run between pieces, as a real stream would
         calls = [
-            ToolCall(f"toolu_{uuid.uuid4().hex}", call["name"], dict(call.get("input") or {}))
-            for call in step.get("tool_calls") or []
+            ToolCall(call_id(request.call_index, i), call["name"], dict(call.get("input") or {}))
+            for i, call in enumerate(step.get("tool_calls") or [])
         ]
         prompt = sum(len(m.text) for m in request.messages)
         return Reply(
             text, calls, Usage(input_tokens=prompt // 4 + 1, output_tokens=len(text) // 4 + len(calls))
         )
+
+    def steps_for(self, task_path: Sequence[str]) -> list[Any]:
+        """The steps answering a request with this `task_path`: the session's script, or a child's."""
+        steps: list[Any] = self.script
+        for depth, tool_use_id in enumerate(task_path):
+            index, position = parse_call_id(tool_use_id)
+            try:
+                script = steps[index]["tool_calls"][position]["script"]
+            except (IndexError, KeyError, TypeError):
+                raise ScriptError(
+                    f"no script for the subagent of call {tool_use_id} (task path level {depth + 1}): "
+                    "give that tool call a `script`"
+                ) from None
+            if not isinstance(script, list):
+                raise ScriptError(f"the script of call {tool_use_id} must be a list of steps")
+            steps = script
+        return steps
+
+
+def call_id(call_index: int, position: int) -> str:
+    """The scripted model's id of tool call `position` of the reply to call `call_index`."""
+    return f"toolu_s{call_index}_{position}"
+
+
+CALL_ID = re.compile(r"toolu_s(\d+)_(\d+)")
+
+
+def parse_call_id(tool_use_id: str) -> tuple[int, int]:
+    """(call_index, position) of an id made by `call_id`; `ScriptError` for any other id."""
+    match = CALL_ID.fullmatch(tool_use_id)
+    if match is None:
+        raise ScriptError(f"{tool_use_id!r} is not a scripted tool call id (toolu_s<step>_<call>)")
+    return int(match[1]), int(match[2])
 
 
 def chunks(text: str, count: int) -> list[str]:
@@ -174,20 +221,29 @@ def chunks(text: str, count: int) -> list[str]:
     return ["".join(words[i : i + size]) for i in range(0, len(words), size)] if size else []
 
 
-def check_step(step: Any, index: int) -> None:
-    """Refuse a malformed step with a message that names it (also for validating a script up front)."""
+def check_step(step: Any, index: int, path: str = "") -> None:
+    """Refuse a malformed step with a message that names it (also for validating a script up front).
+
+    A `script` of a tool call (a subagent's steps) is checked the same way, recursively; `path`
+    prefixes the messages with where the nested step sits.
+    """
+    where = f"{path}script step {index}"
     if not isinstance(step, dict):
-        raise ScriptError(f"script step {index} must be an object, not {type(step).__name__}")
+        raise ScriptError(f"{where} must be an object, not {type(step).__name__}")
     unknown = set(step) - STEP_KEYS
     if unknown:
-        raise ScriptError(
-            f"script step {index} has unknown keys {sorted(unknown)}; allowed: {sorted(STEP_KEYS)}"
-        )
+        raise ScriptError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(STEP_KEYS)}")
     if "error" in step and step["error"] not in STEP_ERRORS:
-        raise ScriptError(f"script step {index}: error must be one of {STEP_ERRORS}, not {step['error']!r}")
-    for call in step.get("tool_calls") or []:
+        raise ScriptError(f"{where}: error must be one of {STEP_ERRORS}, not {step['error']!r}")
+    for position, call in enumerate(step.get("tool_calls") or []):
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise ScriptError(f"script step {index}: each tool call needs a string `name`")
+            raise ScriptError(f"{where}: each tool call needs a string `name`")
+        if "script" in call:
+            nested = f"{where} call {position}"
+            if not isinstance(call["script"], list):
+                raise ScriptError(f"{nested}: `script` must be a list of steps")
+            for child_index, child in enumerate(call["script"]):
+                check_step(child, child_index, f"{nested} > ")
 
 
 def check_script(script: Any) -> list[dict[str, Any]]:

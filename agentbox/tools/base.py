@@ -11,6 +11,7 @@ recoverable conditions go back to the model as messages).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -167,17 +168,11 @@ class Tool:
     run: Run
     read_only: bool = True
     destructive: bool = False
+    machine: bool = True
+    """Whether it works on the session's machine (a session without one is not offered it)."""
 
     def schema(self) -> dict[str, Any]:
         return self.params.model_json_schema()
 
     def renamed(self, name: str, description: str | None = None) -> Tool:
-        return Tool(
-            name,
-            description or self.description,
-            self.params,
-            self.action,
-            self.run,
-            self.read_only,
-            self.destructive,
-        )
+        return dataclasses.replace(self, name=name, description=description or self.description)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,11 @@ _calling: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentbox_
 _preapproved: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "agentbox_tools_preapproved", default=frozenset()
 )
+
+
+#: What the `task` tool calls: (agent, prompt, description) -> the child's final text as a result.
+#: The agent layer implements it (`agent/subagents.py`); tools only hold it.
+Delegate = Callable[[str, str, str], Awaitable[ToolResult]]
 
 
 def not_permitted(tool: str, action: Action, tier: Tier, plan: bool) -> str:
@@ -112,6 +117,8 @@ class SessionTools:
     turn_id: str | None = None
     reads: dict[str, str] = field(default_factory=dict)
     deliveries: int = 0
+    delegate: Delegate | None = None
+    """Runs a subagent for the `task` tool; None = no subagents in this session."""
 
     # ------------------------------------------------------------ the turn loop's side
 

@@ -120,6 +120,7 @@ TODO_WRITE = Tool(
     action=Action.META,
     run=run_todo_write,
     read_only=False,
+    machine=False,
 )
 
 TOOLS: dict[str, Tool] = {TODO_WRITE.name: TODO_WRITE}

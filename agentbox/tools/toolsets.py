@@ -25,8 +25,9 @@ this session and that has not changed since (`overwrite_if_read`); `workbench` n
 overwrites (seed 001). `browser` is left out until a browser is configured, and
 `mcp__<server>__<tool>` tools are added by the runtime that connects the servers.
 
-A canonical tool whose module does not exist (yet: `task` belongs to the runtime issue) is
-left out of every toolset; `unavailable(name)` says which. A module that exists but fails
+`task` is here as a door only: its delegate (the subagent runner) is set by the agent layer,
+and MCP leaves it out (over MCP the client is the agent). A canonical tool whose module does
+not exist is left out of every toolset; `unavailable(name)` says which. A module that exists but fails
 to import is a bug and raises.
 """
 

@@ -423,6 +423,7 @@ WEB_FETCH = Tool(
     params=FetchParams,
     action=Action.WEB,
     run=run_fetch,
+    machine=False,
 )
 WEB_SEARCH = Tool(
     name="web_search",
@@ -430,6 +431,7 @@ WEB_SEARCH = Tool(
     params=SearchParams,
     action=Action.WEB,
     run=run_search,
+    machine=False,
 )
 
 TOOLS: dict[str, Tool] = {t.name: t for t in (WEB_FETCH, WEB_SEARCH)}

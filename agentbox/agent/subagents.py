@@ -1,0 +1,300 @@
+"""Subagents: running one `task` call as a child agent.
+
+The roster (built-ins, configuration, `.agents/agents/*.md`) is `agent/agents.py`.
+
+What a child is (Flue a.12): a fresh agent in the parent's machine with its own, in-memory
+transcript that starts with the task's prompt as the user's message. It sees none of the
+parent's conversation and the parent sees only its final message. Its tools are the parent's
+tools whose canonical name the agent lists, under the tier `intersect(parent, agent)`: the
+intersection of its own and the parent's permissions (so `writer` under a `full-auto` parent
+still only stages, and under a `read-only` parent cannot write at all). Changes it stages,
+approvals it asks for and files it delivers belong to the parent's turn.
+
+Limits: `MAX_DEPTH` (Flue's delegation depth: the root is depth 0 and an agent at depth
+`max_depth` cannot delegate; `task` stays offered to agents that list it, with a static schema
+as Flue keeps it, and answers with the limit), `MAX_PARALLEL_READ_ONLY` read-only tasks at once
+in one session's whole tree (seed 001), one task that may change things at a time, and
+`MAX_CHILD_STEPS` model calls per child run. A task nested inside a running task takes no
+second slot: it runs inside its ancestor's, which is waiting for it (so chains of delegation
+cannot deadlock on the slots their ancestors hold).
+
+Which task call a child belongs to: its tool_use_id, taken from the context variable set by
+`calling(tool_use_id)` around the call (the parent loop wraps each call; the child loop does
+so itself), else from the `current_call` callable. A context variable and not the tool host's
+`.current`, because parallel calls each see their own.
+
+How a child run ends (never an exception out of `__call__`, except cancellation):
+
+    completed   a reply without tool calls: its text is the result (`NO_TEXT` if empty)
+    max_steps   `MAX_CHILD_STEPS` model calls without finishing: an error result with the last text
+    failed      the model raised: an error result `The <agent> agent failed: ...`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from agentbox.agent import prompt as prompt_mod
+from agentbox.agent.agents import AgentSpec, miss, roster
+from agentbox.agent.loop import side_events
+from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, Reply, ToolCall, ToolSpec
+from agentbox.agent.providers.arguments import invalid_arguments
+from agentbox.store.sessions import NewEvent
+from agentbox.tools.base import ToolResult
+from agentbox.tools.runner import SessionTools
+from agentbox.tools.tiers import Tier, intersect
+
+log = logging.getLogger(__name__)
+
+#: Flue's delegation depth cap: the root agent is depth 0; an agent at this depth cannot delegate.
+MAX_DEPTH = 4
+#: Read-only tasks running at once in one session's tree of agents (seed 001).
+MAX_PARALLEL_READ_ONLY = 3
+#: Model calls one child run may make before it stops with status `max_steps`.
+MAX_CHILD_STEPS = 50
+NO_TEXT = "(task completed with no text)"
+
+Status = Literal["completed", "failed", "max_steps"]
+Emit = Callable[[list[NewEvent]], Awaitable[Any]]
+
+#: The tool_use_id of the tool call running in this context (see `calling`).
+_tool_use_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "agentbox_tool_use_id", default=None
+)
+#: Whether this context runs inside a task that holds a slot (a read-only slot or the writer lock).
+_inside_task: contextvars.ContextVar[bool] = contextvars.ContextVar("agentbox_inside_task", default=False)
+
+
+def running_call() -> str | None:
+    """The tool_use_id of the tool call running in this context (None outside one)."""
+    return _tool_use_id.get()
+
+
+@contextlib.contextmanager
+def calling(tool_use_id: str) -> Iterator[None]:
+    """Mark the tool call running in this context, so a `task` call knows its own id."""
+    token = _tool_use_id.set(tool_use_id)
+    try:
+        yield
+    finally:
+        _tool_use_id.reset(token)
+
+
+# ---------------------------------------------------------------- running a task
+
+
+class Subagents:
+    """The `delegate` of one agent's `SessionTools`: runs `task` calls as child agents.
+
+    Built once per parent turn (depth 0) by the worker; each child that may delegate gets its
+    own, one level deeper, sharing the roster, the slots and the lock of the whole tree.
+    """
+
+    def __init__(
+        self,
+        *,
+        agents: Mapping[str, AgentSpec],
+        parent: SessionTools,
+        canonical: Mapping[str, str],
+        models: Callable[[AgentSpec], Model],
+        emit: Emit,
+        system_facts: str = "",
+        depth: int = 0,
+        max_depth: int = MAX_DEPTH,
+        task_path: tuple[str, ...] = (),
+        semaphore: asyncio.Semaphore | None = None,
+        writer_lock: asyncio.Lock | None = None,
+        current_call: Callable[[], str | None] | None = None,
+        max_steps: int = MAX_CHILD_STEPS,
+    ) -> None:
+        self.agents, self.parent, self.canonical = agents, parent, canonical
+        self.models, self.emit, self.system_facts = models, emit, system_facts
+        self.depth, self.max_depth, self.task_path = depth, max_depth, task_path
+        self.semaphore = semaphore or asyncio.Semaphore(MAX_PARALLEL_READ_ONLY)
+        """Read-only task slots, shared by the whole tree."""
+        self.writer_lock = writer_lock or asyncio.Lock()
+        """Held by a task that may change things, shared by the whole tree."""
+        self.current_call = current_call
+        self.max_steps = max_steps
+        self._unnamed = itertools.count(1)
+
+    def read_only(self, agent: str) -> bool:
+        """Whether a task for `agent` cannot change anything, so it may run beside others.
+
+        Unknown names are (their call returns a miss at once); so is any agent under a
+        read-only or plan-mode parent, whose tier forbids writes and commands to all below it.
+        """
+        spec = self.agents.get(agent.strip())
+        if spec is None or spec.read_only or self.parent.plan:
+            return True
+        return intersect(self.parent.tier, spec.tier) == Tier.READ_ONLY
+
+    async def __call__(self, agent: str, prompt: str, description: str = "") -> ToolResult:
+        spec = self.agents.get(agent.strip())
+        if spec is None:
+            return ToolResult.error(miss(agent, self.agents))
+        if self.depth >= self.max_depth:
+            return ToolResult.error(
+                f"The delegation depth limit {self.max_depth} was reached: this agent runs at depth "
+                f"{self.depth} and cannot delegate further. Do the task yourself."
+            )
+        call_id = self._call_id()
+        if _inside_task.get():  # nested: runs in the slot its ancestor holds and waits with
+            return await self._run(spec, call_id, prompt, description)
+        guard: contextlib.AbstractAsyncContextManager[Any] = (
+            self.semaphore if self.read_only(spec.name) else self.writer_lock
+        )
+        async with guard:
+            token = _inside_task.set(True)
+            try:
+                return await self._run(spec, call_id, prompt, description)
+            finally:
+                _inside_task.reset(token)
+
+    def _call_id(self) -> str:
+        """The tool_use_id of the running `task` call (see the module docstring)."""
+        found = _tool_use_id.get() or (self.current_call() if self.current_call is not None else None)
+        return found or f"task_{self.depth}_{next(self._unnamed)}"
+
+    async def _run(self, spec: AgentSpec, call_id: str, prompt: str, description: str) -> ToolResult:
+        path = (*self.task_path, call_id)
+        tools = self.child_tools(spec, path)
+        await self.emit([NewEvent("subagent.started", {
+            "tool_use_id": call_id, "agent": spec.name, "description": description,
+            "depth": self.depth + 1, "task_path": list(path),
+        })])  # fmt: skip
+        delivered = tools.deliveries
+        run = ChildRun(
+            spec=spec,
+            tools=tools,
+            model=self.models(spec),
+            system=self.child_system(spec, tools),
+            task_path=path,
+            emit=self.emit,
+            max_steps=self.max_steps,
+        )
+        result = await run.run(prompt)
+        self.parent.deliveries += tools.deliveries - delivered
+        await self.emit([NewEvent("subagent.completed", {
+            "tool_use_id": call_id, "agent": spec.name, "status": run.status, "steps": run.steps,
+            "output_chars": len(result.as_text()), "task_path": list(path),
+        })])  # fmt: skip
+        return result
+
+    def child_tools(self, spec: AgentSpec, path: tuple[str, ...]) -> SessionTools:
+        """The child's `SessionTools`: the parent's tools it lists, under the intersected tier."""
+        toolset = {
+            shown: tool
+            for shown, tool in self.parent.toolset.items()
+            if self.canonical.get(shown, shown) in spec.tools
+        }
+        child = replace(
+            self.parent,
+            tier=intersect(self.parent.tier, spec.tier),
+            toolset=toolset,
+            reads={},
+            delegate=None,
+        )
+        if any(self.canonical.get(shown, shown) == "task" for shown in toolset):
+            child.delegate = Subagents(
+                agents=self.agents, parent=child, canonical=self.canonical, models=self.models,
+                emit=self.emit, system_facts=self.system_facts, depth=self.depth + 1,
+                max_depth=self.max_depth, task_path=path, semaphore=self.semaphore,
+                writer_lock=self.writer_lock, max_steps=self.max_steps,
+            )  # fmt: skip
+        return child
+
+    def child_system(self, spec: AgentSpec, tools: SessionTools) -> str:
+        """The child's system prompt: its instructions, the roster if it may delegate, the facts."""
+        roster_part = prompt_mod.agents_section(roster(self.agents)) if tools.delegate is not None else ""
+        return "\n\n".join(part for part in (spec.instructions, roster_part, self.system_facts) if part)
+
+
+@dataclass
+class ChildRun:
+    """One child's loop, in memory: query, run the tools it asks for (in order), until it answers."""
+
+    spec: AgentSpec
+    tools: SessionTools
+    model: Model
+    system: str
+    task_path: tuple[str, ...]
+    emit: Emit
+    max_steps: int = MAX_CHILD_STEPS
+    messages: list[ChatMessage] = field(default_factory=list)
+    steps: int = 0
+    """Model calls made (also the `call_index` of the next one)."""
+    status: Status = "completed"
+
+    async def run(self, prompt: str) -> ToolResult:
+        """The child's final text as the result; failures are error results (cancellation raises)."""
+        self.messages = [ChatMessage("user", prompt)]
+        last = ""
+        try:
+            while self.steps < self.max_steps:
+                reply = await self.query()
+                if not reply.tool_calls:
+                    return ToolResult.text(reply.text or NO_TEXT, agent=self.spec.name, status="completed")
+                last = reply.text or last
+                await self.execute(reply.tool_calls)
+        except ModelError as exc:
+            return self.failed(str(exc))
+        except Exception as exc:  # a provider bug must not fail the parent's turn
+            log.exception("subagent %s crashed", self.spec.name)
+            return self.failed(f"{type(exc).__name__}: {exc}")
+        self.status = "max_steps"
+        text = f"The {self.spec.name} agent stopped after {self.steps} model calls without finishing."
+        if last:
+            text += f" Its last message:\n{last}"
+        return ToolResult.error(text, agent=self.spec.name, status="max_steps")
+
+    def failed(self, why: str) -> ToolResult:
+        self.status = "failed"
+        return ToolResult.error(
+            f"The {self.spec.name} agent failed: {why}", agent=self.spec.name, status="failed"
+        )
+
+    async def query(self) -> Reply:
+        request = ModelRequest(
+            self.system,
+            list(self.messages),
+            [ToolSpec(t.name, t.description, t.schema()) for t in self.tools.offered()],
+            call_index=self.steps,
+            task_path=self.task_path,
+        )
+        self.steps += 1
+        started = time.monotonic()
+        reply = await self.model.query(request)
+        await self.emit([NewEvent("model.usage", {
+            "model": self.model.name, "input_tokens": reply.usage.input_tokens,
+            "output_tokens": reply.usage.output_tokens,
+            "latency_ms": round((time.monotonic() - started) * 1000),
+            "agent": self.spec.name, "task_path": list(self.task_path),
+        })])  # fmt: skip
+        self.messages.append(ChatMessage("assistant", reply.text, list(reply.tool_calls)))
+        return reply
+
+    async def execute(self, calls: Sequence[ToolCall]) -> None:
+        for call in calls:
+            result = await self.call(call)
+            events = side_events(result)
+            if events:
+                await self.emit(events)
+            self.messages.append(
+                ChatMessage("tool", result.as_text(), tool_use_id=call.id, is_error=result.is_error)
+            )
+
+    async def call(self, call: ToolCall) -> ToolResult:
+        problem = invalid_arguments(call)
+        if problem is not None:
+            return ToolResult.error(problem)
+        with calling(call.id):
+            return await self.tools.call(call.name, call.input)
