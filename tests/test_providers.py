@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import Any
@@ -77,7 +77,10 @@ def awkward(body: bytes) -> list[bytes]:
 
 
 class Loopback:
-    def __init__(self) -> None:
+    """Answers each request with the next canned response, or, when none is left, `respond(request)`."""
+
+    def __init__(self, respond: Callable[[Received], Canned] | None = None) -> None:
+        self.respond = respond
         self.responses: list[Canned] = []
         self.requests: list[Received] = []
         self.stop = asyncio.Event()
@@ -98,8 +101,11 @@ class Loopback:
             request_line, *lines = head.strip().split("\r\n")
             headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
             body = await reader.readexactly(int(headers.get("content-length", "0")))
-            self.requests.append(Received(request_line.split()[1], headers, json.loads(body or b"{}")))
-            canned = self.responses.pop(0)
+            received = Received(request_line.split()[1], headers, json.loads(body or b"{}"))
+            self.requests.append(received)
+            canned = (
+                self.responses.pop(0) if self.responses or self.respond is None else self.respond(received)
+            )
             if canned.hang:
                 await self.stop.wait()
                 return

@@ -24,16 +24,25 @@ what ends the turn is a `TurnEnded`:
                     failed script expectation, an input placement failure (`internal_error`)
 
 Abort is cancellation: the worker cancels the task running `run`; the store settles what
-the turn left open. Model errors that may pass (rate limits, overload) are retried
-`model_retries` times, each visible as `session.error`; each retry is a new model call (so
-a scripted retry consumes the next step). Backoff delays come with the runtime issue.
+the turn left open. Model errors that may pass (rate limits, overload, timeouts) are retried
+by `LoopConfig.retry` (3 attempts, 2 s doubling with jitter, a provider's `retry-after`
+wins), each retry visible as `session.error` with its attempt and delay; each retry is a
+new model call (so a scripted retry consumes the next step). A context-overflow error
+compacts (`Context.after_overflow`) and retries once; before every call the context may
+compact on its own threshold (`Context.before_call`).
+
+Parallel calls: a run of consecutive calls the host marks `parallel` (`task` calls to
+read-only subagents) runs concurrently; the subagents bound how many at once. Everything
+else runs one at a time, in order.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from agentbox.agent.events import EventBus
@@ -47,13 +56,13 @@ from agentbox.agent.models import (
     ToolCall,
     ToolSpec,
 )
+from agentbox.agent.providers.errors import ContextOverflow
+from agentbox.agent.providers.retry import RetryPolicy
 from agentbox.store.sessions import Event, Message, NewEvent, SessionStore, Turn
 from agentbox.tools.base import ToolResult
 
 #: Model calls one turn may make before it ends with stop_reason `max_steps` (work is kept).
 MAX_STEPS = 50
-#: Extra tries of a model call that failed with a retryable error, before the turn fails.
-MODEL_RETRIES = 1
 
 
 class TurnEnded(Exception):
@@ -76,8 +85,8 @@ class Failed(TurnEnded):
 class LoopConfig:
     max_steps: int = MAX_STEPS
     """Model calls per turn (`MAX_STEPS`)."""
-    model_retries: int = MODEL_RETRIES
-    """Retries of a retryable model error (`MODEL_RETRIES`)."""
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    """Attempts and backoff for retryable model errors (`providers.retry`)."""
 
 
 class ToolHost(Protocol):
@@ -93,7 +102,43 @@ class ToolHost(Protocol):
         """Whether re-running the tool is harmless (recovery may re-run it)."""
         ...
 
+    def parallel(self, call: ToolCall) -> bool:
+        """Whether the call may run beside other such calls (a `task` for a read-only subagent)."""
+        ...
+
     async def call(self, call: ToolCall) -> ToolResult: ...
+
+
+class Context(Protocol):
+    """What the model is shown, and compaction (`agent.context.TurnContext`)."""
+
+    async def request(self, tools: list[ToolSpec]) -> ModelRequest: ...
+
+    async def before_call(self, tools: Sequence[ToolSpec]) -> None:
+        """Compact when over the threshold."""
+        ...
+
+    async def after_overflow(self) -> bool:
+        """Compact after a context-overflow error; whether anything was compacted."""
+        ...
+
+
+class TranscriptContext:
+    """The whole recorded conversation under a fixed system prompt; no compaction."""
+
+    def __init__(self, store: SessionStore, turn: Turn, system: str = "") -> None:
+        self.store, self.turn, self.system = store, turn, system
+
+    async def request(self, tools: list[ToolSpec]) -> ModelRequest:
+        transcript = await self.store.transcript(self.turn.session_id, through=self.turn)
+        calls = sum(1 for m in await self.store.transcript(self.turn.session_id) if m.role == "assistant")
+        return ModelRequest(self.system, conversation(transcript), tools, call_index=calls)
+
+    async def before_call(self, tools: Sequence[ToolSpec]) -> None:
+        return None
+
+    async def after_overflow(self) -> bool:
+        return False
 
 
 class TurnLoop:
@@ -105,11 +150,11 @@ class TurnLoop:
         tools: ToolHost,
         turn: Turn,
         *,
-        system: str = "",
+        context: Context | None = None,
         config: LoopConfig | None = None,
     ) -> None:
         self.store, self.bus, self.model, self.tools, self.turn = store, bus, model, tools, turn
-        self.system = system
+        self.context = context or TranscriptContext(store, turn)
         self.config = config or LoopConfig()
         self.steps = 0
 
@@ -132,20 +177,49 @@ class TurnLoop:
 
     async def query(self) -> Reply:
         """One model reply, retried on retryable errors; recorded before it is returned."""
-        for attempt in range(1, self.config.model_retries + 2):
+        attempt, compacted = 1, False
+        while True:
+            await self.context.before_call(self.tools.specs())
             request = replace(await self.observe(), on_text=self.deltas())
             message_id = await self.store.open_reply(self.turn.id)
             started = time.monotonic()
             try:
                 reply = await self.model.query(request)
-            except ModelError as exc:
+            except ContextOverflow as exc:
                 await self.record_model_error(message_id, exc, attempt)
-                if not exc.retryable or attempt > self.config.model_retries:
-                    raise Failed(exc.error_type, str(exc), exc.retryable) from exc
+                if compacted or not await self.context.after_overflow():
+                    raise Failed(exc.error_type, str(exc), False) from exc
+                compacted = True
                 continue
+            except ModelError as exc:
+                retry = exc.retryable and attempt < self.config.retry.attempts
+                delay = self.config.retry.delay(attempt, exc) if retry else None
+                await self.record_model_error(message_id, exc, attempt, delay)
+                if delay is None:
+                    raise Failed(exc.error_type, str(exc), exc.retryable) from exc
+                await asyncio.sleep(delay)
+                attempt += 1
+                continue
+            reply = replace(reply, tool_calls=await self.unique_ids(reply.tool_calls))
             await self.record_reply(message_id, reply, time.monotonic() - started)
             return reply
-        raise AssertionError("unreachable: the last attempt raises")
+
+    async def unique_ids(self, calls: Sequence[ToolCall]) -> list[ToolCall]:
+        """The calls with ids unique in the session: servers that number calls per response
+        (`call_0` every time) would otherwise have a result recorded for an older call."""
+        seen = {
+            c["id"]
+            for m in await self.store.transcript(self.turn.session_id)
+            if m.role == "assistant"
+            for c in m.content.get("tool_calls", [])
+        }
+        unique = []
+        for call in calls:
+            if call.id in seen:
+                call = replace(call, id=f"{call.id}_{uuid.uuid4().hex[:12]}")
+            seen.add(call.id)
+            unique.append(call)
+        return unique
 
     def deltas(self) -> TextSink:
         """Where one model call's text goes as it is produced: the bus, numbered from 0, unstored."""
@@ -159,19 +233,20 @@ class TurnLoop:
         return sink
 
     async def observe(self) -> ModelRequest:
-        """The model's view: the recorded conversation (the only source, also after a restart)."""
-        transcript = await self.store.transcript(self.turn.session_id)
-        calls = sum(1 for m in transcript if m.role == "assistant")
-        return ModelRequest(self.system, conversation(transcript), self.tools.specs(), call_index=calls)
+        """The model's view, from the recorded rows (the only source, also after a restart)."""
+        return await self.context.request(self.tools.specs())
 
     async def execute_actions(self, calls: Sequence[ToolCall]) -> None:
-        """Run each call in order and record its result (calls already answered are skipped)."""
+        """Run the calls not answered yet: in order, runs of `parallel` calls concurrently."""
         answered = {
             m.tool_use_id for m in await self.store.transcript(self.turn.session_id) if m.role == "tool"
         }
-        for call in calls:
-            if call.id not in answered:
-                await self.execute_action(call)
+        pending = [call for call in calls if call.id not in answered]
+        while pending:
+            group = [pending.pop(0)]
+            while self.tools.parallel(group[0]) and pending and self.tools.parallel(pending[0]):
+                group.append(pending.pop(0))
+            await asyncio.gather(*(self.execute_action(call) for call in group))
 
     async def execute_action(self, call: ToolCall) -> None:
         result = await self.tools.call(call)
@@ -195,14 +270,20 @@ class TurnLoop:
         content = {
             "text": reply.text,
             "tool_calls": [{"id": c.id, "name": c.name, "input": c.input} for c in reply.tool_calls],
+            "usage": {"input_tokens": reply.usage.input_tokens, "output_tokens": reply.usage.output_tokens},
         }
         await self.publish(self.store.close_reply(message_id, "complete", content, events))
 
-    async def record_model_error(self, message_id: int, exc: ModelError, attempt: int) -> None:
+    async def record_model_error(
+        self, message_id: int, exc: ModelError, attempt: int, delay: float | None = None
+    ) -> None:
+        """The failed call's row and a `session.error`; `retry` says when the next attempt comes."""
         error = {"type": exc.error_type, "message": str(exc), "retryable": exc.retryable}
         data: dict[str, Any] = {"error": error}
-        if exc.retryable:
-            data["retry"] = {"attempt": attempt, "max": self.config.model_retries + 1, "delay_ms": 0}
+        if delay is not None:
+            data["retry"] = {
+                "attempt": attempt, "max": self.config.retry.attempts, "delay_ms": round(delay * 1000),
+            }  # fmt: skip
         events = [NewEvent("session.error", data)]
         await self.publish(self.store.close_reply(message_id, "error", {"error": error}, events))
 
@@ -236,18 +317,22 @@ def side_events(result: ToolResult) -> list[NewEvent]:
 
 def conversation(transcript: Sequence[Message]) -> list[ChatMessage]:
     """The recorded rows as model messages; replies that never completed are left out."""
+    return [message for _, message in conversation_rows(transcript)]
+
+
+def conversation_rows(transcript: Sequence[Message]) -> list[tuple[Message, ChatMessage]]:
+    """Each row the model sees, with its model message (compaction cuts by row)."""
     messages = []
     for m in transcript:
         if m.role == "user":
-            messages.append(ChatMessage("user", user_text(m.content)))
+            messages.append((m, ChatMessage("user", user_text(m.content))))
         elif m.role == "assistant" and m.status == "complete":
             calls = [ToolCall(c["id"], c["name"], c["input"]) for c in m.content.get("tool_calls", [])]
-            messages.append(ChatMessage("assistant", m.content.get("text", ""), calls))
+            messages.append((m, ChatMessage("assistant", m.content.get("text", ""), calls)))
         elif m.role == "tool":
             c = m.content
-            messages.append(
-                ChatMessage("tool", c["content"], tool_use_id=c["tool_use_id"], is_error=c["is_error"])
-            )
+            result = ChatMessage("tool", c["content"], tool_use_id=c["tool_use_id"], is_error=c["is_error"])
+            messages.append((m, result))
     return messages
 
 

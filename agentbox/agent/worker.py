@@ -4,6 +4,13 @@ The `Worker` is what the sessions HTTP API calls: it accepts messages (a committ
 before it returns), wakes the session's drain task, aborts, and after a restart converges
 and classifies every open turn (Flue's recovery, a.9) before acting on it.
 
+What a turn is given (`_work`): the session's model (`models(session)`: the scripted model or
+a provider with the session's `model_options`), its tools (the toolset, its MCP servers' tools,
+`task` with a `Subagents` delegate; a session whose machine is `NO_MACHINE` keeps only the tools
+that need no machine) and a `TurnContext` over the session's baselines. The machine is opened
+when the turn starts, not at its first tool call: the system prompt describes it (seed 004's
+machine line, the workspace listing, AGENTS.md), and the signals compare it at each boundary.
+
 FIFO: each session has at most one drain task, which takes the first open turn, runs it to
 its end, and takes the next. A message that arrives while a turn runs is queued as its own
 turn (we do not join it into the running turn at a step boundary, as Flue can).
@@ -43,22 +50,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import date
 from typing import Any
 
+from agentbox.agent.agents import AgentSpec, canonical_names, load_agents, roster
+from agentbox.agent.compaction import parse_config
+from agentbox.agent.context import Surroundings, TurnContext
 from agentbox.agent.events import EventBus
 from agentbox.agent.inputs import PlacementError, place_inputs
+from agentbox.agent.limits import check_limit_options, model_limits
 from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop
 from agentbox.agent.mcp_tools import McpTools
 from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, ToolSpec, check_script
+from agentbox.agent.prompt import facts
 from agentbox.agent.providers import provider_model
 from agentbox.agent.providers.arguments import invalid_arguments
+from agentbox.agent.subagents import Subagents, calling, running_call
+from agentbox.machines.errors import MachineError
 from agentbox.machines.registry import Entry, Registry
 from agentbox.store.approvals import Approval
+from agentbox.store.baselines import BaselineStore
 from agentbox.store.files import FileStore
 from agentbox.store.sessions import (
     INTERRUPTED,
@@ -75,9 +92,10 @@ from agentbox.store.sessions import (
 )
 from agentbox.store.todos import TodoRepo
 from agentbox.tools.approvals import Approvals, EventKind
-from agentbox.tools.base import Tool, ToolResult
+from agentbox.tools.base import Action, Tool, ToolResult
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools, denied
+from agentbox.tools.skills import catalog
 from agentbox.tools.tiers import Tier, decide
 from agentbox.tools.toolsets import TOOLSETS, toolset
 
@@ -90,6 +108,8 @@ PLAN = "plan"
 #: The tier plan mode runs over: research outside the workspace asks, nothing changes.
 PLAN_TIER = Tier.FULL_ASK
 PERMISSION_MODES: tuple[str, ...] = (*(t.value for t in Tier), PLAN)
+#: The `machine` of a session without a sandbox: no file or shell tools, no workspace context.
+NO_MACHINE = "none"
 
 
 class State(enum.StrEnum):
@@ -141,10 +161,11 @@ class UnknownModel(ValueError):
 
 
 def scripted_or_refuse(session: Session) -> Model:
-    """The default model factory: the scripted model, or a provider (`openai:<m>`, `anthropic:<m>`)."""
+    """The default model factory: the scripted model, or a provider (`openai:<m>`, `anthropic:<m>`)
+    configured by the session's `model_options`."""
     if session.model == SCRIPTED:
         return ScriptedModel(session.script or [])
-    provider = provider_model(session.model)
+    provider = provider_model(session.model, session.model_options)
     if provider is not None:
         return provider
     raise UnknownModel(f"model {session.model!r} is not available in this build (only {SCRIPTED!r})")
@@ -166,8 +187,12 @@ class SessionToolHost:
 
     tools: SessionTools
     open_machine: Callable[[], Awaitable[Any]]
-    current: str | None = None
-    """The tool_use_id of the call running now (approvals name it)."""
+    subagents: Subagents | None = None
+
+    @property
+    def current(self) -> str | None:
+        """The tool_use_id of the call running in this task (approvals name it; calls may run in parallel)."""
+        return running_call()
 
     def specs(self) -> list[ToolSpec]:
         return [ToolSpec(t.name, t.description, t.schema()) for t in self.tools.offered()]
@@ -182,16 +207,21 @@ class SessionToolHost:
         tool = self.tools.toolset.get(name)
         return tool is not None and tool.read_only
 
+    def parallel(self, call: ToolCall) -> bool:
+        tool = self.tools.toolset.get(call.name)
+        agent = call.input.get("agent")
+        return (
+            tool is not None and tool.action == Action.TASK and self.subagents is not None
+            and isinstance(agent, str) and self.subagents.read_only(agent)
+        )  # fmt: skip
+
     async def call(self, call: ToolCall, preapproved: str | None = None) -> ToolResult:
         problem = invalid_arguments(call)  # a provider sent arguments that are not JSON
         if problem is not None:
             return ToolResult.error(problem)
         self.tools.machine = await self.open_machine()
-        self.current = call.id
-        try:
+        with calling(call.id):
             return await self.tools.call(call.name, call.input, preapproved=preapproved)
-        finally:
-            self.current = None
 
 
 class Worker:
@@ -212,6 +242,7 @@ class Worker:
         self.approvals, self.changes, self.todos = approvals, changes, todos
         self.models = models
         self.config = config or LoopConfig()
+        self.baselines = BaselineStore(store.db)
         self._drains: dict[str, asyncio.Task[None]] = {}
         self._turns: dict[str, asyncio.Task[None]] = {}
         self._active: dict[str, str] = {}  # session id -> the turn it runs now
@@ -219,6 +250,7 @@ class Worker:
         self._aborting: dict[str, str] = {}  # turn id -> why it is being aborted
         self._resumes: dict[str, str] = {}  # turn id -> approval answered while no task waited for it
         self._mcp: dict[str, McpTools] = {}  # session id -> its connected MCP servers
+        self._asking: dict[str, str | None] = {}  # approval id -> the tool_use_id that asked
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -263,8 +295,13 @@ class Worker:
         machine: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         script: Sequence[Any] | None = None,
+        model_options: Mapping[str, Any] | None = None,
+        compaction: Any = None,
     ) -> Session:
-        """Validate and create a session (`ValueError` subclasses name what is wrong)."""
+        """Validate and create a session (`ValueError` subclasses name what is wrong).
+
+        `machine`: a configured machine, None for the server's default, or `NO_MACHINE`.
+        """
         if permission_mode not in PERMISSION_MODES:
             raise ValueError(f"permission_mode must be one of {PERMISSION_MODES}, not {permission_mode!r}")
         if toolset not in TOOLSETS:
@@ -273,12 +310,15 @@ class Worker:
             check_script(script if script is not None else [])
         elif script is not None:
             raise ValueError("`script` is only for the scripted model")
-        if machine is not None:
+        if machine is not None and machine != NO_MACHINE:
             self.registry.config(machine)
+        parse_config(compaction)
+        check_limit_options(model_options or {})
         session, events = await self.store.create_session(
             model, permission_mode=permission_mode, instructions=instructions, mcp_servers=mcp_servers,
             toolset=toolset, machine=machine, metadata=metadata,
             script=list(script) if script is not None else ([] if model == SCRIPTED else None),
+            model_options=model_options, compaction=compaction,
         )  # fmt: skip
         self.bus.publish(events)
         return session
@@ -312,6 +352,8 @@ class Worker:
         self, session_id: str, content: str, files: Sequence[str] = (), idempotency_key: str | None = None
     ) -> Submission:
         """Accept a message (committed before this returns), then wake the session."""
+        if files and (await self.store.get_session(session_id)).machine == NO_MACHINE:
+            raise ValueError("this session has no sandbox (machine: none) to place attached files in")
         submission = await self.store.submit(session_id, content, files, idempotency_key)
         self.bus.publish(submission.events)
         self.wake(session_id)
@@ -401,19 +443,31 @@ class Worker:
         except (UnknownModel, ModelError) as exc:
             return Failed("model_unavailable", str(exc))
         host = self._tool_host(session, turn, await self._mcp_tools(session, turn))
-        loop = TurnLoop(
-            self.store, self.bus, model, host, turn, system=session.instructions, config=self.config
+        limits = model_limits(
+            session.model, session.model_options, self.registry.settings.models.get(session.model)
         )
-        transcript = await self.store.transcript(session.id)
-        if turn.files and not _placed(transcript, turn.id):
-            try:
-                placed = await place_inputs(await self._machine(session), self.files, turn.files)
-            except PlacementError as exc:
-                return Failed("internal_error", str(exc))
-            self.bus.publish(await self.store.record_placement(turn.id, [p.to_dict() for p in placed]))
+        context = TurnContext(
+            self.store, self.baselines, self.bus, turn, model, lambda: self._surroundings(session, host),
+            limits=limits, compaction=parse_config(session.compaction), retry=self.config.retry,
+        )  # fmt: skip
+        loop = TurnLoop(self.store, self.bus, model, host, turn, context=context, config=self.config)
+        try:
+            await self._place(session, turn)
+            await context.begin()
+        except PlacementError as exc:
+            return Failed("internal_error", str(exc))
+        except MachineError as exc:  # the sandbox cannot start: nothing in this turn could use it
+            return Failed("machine_unavailable", f"the session's machine is not available: {exc}", True)
         if before.status == "queued":
             return await loop.run()
         return await self._recover(loop, before)
+
+    async def _place(self, session: Session, turn: Turn) -> None:
+        """Put the message's files in the workspace, once (seed 000: /workspace/inputs)."""
+        if not turn.files or _placed(await self.store.transcript(session.id), turn.id):
+            return
+        placed = await place_inputs(await self._machine(session), self.files, turn.files)
+        self.bus.publish(await self.store.record_placement(turn.id, [p.to_dict() for p in placed]))
 
     async def _recover(self, loop: TurnLoop, turn: Turn) -> TurnEnded:
         """Converge, classify, act (`RECOVERY`)."""
@@ -491,16 +545,57 @@ class Worker:
         self, session: Session, turn: Turn, extra: Mapping[str, Tool] | None = None
     ) -> SessionToolHost:
         tier, plan = tier_of(session.permission_mode)
-        tools = SessionTools(
-            machine=None, session_id=session.id, tier=tier, toolset={**toolset(session.toolset), **(extra or {})},
+        tools = {**toolset(session.toolset), **(extra or {})}
+        if session.machine == NO_MACHINE:
+            tools = {name: tool for name, tool in tools.items() if not tool.machine}
+        session_tools = SessionTools(
+            machine=None, session_id=session.id, tier=tier, toolset=tools,
             changes=self.changes, approvals=self.approvals, todos=self.todos, files=self.files, plan=plan,
         )  # fmt: skip
-        tools.begin_turn(turn.id)
-        host = SessionToolHost(tools, lambda: self._machine(session))
+        session_tools.begin_turn(turn.id)
+        host = SessionToolHost(session_tools, lambda: self._machine(session))
+        if any(tool.action == Action.TASK for tool in tools.values()):
+            host.subagents = self._subagents(session, turn, host)
+            session_tools.delegate = host.subagents
         self._hosts[turn.id] = host
         return host
 
+    def _subagents(self, session: Session, turn: Turn, host: SessionToolHost) -> Subagents:
+        """The `task` tool's delegate: the agents known when the turn starts, run on this turn's tools."""
+
+        def child_model(spec: AgentSpec) -> Model:
+            return self.models(dataclasses.replace(session, model=spec.model) if spec.model else session)
+
+        async def emit(events: list[NewEvent]) -> None:
+            await self._append(session.id, turn.id, events)
+
+        canonical = canonical_names(session.toolset)
+        return Subagents(
+            agents={}, parent=host.tools, canonical=canonical, models=child_model,
+            system_facts="", emit=emit,
+        )  # fmt: skip
+
+    async def _surroundings(self, session: Session, host: SessionToolHost) -> Surroundings:
+        """What the prompt describes now; also refreshes the subagents' roster and facts."""
+        session = await self.store.get_session(session.id)
+        machine = await self._machine(session)
+        host.tools.machine = machine
+        skills = catalog(machine, host.tools.config) if machine is not None else []
+        agents: list[Any] = []
+        if host.subagents is not None:
+            found = load_agents(machine, self.registry.settings.agents)
+            host.subagents.agents = found.agents
+            host.subagents.system_facts = facts(machine, date.today())
+            agents = roster(found.agents)
+        return Surroundings(
+            instructions=session.instructions, permission_mode=session.permission_mode, machine=machine,
+            tools=host.specs(), skills=skills, subagents=agents,
+        )  # fmt: skip
+
     async def _machine(self, session: Session) -> Any:
+        """The session's machine, opened (or resumed); None for a session without one."""
+        if session.machine == NO_MACHINE:
+            return None
         return await self.registry.open(session.id, session.machine)
 
     # ------------------------------------------------------------------ events from other parts
@@ -513,10 +608,12 @@ class Worker:
         await self._append(entry.session_id, turn_id, [NewEvent("sandbox.ready", data)])
 
     async def _approval_event(self, kind: EventKind, approval: Approval) -> None:
-        host = self._hosts.get(approval.turn_id or "")
+        if kind == "approval.requested":
+            self._asking[approval.id] = running_call()
         data: dict[str, Any] = {
             "approval_id": approval.id, "tool": approval.tool, "action": approval.action,
-            "tool_use_id": host.current if host is not None else None,
+            "tool_use_id": self._asking.get(approval.id) if kind == "approval.requested"
+            else self._asking.pop(approval.id, None),
         }  # fmt: skip
         if kind == "approval.requested":
             data["detail"] = approval.detail

@@ -2,7 +2,7 @@
 
     POST   /v1/sessions                                   201 the session
     GET    /v1/sessions                 ?after&limit      {items, has_more, next_after}
-    GET    /v1/sessions/{id}                              the session + status, sandbox, usage
+    GET    /v1/sessions/{id}                              the session + status, sandbox, usage, last_seq
     PATCH  /v1/sessions/{id}            permission_mode, metadata (the rest: 400 not supported)
     DELETE /v1/sessions/{id}                              {id, deleted: true}
     POST   /v1/sessions/{id}/messages   {content, files}  202 {turn_id, ...}; Idempotency-Key
@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentbox.agent.events import Delta, EventBus
 from agentbox.agent.models import SCRIPTED, ModelError
-from agentbox.agent.worker import Worker
+from agentbox.agent.worker import NO_MACHINE, Worker
 from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error
 from agentbox.machines.errors import MachineNotFound
 from agentbox.machines.registry import Registry
@@ -201,6 +201,14 @@ class CreateSession(BaseModel):
     machine: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     script: list[Any] | None = Field(None, description="The scripted model's steps.")
+    model_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Provider options: base_url, api_key, timeout, context_window, max_output_tokens; "
+        "other keys (temperature, max_tokens, ...) go into each request body. Secrets are redacted when shown.",
+    )
+    compaction: bool | dict[str, Any] | None = Field(
+        None, description="false, or {reserve_tokens, keep_recent_tokens}; absent = the defaults."
+    )
 
 
 class UpdateSession(BaseModel):
@@ -246,7 +254,8 @@ async def create_session(request: Request) -> Any:
     session = await p.worker.create_session(
         body.model, permission_mode=body.permission_mode, instructions=body.instructions,
         mcp_servers=body.mcp_servers, toolset=body.toolset, machine=body.machine,
-        metadata=body.metadata, script=body.script,
+        metadata=body.metadata, script=body.script, model_options=body.model_options,
+        compaction=body.compaction,
     )  # fmt: skip
     return JSONResponse(await view(p, session), status_code=201)
 
@@ -295,13 +304,14 @@ async def view(p: Platform, session: Session) -> dict[str, Any]:
     """The session as the API shows it: its record, what it is doing, its sandbox and usage."""
     data = session.to_dict()
     data["status"] = await p.store.activity(session.id)
-    entry = p.registry.entry(session.id, session.machine)
+    entry = None if session.machine == NO_MACHINE else p.registry.entry(session.id, session.machine)
     data["sandbox"] = (
         None
         if entry is None
         else {"machine": entry.config.name, "state": entry.state, "generation": entry.generation}
     )
     data["usage"] = await usage(p.store, session.id)
+    data["last_seq"] = await p.store.last_seq(session.id)
     return data
 
 

@@ -1,0 +1,257 @@
+"""The runtime's view of a session, end to end on real parts (SQLite file, bubblewrap sandboxes,
+the worker): the frozen prompt per baseline, signals at turn boundaries, sessions without a
+machine, compaction (threshold and provider overflow), and turn order of queued messages.
+
+The model is the scripted one, wrapped to record every request it is given (what the model
+saw is the thing under test); the overflow test wraps it to refuse long requests as a
+provider does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentbox.agent.compaction import SUMMARY_HEAD
+from agentbox.agent.context import COMPACTED_EVENT, SIGNAL_EVENT
+from agentbox.agent.models import Model, ModelRequest, Reply, ScriptedModel
+from agentbox.agent.prompt import NO_AGENTS
+from agentbox.agent.providers.errors import ContextOverflow
+from agentbox.agent.worker import NO_MACHINE
+from agentbox.store.baselines import BaselineStore
+from agentbox.store.sessions import Session
+from tests.test_agent_loop import Kit, bash, make_kit, terminal, turn_events
+
+
+class Recording:
+    """The scripted model, keeping each request it answered."""
+
+    def __init__(self, model: Model, requests: list[ModelRequest], refuse_over: int | None = None) -> None:
+        self.model, self.requests, self.refuse_over = model, requests, refuse_over
+        self.name = model.name
+
+    async def query(self, request: ModelRequest) -> Reply:
+        self.requests.append(request)
+        size = sum(len(m.text) for m in request.messages)
+        if self.refuse_over is not None and request.tools and size > self.refuse_over:
+            raise ContextOverflow(f"prompt is too long: {size} characters")
+        return await self.model.query(request)
+
+
+@pytest.fixture
+async def recorded(sandbox_tmp: Path) -> AsyncIterator[tuple[Kit, list[ModelRequest]]]:
+    requests: list[ModelRequest] = []
+
+    def models(session: Session) -> Model:
+        refuse = session.metadata.get("refuse_over")
+        return Recording(ScriptedModel(session.script or []), requests, refuse)
+
+    k = await make_kit(sandbox_tmp / "home", models=models)
+    yield k, requests
+    await k.close()
+
+
+async def run(kit: Kit, session_id: str, content: str) -> str:
+    sub = await kit.worker.submit(session_id, content)
+    end = await terminal(kit, session_id, sub.turn.id)
+    assert end.type == "turn.completed", end.data
+    return sub.turn.id
+
+
+async def test_the_prompt_is_assembled_once_and_frozen_until_compaction(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, requests = recorded
+    script = [
+        bash("printf 'Always run the tests.' > AGENTS.md && mkdir -p src && touch README.md"),
+        {"text": "noted"},
+        bash("printf 'Changed rules.' > AGENTS.md"),
+        {"text": "changed"},
+    ]
+    session = await kit.worker.create_session("scripted", script=script, instructions="Be terse.")
+    await run(kit, session.id, "set up")
+    first = requests[0].system
+    assert first.startswith("Be terse.") and f"Date: {date.today().isoformat()}" in first
+    assert "Machine: sandbox (sandbox, linux), workspace /workspace" in first
+    assert "Working directory: /workspace" in first and NO_AGENTS not in first
+    assert "## Available Agents" in first and "- explore:" in first
+    assert "# AGENTS.md" not in first  # the file did not exist when the baseline was taken
+    await run(kit, session.id, "change the rules")
+    assert all(r.system == first for r in requests), "the prompt changed without a compaction"
+    baselines = BaselineStore(kit.db)
+    latest = await baselines.latest(session.id)
+    assert latest is not None and latest.system == first and latest.summary is None
+
+
+async def test_changes_between_turns_are_told_as_signals_not_prompt_edits(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, requests = recorded
+    lines = "'---' 'name: deploy' 'description: Ship the app to staging' '---' 'Run make deploy.'"
+    script = [
+        bash(f"mkdir -p .agents/skills/deploy && printf '%s\\n' {lines} > .agents/skills/deploy/SKILL.md"),
+        {"text": "skill written"},
+        {"text": "second turn"},
+    ]
+    session = await kit.worker.create_session("scripted", script=script)
+    first_turn = await run(kit, session.id, "write a skill")
+    assert not [e for e in await turn_events(kit, session.id, first_turn) if e.type == SIGNAL_EVENT]
+    await kit.worker.update_session(session.id, {"permission_mode": "read-only"})
+    second_turn = await run(kit, session.id, "what changed?")
+    (signal,) = [e for e in await turn_events(kit, session.id, second_turn) if e.type == SIGNAL_EVENT]
+    kinds = {(s["type"], s.get("resource")) for s in signal.data["signals"]}
+    assert kinds == {("resources", "tool"), ("resources", "skill"), ("permissions", None)}
+    told = requests[-1].messages
+    assert told[-2].text == "what changed?" and told[-1].role == "user"
+    assert '<signal type="permissions">' in told[-1].text and "from full-auto to read-only" in told[-1].text
+    assert '<signal type="resources" resource="skill">' in told[-1].text and "- deploy: Ship" in told[-1].text
+    assert 'The tool "bash" is no longer available.' in told[-1].text
+    assert requests[-1].system == requests[0].system
+    assert "bash" not in [t.name for t in requests[-1].tools]
+    third = await kit.worker.submit(session.id, "again")  # nothing changed since: no new signal
+    await terminal(kit, session.id, third.turn.id)
+    assert not [e for e in await turn_events(kit, session.id, third.turn.id) if e.type == SIGNAL_EVENT]
+
+
+async def test_a_session_without_a_machine_has_no_workspace_and_still_works(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, requests = recorded
+    script = [{"tool_calls": [{"name": "todo_write", "input": {"todos": [
+        {"id": "1", "content": "think", "status": "in_progress"}]}}]}, {"text": "done"}]  # fmt: skip
+    session = await kit.worker.create_session("scripted", script=script, machine=NO_MACHINE)
+    await run(kit, session.id, "plan it")
+    names = {t.name for t in requests[0].tools}
+    assert "todo_write" in names and not names & {"bash", "read_file", "write_file", "glob", "task"}
+    assert "Machine:" not in requests[0].system and "Working directory" not in requests[0].system
+    assert kit.registry.entries() == []  # no sandbox was started for it
+    with pytest.raises(ValueError, match="no sandbox"):
+        await kit.worker.submit(session.id, "with a file", files=["file_x"])
+
+
+async def test_compaction_summarises_the_old_part_keeps_the_recent_one_and_rebaselines(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, requests = recorded
+    big = "x" * 2400  # ~600 tokens per exchange
+    script = [
+        {"text": f"first answer {big}"},
+        {"text": f"second answer {big}"},
+        {"text": "## Goal\nKeep answering.\n\n## Progress\n- [x] two answers"},  # the summary call
+        {"text": "third answer"},
+        {"text": "fourth answer"},
+    ]
+    session = await kit.worker.create_session(
+        "scripted", script=script,
+        model_options={"context_window": 3000}, compaction={"reserve_tokens": 2000, "keep_recent_tokens": 10},
+    )  # fmt: skip
+    one, two, three, four = (f"{word} " * 12 for word in ("one", "two", "three", "four"))  # ~15 tokens each
+    await run(kit, session.id, one)
+    second = await run(kit, session.id, two)  # ~635 tokens in context: under 3000 - 2000
+    assert not [e for e in await turn_events(kit, session.id, second) if e.type == COMPACTED_EVENT]
+    third = await run(kit, session.id, three)  # ~1250: over
+    (event,) = [e for e in await turn_events(kit, session.id, third) if e.type == COMPACTED_EVENT]
+    assert event.data["reason"] == "threshold" and event.data["tokens_before"] > 3000 - 2000
+    assert event.data["tokens_after"] < event.data["tokens_before"] and not event.data["split_turn"]
+    summary_call = requests[2]
+    assert summary_call.tools == [] and "first answer" in summary_call.messages[0].text
+    assert summary_call.max_tokens == int(0.8 * 2000)
+    view = requests[3].messages
+    assert view[0].text.startswith(SUMMARY_HEAD) and "Keep answering." in view[0].text
+    assert [m.text for m in view[1:]] == [three]  # the recent part, verbatim; the rest summarised
+    fourth = await run(kit, session.id, four)
+    assert not [e for e in await turn_events(kit, session.id, fourth) if e.type == COMPACTED_EVENT]
+    assert requests[4].messages[0].text == view[0].text  # the summary stays the head
+    assert [m.text for m in requests[4].messages[1:]] == [three, "third answer", four]
+
+
+async def test_compaction_false_never_compacts_on_the_threshold(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, requests = recorded
+    script = [{"text": "a" * 4000}, {"text": "b"}, {"text": "c"}]
+    session = await kit.worker.create_session(
+        "scripted", script=script, model_options={"context_window": 1000}, compaction=False
+    )
+    for content in ("one", "two", "three"):
+        turn = await run(kit, session.id, content)
+        assert not [e for e in await turn_events(kit, session.id, turn) if e.type == COMPACTED_EVENT]
+    assert [r.messages[-1].text for r in requests] == ["one", "two", "three"]
+
+
+async def test_a_context_overflow_compacts_and_retries_the_call(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, _ = recorded
+    script = [
+        {"text": "y" * 3000},
+        {"text": "the overflowing call's step is consumed by the refused request"},
+        {"text": "## Goal\nsummary after overflow"},
+        {"text": "recovered"},
+    ]
+    session = await kit.worker.create_session(
+        "scripted", script=script, metadata={"refuse_over": 2000},
+        compaction={"keep_recent_tokens": 5},
+    )  # fmt: skip
+    await run(kit, session.id, "one")
+    second = await run(kit, session.id, "two " * 10)  # the kept part: over 5 tokens on its own
+    events = await turn_events(kit, session.id, second)
+    types = [e.type for e in events]
+    assert types.index("session.error") < types.index(COMPACTED_EVENT) < types.index("agent.message")
+    error = next(e for e in events if e.type == "session.error")
+    assert error.data["error"]["type"] == "context_window_exceeded"
+    assert next(e for e in events if e.type == COMPACTED_EVENT).data["reason"] == "overflow"
+    assert next(e for e in events if e.type == "agent.message").data["content"][0]["text"] == "recovered"
+
+
+async def test_a_message_queued_during_a_turn_is_not_seen_by_that_turn(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, requests = recorded
+    script = [{"delay_ms": 300, **bash("true")}, {"text": "first done"}, {"text": "second done"}]
+    session = await kit.worker.create_session("scripted", script=script)
+    first = await kit.worker.submit(session.id, "first")
+    while not requests:
+        await asyncio.sleep(0.01)
+    second = await kit.worker.submit(session.id, "second")  # written while the first turn runs
+    await terminal(kit, session.id, first.turn.id)
+    await terminal(kit, session.id, second.turn.id)
+    texts: list[Any] = [[m.text for m in r.messages if m.role == "user"] for r in requests]
+    assert texts[0] == ["first"] and texts[1] == ["first"]  # the first turn never saw "second"
+    assert texts[2] == ["first", "second"]
+    roles = [m.role for m in requests[2].messages]
+    assert roles == ["user", "assistant", "tool", "assistant", "user"]  # the second after the first turn
+
+
+async def test_task_delegates_to_read_only_agents_in_parallel_and_returns_only_their_answer(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, requests = recorded
+    child = [
+        {"delay_ms": 300, "tool_calls": [{"name": "read_file", "input": {"path": "notes.txt"}}]},
+        {"expect": {"tool_result_contains": "secret=42"}, "text": "The value is 42."},
+    ]
+    calls = [
+        {"name": "task", "input": {"agent": "explore", "prompt": f"find the value ({n})"}, "script": child}
+        for n in range(4)
+    ]
+    script = [bash("echo secret=42 > notes.txt"), {"tool_calls": calls}, {"text": "All four agree."}]
+    session = await kit.worker.create_session("scripted", script=script)
+    turn = await run(kit, session.id, "ask four explorers")
+    events = await turn_events(kit, session.id, turn)
+    order = [(e.type, e.data["tool_use_id"]) for e in events if e.type.startswith("subagent.")]
+    started_before_first_end = [t for t, _ in order[: [t for t, _ in order].index("subagent.completed")]]
+    assert started_before_first_end == ["subagent.started"] * 3  # three at once, the fourth waits
+    results = [
+        e for e in events if e.type == "agent.tool_result" and e.data["tool_use_id"].startswith("toolu_s1")
+    ]
+    assert len(results) == 4 and all(r.data["content"][0]["text"] == "The value is 42." for r in results)
+    child_requests = [r for r in requests if r.task_path]
+    assert {r.tools and tuple(sorted(t.name for t in r.tools)) for r in child_requests} == {
+        ("glob", "grep", "list", "read_file", "read_image", "search")
+    }  # explore's own tools: no bash, no write, whatever the parent may do
+    assert "secret=42" not in requests[-1].messages[-1].text  # the parent sees only the final text
