@@ -149,6 +149,20 @@ def machines() -> None:
     typer.echo(json.dumps(Registry(config_mod.load()).describe(), indent=2))
 
 
+#: `--url`: run against a server instead of in-process.
+UrlOption = Annotated[
+    str | None,
+    typer.Option(
+        help="An `agentbox serve` to run against (e.g. http://127.0.0.1:8091) instead of in-process."
+    ),
+]
+#: `--api-key`: the server's key (sent as a bearer token); only with `--url`.
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(envvar="AGENTBOX_API_KEY", show_default=False, help="The server's API key (with --url)."),
+]
+
+
 @app.command()
 def run(
     task: Annotated[str, typer.Argument(help="What the agent should do.")],
@@ -158,37 +172,47 @@ def run(
     mode: Annotated[str | None, typer.Option(help="Permission tier (default: full-auto).")] = None,
     session: Annotated[str | None, typer.Option(help="Run in this existing session.")] = None,
     script: Annotated[Path | None, typer.Option(help="JSON list of steps for the scripted model.")] = None,
+    url: UrlOption = None,
+    api_key: ApiKeyOption = None,
 ) -> None:
-    """Run one turn in-process and show it live; exit 0 completed, 1 failed, 2 aborted, 3 refused."""
+    """Run one turn and show it live; exit 0 completed, 1 failed, 2 aborted, 3 refused or unreachable."""
     from rich.console import Console
 
-    from agentbox.cli_run import RunOptions, run_turn
+    from agentbox import cli_remote, cli_run
 
-    opts = RunOptions(task=task, model=model, mode=mode, session=session, script=script)
-    raise typer.Exit(asyncio.run(run_turn(opts, Console())))
+    opts = cli_run.RunOptions(task=task, model=model, mode=mode, session=session, script=script)
+    if url is None:
+        raise typer.Exit(asyncio.run(cli_run.run_turn(opts, Console())))
+    raise typer.Exit(asyncio.run(cli_remote.run_turn(opts, Console(), url, api_key)))
 
 
 @app.command()
-def sessions() -> None:
+def sessions(url: UrlOption = None, api_key: ApiKeyOption = None) -> None:
     """List sessions: id, model, status, created."""
     from rich.console import Console
 
-    from agentbox.cli_run import list_sessions
+    from agentbox import cli_remote, cli_run
 
-    asyncio.run(list_sessions(Console()))
+    if url is None:
+        raise typer.Exit(asyncio.run(cli_run.list_sessions(Console())))
+    raise typer.Exit(asyncio.run(cli_remote.list_sessions(Console(), url, api_key)))
 
 
 @app.command()
 def events(
     session_id: Annotated[str, typer.Argument(help="The session.")],
     after: Annotated[int, typer.Option(min=0, help="Only events with a greater seq.")] = 0,
+    url: UrlOption = None,
+    api_key: ApiKeyOption = None,
 ) -> None:
     """Print a session's events, one line each."""
     from rich.console import Console
 
-    from agentbox.cli_run import print_events
+    from agentbox import cli_remote, cli_run
 
-    raise typer.Exit(asyncio.run(print_events(Console(), session_id, after)))
+    if url is None:
+        raise typer.Exit(asyncio.run(cli_run.print_events(Console(), session_id, after)))
+    raise typer.Exit(asyncio.run(cli_remote.print_events(Console(), session_id, after, url, api_key)))
 
 
 def main() -> None:

@@ -1,16 +1,20 @@
-"""`agentbox run`, `sessions`, `events`: drive one turn in-process and show it in the terminal.
+"""`agentbox run`, `sessions`, `events`: drive one turn and show it in the terminal.
 
-`run` opens the home's database, machine registry and file store itself and starts the same
-`Platform` the server runs on (no server needed), so the turn, its events and its approvals
-are exactly what the sessions API would show. It follows the session's event log with
-`EventBus.subscribe(..., until_turn=, deltas=True)`: text deltas are printed as they come,
-tool calls with their inputs, results folded to `RESULT_LINES` lines, a spinner while a tool
-runs, and an `approval.requested` is asked at the prompt and answered through the platform's
-`Approvals` (the same path as POST .../approvals/{id}).
+In-process (the default), `run` opens the home's database, machine registry and file store
+itself and starts the same `Platform` the server runs on (no server needed), so the turn, its
+events and its approvals are exactly what the sessions API would show. With `--url` the turn
+runs on a server instead (`agentbox.cli_remote`). Either way ONE loop shows it: `follow`
+reads the session's events (here `EventBus.subscribe(..., until_turn=, deltas=True)`, there the
+SSE stream with `deltas=true`) and acts through a `TurnControl` (answer an approval, abort the
+turn). Text deltas are printed as they come, tool calls with their inputs, results folded to
+`RESULT_LINES` lines, a spinner while a tool runs, and an `approval.requested` is asked at the
+prompt and answered through the control (in-process: the platform's `Approvals`, the same path
+as POST .../approvals/{id}; remote: that route).
 
 The exit status says how the turn ended (`EXIT_CODES`): 0 completed, 1 failed, 2 aborted;
-3 when the run was refused before a turn started (a bad script, an unknown session). Ctrl-C
-aborts the turn (exit 2).
+3 when the run was refused before a turn started (a bad script, an unknown session) or, remote,
+when the server could not be reached or refused, or the stream was lost mid-turn. Ctrl-C aborts the turn (exit 2), also while
+the approval prompt waits.
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.markup import escape
@@ -41,7 +45,8 @@ from agentbox.store.sessions import MAX_EVENTS_PAGE, Event, Session
 
 #: How each terminal turn event maps to the process's exit status.
 EXIT_CODES: dict[str, int] = {"turn.completed": 0, "turn.failed": 1, "turn.aborted": 2}
-#: Exit status when the run is refused before any turn starts (bad options, script or session).
+#: Exit status when the run is refused before any turn starts (bad options, script or session),
+#: or when a server (`--url`) cannot be reached, refuses a request or its stream is lost.
 EXIT_REFUSED = 3
 #: Lines of a tool result shown before the rest is folded into "… N more lines".
 RESULT_LINES = 4
@@ -62,6 +67,9 @@ ANSWERS: dict[str, tuple[Decision, Scope]] = {
 #: What the approval prompt says.
 PROMPT = "  [y]es / [n]o / [a]lways (this session): "
 
+#: What `follow` reads: stored events, text deltas, and None (an idle tick, ignored).
+Item = Event | Delta | None
+
 
 class RunRefused(Exception):
     """The run cannot start (the message says why); nothing was submitted."""
@@ -76,6 +84,16 @@ class RunOptions:
     script: Path | None = None
 
 
+class TurnControl(Protocol):
+    """Where the turn runs, as the terminal acts on it (in-process platform or a server)."""
+
+    async def answer(self, approval_id: str, decision: Decision, scope: Scope, message: str | None) -> bool:
+        """Answer an approval; False when it was answered already (by someone else)."""
+        ...
+
+    async def abort(self, turn_id: str) -> None: ...
+
+
 def load_script(path: Path) -> list[Any]:
     """The scripted model's steps from a JSON file holding a list (as in the sessions API)."""
     try:
@@ -85,6 +103,30 @@ def load_script(path: Path) -> list[Any]:
     if not isinstance(steps, list):
         raise RunRefused(f"script {path} must hold a JSON list of steps")
     return steps
+
+
+def reused_session(opts: RunOptions) -> str | None:
+    """`--session`, refused with `--script` (a session's script is fixed when it is created)."""
+    if opts.session is not None and opts.script is not None:
+        raise RunRefused("--script is fixed at creation: it cannot be given with --session")
+    return opts.session
+
+
+def new_session_fields(opts: RunOptions) -> dict[str, Any]:
+    """The fields of the session `run` creates (model, script, permission_mode), checked here so
+    both modes refuse the same options the same way."""
+    if opts.model == SCRIPTED and opts.script is None:
+        raise RunRefused("--model scripted needs --script FILE.json (a list of steps)")
+    if opts.model != SCRIPTED and not _PROVIDER_MODEL.fullmatch(opts.model):
+        raise RunRefused(
+            f"--model must be {SCRIPTED!r} or '<provider>:<name>' with a provider of {PROVIDERS}"
+        )
+    fields: dict[str, Any] = {"model": opts.model}
+    if opts.script is not None:
+        fields["script"] = load_script(opts.script)
+    if opts.mode is not None:
+        fields["permission_mode"] = opts.mode
+    return fields
 
 
 @asynccontextmanager
@@ -112,22 +154,31 @@ async def opened_platform() -> AsyncIterator[Platform]:
 
 async def open_session(p: Platform, opts: RunOptions) -> Session:
     """The session to run in: `--session` (its mode updated if `--mode` is given), or a new one."""
-    if opts.session is not None:
-        if opts.script is not None:
-            raise RunRefused("--script is fixed at creation: it cannot be given with --session")
-        session = await p.store.get_session(opts.session)
-        if opts.mode is not None and opts.mode != session.permission_mode:
-            session = await p.worker.update_session(session.id, {"permission_mode": opts.mode})
-        return session
-    if opts.model == SCRIPTED and opts.script is None:
-        raise RunRefused("--model scripted needs --script FILE.json (a list of steps)")
-    if opts.model != SCRIPTED and not _PROVIDER_MODEL.fullmatch(opts.model):
-        raise RunRefused(
-            f"--model must be {SCRIPTED!r} or '<provider>:<name>' with a provider of {PROVIDERS}"
-        )
-    script = load_script(opts.script) if opts.script is not None else None
-    fields: dict[str, Any] = {"permission_mode": opts.mode} if opts.mode is not None else {}
-    return await p.worker.create_session(opts.model, script=script, **fields)
+    reused = reused_session(opts)
+    if reused is None:
+        fields = new_session_fields(opts)
+        return await p.worker.create_session(fields.pop("model"), **fields)
+    session = await p.store.get_session(reused)
+    if opts.mode is not None and opts.mode != session.permission_mode:
+        session = await p.worker.update_session(session.id, {"permission_mode": opts.mode})
+    return session
+
+
+@dataclass(frozen=True)
+class LocalControl:
+    """The in-process platform's approvals and worker."""
+
+    platform: Platform
+
+    async def answer(self, approval_id: str, decision: Decision, scope: Scope, message: str | None) -> bool:
+        try:
+            await self.platform.approvals.resolve(approval_id, decision, scope, message)
+        except ApprovalNotPending:
+            return False
+        return True
+
+    async def abort(self, turn_id: str) -> None:
+        await self.platform.worker.abort(turn_id)
 
 
 async def read_line() -> str | None:
@@ -159,10 +210,12 @@ class Renderer:
     """Shows one session's events in the terminal and answers its approvals at the prompt."""
 
     console: Console
-    platform: Platform
+    control: TurnControl
     streamed: set[str] = field(default_factory=set)
     """Turns whose current reply was already printed from deltas."""
     status: Status | None = None
+    interrupted: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by Ctrl-C: the turn is being aborted, so a waiting prompt gives up and no more are asked."""
 
     def stop_spinner(self) -> None:
         if self.status is not None:
@@ -196,7 +249,8 @@ class Renderer:
             self.console.print(escape(fold(message_text(data))), style=style, highlight=False)
         elif item.type == "approval.requested":
             self.stop_spinner()
-            await self.ask(data)
+            if not self.interrupted.is_set():  # an aborting turn is not asked about
+                await self.ask(data)
         elif item.type == "approval.resolved":
             self.console.print(f"[dim]approval {data.get('decision') or data.get('status', '')}[/]")
         elif item.type in ("session.error", "turn.failed"):
@@ -208,17 +262,26 @@ class Renderer:
             self.console.print(f"[bold]{escape(item.type.removeprefix('turn.'))}[/]")
 
     async def ask(self, data: dict[str, Any]) -> None:
-        """Ask until a known answer (y / n / always); end of input denies."""
+        """Ask until a known answer (y / n / always); end of input denies; Ctrl-C leaves it to the abort."""
         arguments = json.dumps((data.get("detail") or {}).get("arguments", {}), ensure_ascii=False)
         self.console.print(
             f"[yellow]? allow {escape(str(data.get('tool')))} ({escape(str(data.get('action')))})"
             f" {escape(arguments[:INPUT_CHARS])}[/]",
             highlight=False,
         )
-        decision, scope, message = await self.answer()
+        answering = asyncio.ensure_future(self.answer())
+        interrupted = asyncio.ensure_future(self.interrupted.wait())
         try:
-            await self.platform.approvals.resolve(str(data["approval_id"]), decision, scope, message)
-        except ApprovalNotPending:
+            await asyncio.wait({answering, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in (answering, interrupted):
+                waiting.cancel()
+            await asyncio.gather(answering, interrupted, return_exceptions=True)
+        if answering.cancelled():  # Ctrl-C: the abort settles the approval
+            self.console.print()
+            return
+        decision, scope, message = answering.result()
+        if not await self.control.answer(str(data["approval_id"]), decision, scope, message):
             self.console.print("[dim]already answered[/]")
 
     async def answer(self) -> tuple[Decision, Scope, str | None]:
@@ -248,8 +311,43 @@ def fold(text: str, keep: int = RESULT_LINES) -> str:
     return "\n".join([*lines[:keep], f"… {len(lines) - keep} more lines"])
 
 
+async def follow(
+    console: Console, control: TurnControl, session_id: str, turn_id: str, items: AsyncGenerator[Item, None]
+) -> int:
+    """Render the turn from `items` (the session's events from before it was submitted) to its
+    end; Ctrl-C aborts it through `control`. The exit status (see `EXIT_CODES`)."""
+    renderer = Renderer(console, control)
+    loop = asyncio.get_running_loop()
+    aborting: list[asyncio.Task[Any]] = []
+
+    def interrupted() -> None:
+        if not aborting:
+            renderer.interrupted.set()
+            aborting.append(loop.create_task(control.abort(turn_id)))
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGINT, interrupted)
+    console.print(f"[dim]session {session_id} · turn {turn_id}[/]")  # Ctrl-C aborts from here
+    ended = "turn.aborted"
+    try:
+        async with contextlib.aclosing(items):
+            async for item in items:
+                if item is None or item.turn_id not in (turn_id, None):
+                    continue
+                await renderer.show(item)
+                if isinstance(item, Event) and item.turn_id == turn_id and item.type in EXIT_CODES:
+                    ended = item.type
+                    break
+    finally:
+        renderer.stop_spinner()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGINT)
+        await asyncio.gather(*aborting, return_exceptions=True)
+    return EXIT_CODES[ended]
+
+
 async def run_turn(opts: RunOptions, console: Console) -> int:
-    """Submit the task and render the turn to its end; the exit status (see `EXIT_CODES`)."""
+    """Submit the task in-process and render the turn to its end; the exit status (see `EXIT_CODES`)."""
     async with opened_platform() as p:
         try:
             session = await open_session(p, opts)
@@ -257,55 +355,37 @@ async def run_turn(opts: RunOptions, console: Console) -> int:
             console.print(f"[red]agentbox run: {escape(str(exc))}[/]")
             return EXIT_REFUSED
         after = await p.store.last_seq(session.id)
-        submission = await p.worker.submit(session.id, opts.task)
-        turn_id = submission.turn.id
-        renderer = Renderer(console, p)
-        loop = asyncio.get_running_loop()
-        aborting: list[asyncio.Task[Any]] = []
-
-        def interrupted() -> None:
-            if not aborting:
-                aborting.append(loop.create_task(p.worker.abort(turn_id)))
-
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGINT, interrupted)
-        console.print(f"[dim]session {session.id} · turn {turn_id}[/]")  # Ctrl-C aborts from here
-        ended = "turn.aborted"
-        try:
-            async for item in p.bus.subscribe(session.id, after, until_turn=turn_id, deltas=True):
-                if item is None or (isinstance(item, Event) and item.turn_id not in (turn_id, None)):
-                    continue
-                if not (aborting and _is_approval(item)):  # an aborting turn is not asked about
-                    await renderer.show(item)
-                if isinstance(item, Event) and item.turn_id == turn_id and item.type in EXIT_CODES:
-                    ended = item.type
-        finally:
-            renderer.stop_spinner()
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(signal.SIGINT)
-            await asyncio.gather(*aborting, return_exceptions=True)
-        return EXIT_CODES[ended]
+        turn_id = (await p.worker.submit(session.id, opts.task)).turn.id
+        items = p.bus.subscribe(session.id, after, until_turn=turn_id, deltas=True)
+        return await follow(console, LocalControl(p), session.id, turn_id, items)
 
 
-def _is_approval(item: Event | Delta) -> bool:
-    return isinstance(item, Event) and item.type == "approval.requested"
+def session_line(session: dict[str, Any]) -> str:
+    """`agentbox sessions`' line: id, model, status (idle / running / awaiting_approval), created."""
+    return f"{session['id']}  {session['model']}  {session['status']}  {session['created_at']}"
 
 
-async def list_sessions(console: Console) -> None:
-    """One line per session: id, model, status (idle / running / awaiting_approval), created."""
+def event_line(event: Event) -> str:
+    """`agentbox events`' line: seq, type, turn, payload cut to `EVENT_LINE_CHARS`."""
+    payload = json.dumps(event.data, ensure_ascii=False)
+    payload = payload if len(payload) <= EVENT_LINE_CHARS else payload[:EVENT_LINE_CHARS] + "…"
+    return f"{event.seq:>5}  {event.type:<22} {event.turn_id or '-'}  {payload}"
+
+
+async def list_sessions(console: Console) -> int:
+    """One `session_line` per session of the home."""
     async with opened_platform() as p:
         after: str | None = None
         while page := await p.store.list_sessions(after=after, limit=MAX_EVENTS_PAGE):
             for s in page:
-                activity = await p.store.activity(s.id)
-                console.print(
-                    f"{s.id}  {s.model}  {activity}  {s.created_at}", highlight=False, soft_wrap=True
-                )
+                line = session_line({**s.to_dict(), "status": await p.store.activity(s.id)})
+                console.print(escape(line), highlight=False, soft_wrap=True)
             after = page[-1].id
+    return 0
 
 
 async def print_events(console: Console, session_id: str, after: int) -> int:
-    """One line per event (seq, type, turn, payload cut to `EVENT_LINE_CHARS`); 3 if no such session."""
+    """One `event_line` per event after `after`; 3 if no such session."""
     async with opened_platform() as p:
         try:
             await p.store.get_session(session_id)
@@ -314,9 +394,6 @@ async def print_events(console: Console, session_id: str, after: int) -> int:
             return EXIT_REFUSED
         while page := await p.store.list_events(session_id, after=after, limit=MAX_EVENTS_PAGE):
             for e in page:
-                payload = json.dumps(e.data, ensure_ascii=False)
-                payload = payload if len(payload) <= EVENT_LINE_CHARS else payload[:EVENT_LINE_CHARS] + "…"
-                line = f"{e.seq:>5}  {e.type:<22} {e.turn_id or '-'}  {payload}"
-                console.print(escape(line), highlight=False, soft_wrap=True)
+                console.print(escape(event_line(e)), highlight=False, soft_wrap=True)
             after = page[-1].seq
     return 0
