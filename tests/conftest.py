@@ -17,7 +17,9 @@ import httpx
 import pytest
 
 from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.local import LocalMachine
 from agentbox.machines.pathmap import Mount, PathMap
+from agentbox.store.db import Database
 
 #: Where a root test run keeps its temp dirs: below /var/tmp (sticky, world-searchable), so
 #: the sandbox uid can reach session homes. pytest's own /tmp/pytest-of-root is 0700 and
@@ -47,7 +49,6 @@ if TYPE_CHECKING:
     from agentbox.config import Settings
     from agentbox.machines.registry import Registry
     from agentbox.machines.sandbox import SandboxHost, SandboxMachine
-    from agentbox.store.db import Database
 
 #: Seconds a freshly started server may take to answer /health.
 SERVER_START_TIMEOUT = 30.0
@@ -245,7 +246,6 @@ RegistryFactory = Callable[..., Awaitable[RegistryKit]]
 async def make_registry(sandbox_tmp: Path) -> AsyncIterator[RegistryFactory]:
     """Registries (one home per test: `sandbox_tmp/home`), all closed after the test."""
     from agentbox.machines.registry import Registry
-    from agentbox.store.db import Database
     from agentbox.store.markers import MarkersRepo
 
     kits: list[RegistryKit] = []
@@ -291,3 +291,27 @@ class Mounted(HostFiles):
     def __init__(self, name: str, workspace: Path) -> None:
         self.name = name
         self.paths = PathMap([Mount("/workspace", workspace)], "/workspace")
+
+
+# --- a SQLite file and a local machine on a plain folder (store and tools tests) -------------
+
+
+@pytest.fixture
+async def db(tmp_path: Path) -> AsyncIterator[Database]:
+    """The test's own database file, under tmp_path/home."""
+    async with Database.in_home(tmp_path / "home") as database:
+        yield database
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    """An empty workspace folder."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def machine(ws: Path) -> LocalMachine:
+    """A local machine rooted at `ws`."""
+    return LocalMachine("local", ws)

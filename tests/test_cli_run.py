@@ -108,12 +108,24 @@ def test_an_approval_answered_y_at_the_prompt_runs_the_command(sandbox_tmp: Path
     home = sandbox_tmp / "home"
     steps = [bash("echo approved-run"), {"expect": {"tool_result_contains": "approved-run"}, "text": "Done."}]
     script = script_file(sandbox_tmp, steps)
+    process, primary = spawn_in_pty(home, "run", "--mode", "full-ask", "--script", str(script), "go")
+    answer_approval_with_y(process, primary)
+
+
+def spawn_in_pty(home: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
+    """`agentbox *args` with a pseudo-terminal for stdin/stdout/stderr; its primary side."""
     primary, secondary = os.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "agentbox", "run", "--mode", "full-ask", "--script", str(script), "go"],
-        env=cli_env(home), cwd=sandbox_tmp, stdin=secondary, stdout=secondary, stderr=secondary,
+        [sys.executable, "-m", "agentbox", *args], env=cli_env(home), cwd=home.parent,
+        stdin=secondary, stdout=secondary, stderr=secondary,
     )  # fmt: skip
     os.close(secondary)
+    return process, primary
+
+
+def answer_approval_with_y(process: subprocess.Popen[bytes], primary: int) -> str:
+    """At the approval prompt for `echo approved-run`: a non-answer (asked again), then `y`;
+    the run must complete and exit 0. What the terminal showed, without colour codes."""
     seen = b""
     try:
         seen = read_until(primary, b"[a]lways", seen)
@@ -133,6 +145,7 @@ def test_an_approval_answered_y_at_the_prompt_runs_the_command(sandbox_tmp: Path
     text = _ANSI.sub(b"", seen).decode()
     assert "approval allow" in text and "Done." in text and "completed" in text
     assert "Exit code: 0" in text
+    return text
 
 
 def test_ctrl_c_aborts_the_turn_and_exits_2(sandbox_tmp: Path) -> None:

@@ -20,7 +20,17 @@ from agentbox.cli_remote import ERROR_BODY_CHARS, RemoteError, connected, refusa
 from agentbox.cli_run import EXIT_CODES, EXIT_REFUSED, RESULT_LINES
 from agentbox.store.sessions import MAX_EVENTS_PAGE, Event
 from tests.conftest import Server, free_port, start_server, stop_server, traversable
-from tests.test_cli_run import _ANSI, CLI_DEADLINE, bash, cli_env, drain, read_until, script_file
+from tests.test_cli_run import (
+    _ANSI,
+    CLI_DEADLINE,
+    answer_approval_with_y,
+    bash,
+    cli_env,
+    drain,
+    read_until,
+    script_file,
+    spawn_in_pty,
+)
 
 #: What the server runs with (no network for its sandboxes, like the in-process tests).
 SERVER_ENV = {"AGENTBOX_NETWORK": "off"}
@@ -53,17 +63,6 @@ def agentbox(home: Path, *args: str, env: dict[str, str] | None = None) -> subpr
     )  # fmt: skip
     assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
     return done
-
-
-def spawn_in_pty(home: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
-    """`agentbox *args` with a pseudo-terminal for stdin/stdout/stderr; its primary side."""
-    primary, secondary = os.openpty()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "agentbox", *args], env=cli_env(home), cwd=home.parent,
-        stdin=secondary, stdout=secondary, stderr=secondary,
-    )  # fmt: skip
-    os.close(secondary)
-    return process, primary
 
 
 def session_of(output: str) -> str:
@@ -105,23 +104,7 @@ def test_an_approval_answered_y_at_the_prompt_runs_the_command(server: Server, c
     script = script_file(client_home.parent, steps)
     args = ("run", "--url", server.url, "--mode", "full-ask", "--script", str(script), "go")
     process, primary = spawn_in_pty(client_home, *args)
-    seen = b""
-    try:
-        seen = read_until(primary, b"[a]lways", seen)
-        text = _ANSI.sub(b"", seen).decode()
-        assert "? allow bash (exec)" in text and "approved-run" in text and "Done." not in text
-        os.write(primary, b"maybe\n")  # not an answer: asked again
-        seen = read_until(primary, b"[a]lways", seen, start=len(seen))
-        os.write(primary, b"y\n")
-        assert process.wait(timeout=CLI_DEADLINE) == 0
-        seen += drain(primary)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        os.close(primary)
-    text = _ANSI.sub(b"", seen).decode()
-    assert "approval allow" in text and "Done." in text and "completed" in text and "Exit code: 0" in text
+    text = answer_approval_with_y(process, primary)
     sid = session_of(text)
     approvals = httpx.get(f"{server.url}/v1/sessions/{sid}/approvals").json()["items"]
     assert [(a["status"], a["scope"]) for a in approvals] == [("allowed", "once")]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,6 @@ from agentbox.store.sessions import (
 )
 
 DEADLINE = 20.0
-
-
-@pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    async with Database.in_home(tmp_path / "home") as database:
-        yield database
 
 
 @pytest.fixture

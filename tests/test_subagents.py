@@ -6,7 +6,7 @@ scripted model's nested scripts; the roster loaded from real `.agents/agents/*.m
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,24 +62,6 @@ LATENCY_MS = 50
 
 
 # ---------------------------------------------------------------- fixtures and helpers
-
-
-@pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    async with Database.in_home(tmp_path / "home") as database:
-        yield database
-
-
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    root = tmp_path / "ws"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def machine(ws: Path) -> LocalMachine:
-    return LocalMachine("local", ws)
 
 
 class Events:

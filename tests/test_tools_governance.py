@@ -18,7 +18,7 @@ import sys
 import tempfile
 import textwrap
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -57,24 +57,6 @@ TURN = "trn_test"
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    async with Database.in_home(tmp_path / "home") as database:
-        yield database
-
-
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    root = tmp_path / "ws"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def machine(ws: Path) -> LocalMachine:
-    return LocalMachine("local", ws)
 
 
 @pytest.fixture

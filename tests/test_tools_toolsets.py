@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -30,12 +29,6 @@ SEED_NAMES = {
     "workbench": ["search", "read", "list", "edit", "write", "exec", "task"],
     "flue": ["read", "write", "edit", "bash", "grep", "glob", "task", "activate_skill", "read_skill_resource"],
 }  # fmt: skip
-
-
-@pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    async with Database.in_home(tmp_path / "home") as database:
-        yield database
 
 
 def session(tmp_path: Path, db: Database, name: str, tier: Tier) -> SessionTools:
