@@ -2,8 +2,8 @@
 
     python bench/bench_sessions.py [--quick] [--json out.json]
 
-Two parts. Turn start: one scripted session, text-only turns (no tool, so no sandbox is
-ever created), the SSE stream open before each message is posted; the time from the 202's
+Two parts. Turn start: one scripted session without a machine (`machine: none`, so no
+sandbox is ever created), text-only turns, the SSE stream open before each message is posted; the time from the 202's
 arrival to the `turn.started` frame's arrival, beside a bare GET /health round trip on the
 same keep-alive connection. Load: many sessions at once, each running 5-step scripted turns
 with `bash true` tool calls: throughput, event latency (the server's `created_at` to the
@@ -178,8 +178,10 @@ def check_stream(response: httpx.Response, route: str) -> None:
 # --- the sessions API ----------------------------------------------------------------------
 
 
-def create_session(client: httpx.Client, script: list[dict[str, Any]]) -> str:
-    body = {"model": "scripted", "script": script, "permission_mode": PERMISSION_MODE}
+def create_session(client: httpx.Client, script: list[dict[str, Any]], machine: str | None = None) -> str:
+    body: dict[str, Any] = {"model": "scripted", "script": script, "permission_mode": PERMISSION_MODE}
+    if machine is not None:
+        body["machine"] = machine
     data = call(client, "POST", "/v1/sessions", json=body)
     return str(data["id"])
 
@@ -257,7 +259,7 @@ class Listener:
 
 def turn_start_figures(server: Server, client: httpx.Client, counts: Counts) -> list[Figure]:
     total = counts.warmup + counts.turns
-    session_id = create_session(client, [{"text": f"reply {i}"} for i in range(total)])
+    session_id = create_session(client, [{"text": f"reply {i}"} for i in range(total)], machine="none")
     health = time_calls(lambda: call(client, "GET", "/health"), counts.health, counts.warmup)
     listener = Listener(server, session_id)
     listener.start()
@@ -279,7 +281,7 @@ def turn_start_figures(server: Server, client: httpx.Client, counts: Counts) -> 
     finally:
         listener.close()
     raw = statistics.median(health)
-    how = "text-only turns: no tool call, so no sandbox is created"
+    how = "text-only turns of a session with machine none: no sandbox is created"
     return [
         latency_figure("health_rtt", "GET /health, keep-alive (raw)", health),
         latency_figure(

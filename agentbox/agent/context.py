@@ -203,8 +203,7 @@ class TurnContext:
 
     async def call_index(self) -> int:
         """The session's model calls so far: recorded replies (any status) and compactions."""
-        transcript = await self.store.transcript(self.turn.session_id)
-        replies = sum(1 for m in transcript if m.role == "assistant")
+        replies = await self.store.model_calls(self.turn.session_id)
         return replies + await self.baselines.compactions(self.turn.session_id)
 
     async def request(self, tools: list[ToolSpec]) -> ModelRequest:

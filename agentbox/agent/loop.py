@@ -131,7 +131,7 @@ class TranscriptContext:
 
     async def request(self, tools: list[ToolSpec]) -> ModelRequest:
         transcript = await self.store.transcript(self.turn.session_id, through=self.turn)
-        calls = sum(1 for m in await self.store.transcript(self.turn.session_id) if m.role == "assistant")
+        calls = await self.store.model_calls(self.turn.session_id)
         return ModelRequest(self.system, conversation(transcript), tools, call_index=calls)
 
     async def before_call(self, tools: Sequence[ToolSpec]) -> None:

@@ -561,6 +561,13 @@ class SessionStore:
         )
         return [_message(row) for row in rows]
 
+    async def model_calls(self, session_id: str) -> int:
+        """Recorded model replies of any status: the scripted model's position in its script."""
+        row = await self.db.fetchone(
+            "SELECT COUNT(*) FROM messages WHERE session_id = ? AND role = 'assistant'", (session_id,)
+        )
+        return int(row[0]) if row is not None else 0
+
     async def list_events(
         self,
         session_id: str,
