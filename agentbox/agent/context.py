@@ -7,8 +7,8 @@ a restart, sees exactly what the rows say:
     begin()         at the turn boundary: the first baseline (the frozen system prompt), or
                     one signal message for whatever changed since the model was last told
     request(tools)  system = the newest baseline's prompt; messages = its summary (if any),
-                    then the transcript from its first kept message, up to this turn
-    before_call()   compaction when the context exceeds window - reserve (Flue's trigger)
+                    then the transcript from its first kept message, up to this turn; first
+                    compacts when the context exceeds window - reserve (Flue's trigger)
     compact(why)    summarise the older part with the session's model, keep the recent part,
                     rebaseline the prompt against the current surroundings; records
                     `agent.context_compacted` (and the summary call's `model.usage`)
@@ -207,7 +207,19 @@ class TurnContext:
         return replies + await self.baselines.compactions(self.turn.session_id)
 
     async def request(self, tools: list[ToolSpec]) -> ModelRequest:
+        """The next call's request; compacts first when the context is over the threshold
+        (a failed summary is reported as `session.error`, and the call goes ahead uncompacted)."""
         view = await self.view()
+        if self.compaction.enabled and should_compact(
+            self.tokens(view, tools), self.limits.context_window, self.reserve
+        ):
+            try:
+                if await self.compact("threshold", view):
+                    view = await self.view()
+            except CompactionFailed as exc:
+                await self.append([NewEvent("session.error", {"error": {
+                    "type": "compaction_failed", "message": str(exc), "retryable": True,
+                }})])  # fmt: skip
         return ModelRequest(view.system, view.messages, tools, call_index=await self.call_index())
 
     def tokens(self, view: View, tools: Sequence[ToolSpec] = ()) -> int:
@@ -215,20 +227,6 @@ class TurnContext:
             return context_tokens(view.messages, view.reported, view.reported_at)
         fixed = len(view.system) + sum(len(json.dumps(t.input_schema)) + len(t.description) for t in tools)
         return context_tokens(view.messages) + fixed // 4
-
-    async def before_call(self, tools: Sequence[ToolSpec] = ()) -> None:
-        """Compact first when the context is over the threshold (a failed summary is reported, not fatal)."""
-        if not self.compaction.enabled:
-            return
-        view = await self.view()
-        if not should_compact(self.tokens(view, tools), self.limits.context_window, self.reserve):
-            return
-        try:
-            await self.compact("threshold", view)
-        except CompactionFailed as exc:
-            await self.append([NewEvent("session.error", {"error": {
-                "type": "compaction_failed", "message": str(exc), "retryable": True,
-            }})])  # fmt: skip
 
     async def after_overflow(self) -> bool:
         """The provider said the context is too long: compact (even if configured off); whether it did."""

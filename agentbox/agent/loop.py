@@ -28,8 +28,8 @@ the turn left open. Model errors that may pass (rate limits, overload, timeouts)
 by `LoopConfig.retry` (3 attempts, 2 s doubling with jitter, a provider's `retry-after`
 wins), each retry visible as `session.error` with its attempt and delay; each retry is a
 new model call (so a scripted retry consumes the next step). A context-overflow error
-compacts (`Context.after_overflow`) and retries once; before every call the context may
-compact on its own threshold (`Context.before_call`).
+compacts (`Context.after_overflow`) and retries once; the context may compact on its own
+threshold while it builds a request (`Context.request`).
 
 Parallel calls: a run of consecutive calls the host marks `parallel` (`task` calls to
 read-only subagents) runs concurrently; the subagents bound how many at once. Everything
@@ -112,10 +112,8 @@ class ToolHost(Protocol):
 class Context(Protocol):
     """What the model is shown, and compaction (`agent.context.TurnContext`)."""
 
-    async def request(self, tools: list[ToolSpec]) -> ModelRequest: ...
-
-    async def before_call(self, tools: Sequence[ToolSpec]) -> None:
-        """Compact when over the threshold."""
+    async def request(self, tools: list[ToolSpec]) -> ModelRequest:
+        """The next call's request (compacting first when the context is over its threshold)."""
         ...
 
     async def after_overflow(self) -> bool:
@@ -133,9 +131,6 @@ class TranscriptContext:
         transcript = await self.store.transcript(self.turn.session_id, through=self.turn)
         calls = await self.store.model_calls(self.turn.session_id)
         return ModelRequest(self.system, conversation(transcript), tools, call_index=calls)
-
-    async def before_call(self, tools: Sequence[ToolSpec]) -> None:
-        return None
 
     async def after_overflow(self) -> bool:
         return False
@@ -157,6 +152,7 @@ class TurnLoop:
         self.context = context or TranscriptContext(store, turn)
         self.config = config or LoopConfig()
         self.steps = 0
+        self._call_ids: set[str] | None = None  # the session's tool call ids, read once per turn
 
     async def run(self) -> TurnEnded:
         """Steps until the turn ends; how it ended (cancellation, i.e. abort, propagates)."""
@@ -179,7 +175,6 @@ class TurnLoop:
         """One model reply, retried on retryable errors; recorded before it is returned."""
         attempt, compacted = 1, False
         while True:
-            await self.context.before_call(self.tools.specs())
             request = replace(await self.observe(), on_text=self.deltas())
             message_id = await self.store.open_reply(self.turn.id)
             started = time.monotonic()
@@ -207,17 +202,18 @@ class TurnLoop:
     async def unique_ids(self, calls: Sequence[ToolCall]) -> list[ToolCall]:
         """The calls with ids unique in the session: servers that number calls per response
         (`call_0` every time) would otherwise have a result recorded for an older call."""
-        seen = {
-            c["id"]
-            for m in await self.store.transcript(self.turn.session_id)
-            if m.role == "assistant"
-            for c in m.content.get("tool_calls", [])
-        }
+        if self._call_ids is None:
+            self._call_ids = {
+                c["id"]
+                for m in await self.store.transcript(self.turn.session_id)
+                if m.role == "assistant"
+                for c in m.content.get("tool_calls", [])
+            }
         unique = []
         for call in calls:
-            if call.id in seen:
+            if call.id in self._call_ids:
                 call = replace(call, id=f"{call.id}_{uuid.uuid4().hex[:12]}")
-            seen.add(call.id)
+            self._call_ids.add(call.id)
             unique.append(call)
         return unique
 
@@ -238,9 +234,7 @@ class TurnLoop:
 
     async def execute_actions(self, calls: Sequence[ToolCall]) -> None:
         """Run the calls not answered yet: in order, runs of `parallel` calls concurrently."""
-        answered = {
-            m.tool_use_id for m in await self.store.transcript(self.turn.session_id) if m.role == "tool"
-        }
+        answered = await self.store.answered(self.turn.session_id, [call.id for call in calls])
         pending = [call for call in calls if call.id not in answered]
         while pending:
             group = [pending.pop(0)]

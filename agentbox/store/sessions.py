@@ -561,6 +561,17 @@ class SessionStore:
         )
         return [_message(row) for row in rows]
 
+    async def answered(self, session_id: str, tool_use_ids: Sequence[str]) -> set[str]:
+        """Those of `tool_use_ids` that have a recorded result."""
+        if not tool_use_ids:
+            return set()
+        marks = ", ".join("?" for _ in tool_use_ids)
+        rows = await self.db.fetchall(
+            f"SELECT tool_use_id FROM messages WHERE session_id = ? AND role = 'tool' AND tool_use_id IN ({marks})",
+            (session_id, *tool_use_ids),
+        )
+        return {row[0] for row in rows}
+
     async def model_calls(self, session_id: str) -> int:
         """Recorded model replies of any status: the scripted model's position in its script."""
         row = await self.db.fetchone(
