@@ -25,7 +25,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +62,19 @@ ANSWERS: dict[str, tuple[Decision, Scope]] = {
     "no": ("deny", "once"),
     "a": ("allow", "session"),
     "always": ("allow", "session"),
+}
+
+#: One dim line for events that are worth a glance but need nothing from the user.
+NOTES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "subagent.started": lambda d: f"  ↳ {d.get('agent')} started: {d.get('description') or '(task)'}",
+    "subagent.completed": lambda d: (
+        f"  ↳ {d.get('agent')} {d.get('status')} after {d.get('steps')} model calls"
+    ),
+    "agent.context_compacted": lambda d: (
+        f"context compacted ({d.get('reason')}): {d.get('tokens_before')} → {d.get('tokens_after')} tokens"
+    ),
+    "file.delivered": lambda d: f"delivered {d.get('filename')} ({d.get('bytes')} bytes, {d.get('file_id')})",
+    "change_set.updated": lambda d: f"change set {d.get('change_set_id')} updated",
 }
 
 #: What the approval prompt says.
@@ -260,6 +273,8 @@ class Renderer:
         elif item.type in EXIT_CODES:
             self.stop_spinner()
             self.console.print(f"[bold]{escape(item.type.removeprefix('turn.'))}[/]")
+        elif item.type in NOTES:
+            self.console.print(f"[dim]{escape(NOTES[item.type](data))}[/]", highlight=False)
 
     async def ask(self, data: dict[str, Any]) -> None:
         """Ask until a known answer (y / n / always); end of input denies; Ctrl-C leaves it to the abort."""

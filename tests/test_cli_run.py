@@ -51,15 +51,22 @@ def session_ids(home: Path) -> list[str]:
 
 def test_a_completed_turn_renders_and_exits_0(sandbox_tmp: Path) -> None:
     home = sandbox_tmp / "home"
+    explore = {"agent": "explore", "prompt": "what is here?", "description": "look around"}
     steps = [
-        bash("seq 1 10", "Let me count."),
-        {"expect": {"tool_result_contains": "10"}, "text": "Counted."},
-    ]
+        bash("seq 1 10 | tee count.txt", "Let me count."),
+        {"expect": {"tool_result_contains": "10"}, "tool_calls": [
+            {"name": "deliver_file", "input": {"path": "count.txt"}},
+            {"name": "task", "input": explore, "script": [{"text": "A count.txt."}]},
+        ]},
+        {"text": "Counted."},
+    ]  # fmt: skip
     done = agentbox(home, "run", "--script", str(script_file(sandbox_tmp, steps)), "count to ten")
     assert done.returncode == EXIT_CODES["turn.completed"] == 0, done.stdout + done.stderr
     out = done.stdout
     assert "Let me count." in out and "Counted." in out
-    assert '→ bash {"command": "seq 1 10"}' in out
+    assert "delivered count.txt (21 bytes, file_" in out
+    assert "↳ explore started: look around" in out and "↳ explore completed after 1 model calls" in out
+    assert '→ bash {"command": "seq 1 10 | tee count.txt"}' in out
     assert f"… {10 + 3 - RESULT_LINES} more lines" in out  # "Exit code", <stdout>, 1..10, </stdout>
     assert "\n10\n" not in out  # folded
     assert out.rstrip().endswith("completed")
