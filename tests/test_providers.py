@@ -393,6 +393,7 @@ async def test_anthropic_streams_text_tool_use_and_passes_thinking_back(server: 
     assert reply.text == "Reading it \U0001f642" and "".join(pieces) == reply.text
     assert reply.tool_calls == [ToolCall("toolu_1", "read", {"path": "a.txt"})]
     assert (reply.usage.input_tokens, reply.usage.output_tokens) == (25, 42)
+    assert [b["type"] for b in reply.thinking] == ["thinking", "redacted_thinking"]  # kept with the reply
     sent = server.requests[0]
     assert sent.path == "/v1/messages"
     assert sent.headers["x-api-key"] == "ak-test" and sent.headers["anthropic-version"] == "2023-06-01"
@@ -405,7 +406,7 @@ async def test_anthropic_streams_text_tool_use_and_passes_thinking_back(server: 
 
     follow_up = [
         ChatMessage("user", "read a.txt"),
-        ChatMessage("assistant", reply.text, reply.tool_calls),
+        ChatMessage("assistant", reply.text, reply.tool_calls, thinking=reply.thinking),
         ChatMessage("tool", "hello", tool_use_id="toolu_1", is_error=False),
         ChatMessage("user", "and then?"),
     ]

@@ -10,8 +10,9 @@ last message what to do next, and answers the compaction's summary request with 
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -21,7 +22,16 @@ from agentbox.agent.compaction import SUMMARIZER_SYSTEM, SUMMARY_HEAD
 from agentbox.agent.context import COMPACTED_EVENT
 from tests.conftest import Server
 from tests.test_api_sessions import DEADLINE, frames
-from tests.test_providers import Canned, Loopback, Received, delta, finish, openai_sse
+from tests.test_providers import (
+    Canned,
+    Loopback,
+    Received,
+    anthropic_sse,
+    anthropic_turn,
+    delta,
+    finish,
+    openai_sse,
+)
 
 #: Lines of output the command prints: enough to push the context over the session's threshold.
 OUTPUT_LINES = 1500
@@ -89,16 +99,43 @@ def agent(request: Received) -> Canned:
     return text_reply(body, f"Summary in context: {remembered}.")
 
 
-@pytest.fixture
-async def llm() -> AsyncIterator[Loopback]:
-    import asyncio
+def claude(request: Received) -> Canned:
+    """An Anthropic model that thinks before it reads a file, then says whether its thinking
+    (with the signature) came back with its tool_use, as the API requires."""
+    messages = request.json["messages"]
+    if len(messages) == 1:
+        return Canned(body=anthropic_turn("toolu_e2e"))
+    blocks = messages[1]["content"]
+    kept = blocks[0] == {"type": "thinking", "thinking": "Let me look.", "signature": "sig=="}
+    text = "thinking came back" if kept else f"thinking lost: {blocks}"
+    return Canned(body=anthropic_sse(
+        {"type": "message_start", "message": {"usage": {"input_tokens": 40, "output_tokens": 1}}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}},
+        {"type": "message_stop"},
+    ))  # fmt: skip
 
-    loopback = Loopback(respond=agent)
+
+async def loopback_model(respond: Callable[[Received], Canned]) -> AsyncIterator[Loopback]:
+    loopback = Loopback(respond=respond)
     loopback.server = await asyncio.start_server(loopback.handle, "127.0.0.1", 0)
     yield loopback
     loopback.stop.set()
     loopback.server.close()
     await loopback.server.wait_closed()
+
+
+@pytest.fixture
+async def llm() -> AsyncIterator[Loopback]:
+    async for loopback in loopback_model(agent):
+        yield loopback
+
+
+@pytest.fixture
+async def anthropic_llm() -> AsyncIterator[Loopback]:
+    async for loopback in loopback_model(claude):
+        yield loopback
 
 
 async def test_an_openai_compatible_model_edits_runs_delivers_and_survives_compaction(
@@ -187,4 +224,27 @@ async def test_a_session_without_a_machine_over_http(server: Server) -> None:
         types = [f.event for f in streamed]
         assert types[-1] == "turn.completed" and "sandbox.ready" not in types
         assert (await client.get(f"/v1/sessions/{sid}")).json()["sandbox"] is None
+        await client.delete(f"/v1/sessions/{sid}")
+
+
+async def test_an_anthropic_model_gets_its_thinking_back_with_its_tool_use(
+    server: Server, anthropic_llm: Loopback
+) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as client:
+        r = await client.post("/v1/sessions", json={
+            "model": "anthropic:claude-test", "toolset": "flue",
+            "model_options": {"base_url": anthropic_llm.url, "api_key": "ak-e2e", "max_tokens": 2000},
+        })  # fmt: skip
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        await client.post(f"/v1/sessions/{sid}/messages", json={"content": "read a.txt"})
+        streamed = await frames(client, sid, params={"until": "turn_end"})
+        log = [f.data for f in streamed if f.data is not None]
+        assert log[-1]["type"] == "turn.completed", log[-1]
+        assert [e["name"] for e in log if e["type"] == "agent.tool_use"] == ["read"]
+        final = [e for e in log if e["type"] == "agent.message"][-1]
+        assert final["content"][0]["text"] == "thinking came back"
+        sent = anthropic_llm.requests[0]
+        assert sent.headers["x-api-key"] == "ak-e2e" and sent.json["max_tokens"] == 2000
+        assert "Machine: sandbox" in sent.json["system"]
         await client.delete(f"/v1/sessions/{sid}")

@@ -266,6 +266,8 @@ class TurnLoop:
             "tool_calls": [{"id": c.id, "name": c.name, "input": c.input} for c in reply.tool_calls],
             "usage": {"input_tokens": reply.usage.input_tokens, "output_tokens": reply.usage.output_tokens},
         }
+        if reply.thinking:
+            content["thinking"] = reply.thinking
         await self.publish(self.store.close_reply(message_id, "complete", content, events))
 
     async def record_model_error(
@@ -322,7 +324,10 @@ def conversation_rows(transcript: Sequence[Message]) -> list[tuple[Message, Chat
             messages.append((m, ChatMessage("user", user_text(m.content))))
         elif m.role == "assistant" and m.status == "complete":
             calls = [ToolCall(c["id"], c["name"], c["input"]) for c in m.content.get("tool_calls", [])]
-            messages.append((m, ChatMessage("assistant", m.content.get("text", ""), calls)))
+            reply = ChatMessage(
+                "assistant", m.content.get("text", ""), calls, thinking=m.content.get("thinking", [])
+            )
+            messages.append((m, reply))
         elif m.role == "tool":
             c = m.content
             result = ChatMessage("tool", c["content"], tool_use_id=c["tool_use_id"], is_error=c["is_error"])

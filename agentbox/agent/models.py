@@ -96,6 +96,9 @@ class Reply:
     text: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
+    thinking: list[dict[str, Any]] = field(default_factory=list)
+    """Provider reasoning blocks to send back with this reply (Anthropic `thinking` with its
+    signature, `redacted_thinking`): opaque, recorded with the reply so a restart keeps them."""
 
     @property
     def stop_reason(self) -> Literal["end_turn", "tool_use"]:
@@ -111,6 +114,8 @@ class ChatMessage:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_use_id: str | None = None
     is_error: bool = False
+    thinking: list[dict[str, Any]] = field(default_factory=list)
+    """An assistant reply's `Reply.thinking`, as recorded."""
 
 
 @dataclass(frozen=True)

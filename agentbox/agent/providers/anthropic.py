@@ -4,9 +4,9 @@ Stream events (`message_start`, `content_block_start|delta|stop`, `message_delta
 `message_stop`, `ping`, `error`) build one `Reply`: text blocks join into its text, tool_use
 blocks (their `input_json_delta` pieces joined) become its tool calls. Thinking blocks
 (`thinking` with its `signature`, `redacted_thinking`) are passed through: the API wants them
-back, unchanged and first, in the assistant message of a tool-use loop, and `Reply` has no
-place for them, so the model keeps them by the reply's tool_use ids and puts them back when it
-sends that reply again (in this process; after a restart the reply goes back without them).
+back, unchanged and first, in the assistant message of a tool-use loop, so a reply that calls
+tools carries them (`Reply.thinking`), the loop records them with the reply, and they go back
+with it, also after a restart.
 
 Configuration: `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY`, overridden by the session's
 `model_options` keys `base_url` / `api_key`; `max_tokens` defaults to `MAX_TOKENS`; other keys
@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -57,8 +57,6 @@ class AnthropicModel:
         self.api_key = options.get("api_key") or os.environ.get("ANTHROPIC_API_KEY") or ""
         self.timeout = httpx.Timeout(float(options.get("timeout") or READ_TIMEOUT), connect=CONNECT_TIMEOUT)
         self.extra = {k: v for k, v in options.items() if k not in CLIENT_OPTIONS}
-        self.thinking: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-        """Thinking blocks of the replies that called tools, by their tool_use ids."""
 
     async def query(self, request: ModelRequest) -> Reply:
         headers = {
@@ -75,15 +73,13 @@ class AnthropicModel:
                 if stream.feed(event.event, decode_event(event.data)):
                     break
         reply = stream.reply()
-        if reply.tool_calls and stream.thinking_blocks():
-            self.thinking[tuple(c.id for c in reply.tool_calls)] = stream.thinking_blocks()
-        return reply
+        return replace(reply, thinking=stream.thinking_blocks()) if reply.tool_calls else reply
 
     def body(self, request: ModelRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": MAX_TOKENS,
-            "messages": to_messages(request.messages, self.thinking),
+            "messages": to_messages(request.messages),
             "stream": True,
         }
         if request.system:
@@ -110,14 +106,12 @@ def decode_event(data: str) -> dict[str, Any]:
     return value
 
 
-def to_messages(
-    messages: list[ChatMessage], thinking: Mapping[tuple[str, ...], list[dict[str, Any]]] | None = None
-) -> list[dict[str, Any]]:
+def to_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Alternating user / assistant messages of content blocks; tool results open the next user one."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.role == "assistant":
-            blocks = assistant_blocks(m, thinking or {})
+            blocks = assistant_blocks(m)
             if blocks:
                 out.append({"role": "assistant", "content": blocks})
             continue
@@ -135,10 +129,9 @@ def to_messages(
     return out
 
 
-def assistant_blocks(
-    message: ChatMessage, thinking: Mapping[tuple[str, ...], list[dict[str, Any]]]
-) -> list[dict[str, Any]]:
-    blocks = list(thinking.get(tuple(c.id for c in message.tool_calls), [])) if message.tool_calls else []
+def assistant_blocks(message: ChatMessage) -> list[dict[str, Any]]:
+    """Thinking first (the API checks them only on a reply that called tools), text, tool_use."""
+    blocks = list(message.thinking) if message.tool_calls else []
     if message.text:
         blocks.append({"type": "text", "text": message.text})
     for call in message.tool_calls:
