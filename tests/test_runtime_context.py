@@ -255,3 +255,32 @@ async def test_task_delegates_to_read_only_agents_in_parallel_and_returns_only_t
         ("glob", "grep", "list", "read_file", "read_image", "search")
     }  # explore's own tools: no bash, no write, whatever the parent may do
     assert "secret=42" not in requests[-1].messages[-1].text  # the parent sees only the final text
+
+
+async def test_the_frozen_prompt_outlives_a_restart(sandbox_tmp: Path) -> None:
+    requests: list[ModelRequest] = []
+
+    def models(session: Session) -> Model:
+        return Recording(ScriptedModel(session.script or []), requests)
+
+    script = [
+        bash("printf 'Rules v1' > AGENTS.md && seq 1 600"),
+        {"text": "ran it"},
+        bash("printf 'Rules v2' > AGENTS.md"),  # the next baseline would read v2: there must be none
+        {"text": "after the restart"},
+    ]
+    home = sandbox_tmp / "home"
+    first = await make_kit(home, models=models)
+    try:
+        session = await first.worker.create_session("scripted", script=script, instructions="Stay.")
+        await run(first, session.id, "one")
+    finally:
+        await first.close()
+    second = await make_kit(home, models=models)
+    try:
+        turn = await run(second, session.id, "two")
+        assert not [e for e in await turn_events(second, session.id, turn) if e.type == SIGNAL_EVENT]
+    finally:
+        await second.close()
+    assert len(requests) == 4 and len({r.system for r in requests}) == 1
+    assert requests[-1].messages[0].text == "one" and requests[-1].call_index == 3
