@@ -18,9 +18,11 @@ import pytest
 
 from agentbox.agent.compaction import SUMMARY_HEAD
 from agentbox.agent.context import COMPACTED_EVENT, SIGNAL_EVENT
-from agentbox.agent.models import Model, ModelRequest, Reply, ScriptedModel
+from agentbox.agent.loop import LoopConfig
+from agentbox.agent.models import Model, ModelRateLimited, ModelRequest, Reply, ScriptedModel
 from agentbox.agent.prompt import NO_AGENTS
 from agentbox.agent.providers.errors import ContextOverflow
+from agentbox.agent.providers.retry import RetryPolicy
 from agentbox.agent.worker import NO_MACHINE
 from agentbox.store.baselines import BaselineStore
 from agentbox.store.sessions import Session
@@ -284,3 +286,38 @@ async def test_the_frozen_prompt_outlives_a_restart(sandbox_tmp: Path) -> None:
         await second.close()
     assert len(requests) == 4 and len({r.system for r in requests}) == 1
     assert requests[-1].messages[0].text == "one" and requests[-1].call_index == 3
+
+
+async def test_a_subagents_model_call_is_retried_like_the_turns_own(sandbox_tmp: Path) -> None:
+    failures = [ModelRateLimited("child: slow down")]  # the first child call fails, once
+
+    class FlakyChildren:
+        def __init__(self, model: Model) -> None:
+            self.model, self.name = model, model.name
+
+        async def query(self, request: ModelRequest) -> Reply:
+            if request.task_path and failures:
+                raise failures.pop()
+            return await self.model.query(request)
+
+    def models(session: Session) -> Model:
+        return FlakyChildren(ScriptedModel(session.script or []))
+
+    task = {"name": "task", "input": {"agent": "explore", "prompt": "look"}, "script": [{"text": "fine"}]}
+    kit = await make_kit(
+        sandbox_tmp / "home", LoopConfig(retry=RetryPolicy(base_delay=0.01, jitter=0.0)), models=models
+    )
+    try:
+        session = await kit.worker.create_session("scripted", script=[{"tool_calls": [task]}, {"text": "ok"}])
+        turn = await run(kit, session.id, "delegate")
+        events = await turn_events(kit, session.id, turn)
+        (error,) = [e for e in events if e.type == "session.error"]
+        assert error.data["purpose"] == "subagent" and error.data["retry"] == {
+            "attempt": 1,
+            "max": 3,
+            "delay_ms": 10,
+        }
+        (result,) = [e for e in events if e.type == "agent.tool_result"]
+        assert result.data["content"][0]["text"] == "fine" and not result.data["is_error"]
+    finally:
+        await kit.close()

@@ -45,7 +45,7 @@ from agentbox.agent.compaction import (
 )
 from agentbox.agent.events import EventBus
 from agentbox.agent.limits import ModelLimits
-from agentbox.agent.loop import conversation_rows
+from agentbox.agent.loop import conversation_rows, model_error_event
 from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, ToolSpec
 from agentbox.agent.prompt import Subagent, assemble
 from agentbox.agent.providers.retry import RetryPolicy, with_retries
@@ -255,11 +255,7 @@ class TurnContext:
         started = time.monotonic()
 
         async def retrying(exc: ModelError, attempt: int, delay: float) -> None:
-            await self.append([NewEvent("session.error", {
-                "error": {"type": exc.error_type, "message": str(exc), "retryable": True},
-                "retry": {"attempt": attempt, "max": self.retry.attempts, "delay_ms": round(delay * 1000)},
-                "purpose": "compaction",
-            })])  # fmt: skip
+            await self.append([model_error_event(exc, attempt, self.retry.attempts, delay, "compaction")])
 
         try:
             reply = await with_retries(lambda: self.model.query(request), self.retry, retrying)

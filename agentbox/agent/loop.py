@@ -274,14 +274,10 @@ class TurnLoop:
         self, message_id: int, exc: ModelError, attempt: int, delay: float | None = None
     ) -> None:
         """The failed call's row and a `session.error`; `retry` says when the next attempt comes."""
-        error = {"type": exc.error_type, "message": str(exc), "retryable": exc.retryable}
-        data: dict[str, Any] = {"error": error}
-        if delay is not None:
-            data["retry"] = {
-                "attempt": attempt, "max": self.config.retry.attempts, "delay_ms": round(delay * 1000),
-            }  # fmt: skip
-        events = [NewEvent("session.error", data)]
-        await self.publish(self.store.close_reply(message_id, "error", {"error": error}, events))
+        event = model_error_event(exc, attempt, self.config.retry.attempts, delay)
+        await self.publish(
+            self.store.close_reply(message_id, "error", {"error": event.data["error"]}, [event])
+        )
 
     async def record_result(self, call: ToolCall, result: ToolResult) -> None:
         await self.publish(self.store.add_tool_result(
@@ -293,6 +289,22 @@ class TurnLoop:
         events = await write
         self.bus.publish(events)
         return events
+
+
+def model_error_event(
+    exc: ModelError, attempt: int, attempts: int, delay: float | None = None, purpose: str | None = None
+) -> NewEvent:
+    """The `session.error` of a failed model call: `retry` (attempt n of `attempts`, the wait
+    before the next) when there is a next one; `purpose` for calls that are not the turn's own
+    (`compaction`, `subagent`)."""
+    data: dict[str, Any] = {
+        "error": {"type": exc.error_type, "message": str(exc), "retryable": exc.retryable}
+    }
+    if delay is not None:
+        data["retry"] = {"attempt": attempt, "max": attempts, "delay_ms": round(delay * 1000)}
+    if purpose is not None:
+        data["purpose"] = purpose
+    return NewEvent("session.error", data)
 
 
 def side_events(result: ToolResult) -> list[NewEvent]:

@@ -65,12 +65,13 @@ from agentbox.agent.context import Surroundings, TurnContext
 from agentbox.agent.events import EventBus
 from agentbox.agent.inputs import PlacementError, place_inputs
 from agentbox.agent.limits import check_limit_options, model_limits
-from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop
+from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop, model_error_event
 from agentbox.agent.mcp_tools import McpTools
 from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, ToolSpec, check_script
 from agentbox.agent.prompt import facts
 from agentbox.agent.providers import provider_model
 from agentbox.agent.providers.arguments import invalid_arguments
+from agentbox.agent.providers.retry import RetryingModel
 from agentbox.agent.subagents import Subagents, calling, running_call
 from agentbox.machines.errors import MachineError
 from agentbox.machines.registry import Entry, Registry
@@ -563,11 +564,15 @@ class Worker:
     def _subagents(self, session: Session, turn: Turn, host: SessionToolHost) -> Subagents:
         """The `task` tool's delegate: the agents known when the turn starts, run on this turn's tools."""
 
-        def child_model(spec: AgentSpec) -> Model:
-            return self.models(dataclasses.replace(session, model=spec.model) if spec.model else session)
-
         async def emit(events: list[NewEvent]) -> None:
             await self._append(session.id, turn.id, events)
+
+        async def retrying(exc: ModelError, attempt: int, delay: float) -> None:
+            await emit([model_error_event(exc, attempt, self.config.retry.attempts, delay, "subagent")])
+
+        def child_model(spec: AgentSpec) -> Model:
+            model = self.models(dataclasses.replace(session, model=spec.model) if spec.model else session)
+            return RetryingModel(model, self.config.retry, retrying)
 
         canonical = canonical_names(session.toolset)
         return Subagents(
