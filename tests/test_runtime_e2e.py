@@ -179,8 +179,10 @@ async def test_an_openai_compatible_model_edits_runs_delivers_and_survives_compa
         r = await client.get(f"/v1/files/{delivered['file_id']}/content")
         assert r.status_code == 200 and r.text == "hello from agentbox\n"
         summary_requests = [q for q in llm.requests if not q.json.get("tools")]
-        assert len(summary_requests) == len(compactions)
+        assert len(summary_requests) == len(compactions) == 2  # after the long output, and again
         assert "[Assistant tool calls]: write_file(" in summary_requests[0].json["messages"][1]["content"]
+        merged = summary_requests[1].json["messages"][1]["content"]
+        assert "<previous-summary>" in merged and "Build hello.py and deliver its output." in merged
         assert all(q.headers["authorization"] == "Bearer sk-local" for q in llm.requests)
 
         r = await client.post(f"/v1/sessions/{sid}/messages", json={"content": "What do you remember?"})
