@@ -315,6 +315,11 @@ class Worker:
             self.registry.config(machine)
         parse_config(compaction)
         check_limit_options(model_options or {})
+        if model != SCRIPTED:
+            try:  # an option the adapter cannot take (a `timeout` that is not a number) fails here, not in a turn
+                provider_model(model, model_options)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"model_options cannot configure {model}: {exc}") from exc
         session, events = await self.store.create_session(
             model, permission_mode=permission_mode, instructions=instructions, mcp_servers=mcp_servers,
             toolset=toolset, machine=machine, metadata=metadata,
