@@ -172,6 +172,14 @@ def run(
     mode: Annotated[str | None, typer.Option(help="Permission tier (default: full-auto).")] = None,
     session: Annotated[str | None, typer.Option(help="Run in this existing session.")] = None,
     script: Annotated[Path | None, typer.Option(help="JSON list of steps for the scripted model.")] = None,
+    instructions: Annotated[str | None, typer.Option(help="The new session's instructions.")] = None,
+    option: Annotated[
+        list[str] | None,
+        typer.Option(help="A model option KEY=VALUE (base_url, api_key, context_window, temperature, ...)."),
+    ] = None,
+    machine: Annotated[
+        str | None, typer.Option(help='The new session\'s machine ("none": no sandbox).')
+    ] = None,
     url: UrlOption = None,
     api_key: ApiKeyOption = None,
 ) -> None:
@@ -180,7 +188,10 @@ def run(
 
     from agentbox import cli_remote, cli_run
 
-    opts = cli_run.RunOptions(task=task, model=model, mode=mode, session=session, script=script)
+    opts = cli_run.RunOptions(
+        task=task, model=model, mode=mode, session=session, script=script,
+        instructions=instructions, options=tuple(option or ()), machine=machine,
+    )  # fmt: skip
     if url is None:
         raise typer.Exit(asyncio.run(cli_run.run_turn(opts, Console())))
     raise typer.Exit(asyncio.run(cli_remote.run_turn(opts, Console(), url, api_key)))

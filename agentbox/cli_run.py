@@ -95,6 +95,30 @@ class RunOptions:
     mode: str | None = None
     session: str | None = None
     script: Path | None = None
+    instructions: str | None = None
+    options: tuple[str, ...] = ()
+    """`--option KEY=VALUE`s: the session's `model_options` (a VALUE that parses as JSON is taken as such)."""
+    machine: str | None = None
+
+    def creation_flags(self) -> list[str]:
+        """The options given that only a new session can take."""
+        given = {"--script": self.script, "--instructions": self.instructions, "--option": self.options,
+                 "--machine": self.machine}  # fmt: skip
+        return [flag for flag, value in given.items() if value]
+
+
+def model_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """`KEY=VALUE` pairs as a dict; `8192` and `true` become JSON values, the rest stay text."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise RunRefused(f"--option takes KEY=VALUE, not {pair!r}")
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value
+    return options
 
 
 class TurnControl(Protocol):
@@ -119,9 +143,10 @@ def load_script(path: Path) -> list[Any]:
 
 
 def reused_session(opts: RunOptions) -> str | None:
-    """`--session`, refused with `--script` (a session's script is fixed when it is created)."""
-    if opts.session is not None and opts.script is not None:
-        raise RunRefused("--script is fixed at creation: it cannot be given with --session")
+    """`--session`, refused with what is fixed when a session is created (`--script`, ...)."""
+    fixed = opts.creation_flags()
+    if opts.session is not None and fixed:
+        raise RunRefused(f"{', '.join(fixed)}: fixed at creation, so not with --session")
     return opts.session
 
 
@@ -139,6 +164,12 @@ def new_session_fields(opts: RunOptions) -> dict[str, Any]:
         fields["script"] = load_script(opts.script)
     if opts.mode is not None:
         fields["permission_mode"] = opts.mode
+    if opts.instructions is not None:
+        fields["instructions"] = opts.instructions
+    if opts.options:
+        fields["model_options"] = model_options(opts.options)
+    if opts.machine is not None:
+        fields["machine"] = opts.machine
     return fields
 
 

@@ -3,6 +3,7 @@ the scripted model, and an approval answered at the prompt of a pseudo-terminal.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -205,3 +206,35 @@ def test_fold_keeps_its_boundary() -> None:
     lines = [str(i) for i in range(RESULT_LINES)]
     assert fold("\n".join(lines)) == "\n".join(lines)
     assert fold("\n".join([*lines, "x"])) == "\n".join([*lines, "… 1 more lines"])
+
+
+async def test_run_creates_a_provider_session_from_its_options(sandbox_tmp: Path) -> None:
+    """--option, --instructions and --machine reach the new session; the OpenAI-compatible
+    model (a loopback server) is called with them; the option that sizes compaction is not sent."""
+    from tests.test_runtime_e2e import loopback_model, text_reply
+
+    home = sandbox_tmp / "home"
+    async for llm in loopback_model(lambda request: text_reply(request.json, "Hello from the model.")):
+        args = [
+            "run", "--model", "openai:local-coder", "--instructions", "Be brief.", "--machine", "none",
+            "--option", f"base_url={llm.url}/v1", "--option", "api_key=sk-cli",
+            "--option", "temperature=0.2", "--option", "context_window=4096", "say hi",
+        ]  # fmt: skip
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "agentbox", *args, env=cli_env(home), cwd=sandbox_tmp,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(process.communicate(), CLI_DEADLINE)
+        assert process.returncode == 0, out.decode() + err.decode()
+        assert "Hello from the model." in out.decode()
+        (sent,) = llm.requests
+        assert sent.headers["authorization"] == "Bearer sk-cli"
+        assert sent.json["temperature"] == 0.2 and "context_window" not in sent.json
+        system = sent.json["messages"][0]["content"]
+        assert system.startswith("Be brief.") and "Machine:" not in system
+        assert not (home / "sessions").exists() or not any((home / "sessions").iterdir())  # no sandbox
+    [sid] = session_ids(home)
+    refused = agentbox(home, "run", "--session", sid, "--option", "temperature=1", "again")
+    assert refused.returncode == EXIT_REFUSED and "--option: fixed at creation" in refused.stdout
+    bad = agentbox(home, "run", "--model", "openai:x", "--option", "no-equals-sign", "task")
+    assert bad.returncode == EXIT_REFUSED and "KEY=VALUE" in bad.stdout
