@@ -397,11 +397,19 @@ async def test_anthropic_streams_text_tool_use_and_passes_thinking_back(server: 
     sent = server.requests[0]
     assert sent.path == "/v1/messages"
     assert sent.headers["x-api-key"] == "ak-test" and sent.headers["anthropic-version"] == "2023-06-01"
-    assert (
-        sent.json["system"] == "Be brief." and sent.json["max_tokens"] == 1000 and sent.json["stream"] is True
-    )
+    cached = {"type": "ephemeral"}
+    assert sent.json["max_tokens"] == 1000 and sent.json["stream"] is True
+    assert sent.json["system"] == [{"type": "text", "text": "Be brief.", "cache_control": cached}]
     assert sent.json["tools"] == [
-        {"name": "read", "description": "Read a file", "input_schema": TOOLS[0].input_schema}
+        {
+            "name": "read",
+            "description": "Read a file",
+            "input_schema": TOOLS[0].input_schema,
+            "cache_control": cached,
+        }
+    ]
+    assert sent.json["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "read a.txt", "cache_control": cached}]}
     ]
 
     follow_up = [
@@ -427,10 +435,15 @@ async def test_anthropic_streams_text_tool_use_and_passes_thinking_back(server: 
             "role": "user",
             "content": [
                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": "hello"},
-                {"type": "text", "text": "and then?"},
+                {"type": "text", "text": "and then?", "cache_control": {"type": "ephemeral"}},
             ],
         },
     ]
+    uncached = anthropic(server, prompt_caching=False)
+    server.answer(Canned(body=done))
+    await uncached.query(request(ChatMessage("user", "hi")))
+    assert "cache_control" not in json.dumps(server.requests[2].json)
+    assert "prompt_caching" not in server.requests[2].json  # a client option, never sent
 
 
 async def test_anthropic_configuration_from_the_environment_and_default_max_tokens(

@@ -249,5 +249,5 @@ async def test_an_anthropic_model_gets_its_thinking_back_with_its_tool_use(
         assert final["content"][0]["text"] == "thinking came back"
         sent = anthropic_llm.requests[0]
         assert sent.headers["x-api-key"] == "ak-e2e" and sent.json["max_tokens"] == 2000
-        assert "Machine: sandbox" in sent.json["system"]
+        assert "Machine: sandbox" in sent.json["system"][0]["text"]
         await client.delete(f"/v1/sessions/{sid}")

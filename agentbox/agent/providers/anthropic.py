@@ -8,6 +8,10 @@ back, unchanged and first, in the assistant message of a tool-use loop, so a rep
 tools carries them (`Reply.thinking`), the loop records them with the reply, and they go back
 with it, also after a restart.
 
+Prompt caching is on: `cache_control` breakpoints at the end of the tools, the system prompt
+and the conversation (`mark_cache_breakpoints`), so a turn's later calls and the next turn read
+their prefix from Anthropic's cache. `model_options` `prompt_caching: false` turns it off.
+
 Configuration: `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY`, overridden by the session's
 `model_options` keys `base_url` / `api_key`; `max_tokens` defaults to `MAX_TOKENS`; other keys
 (`thinking`, `temperature`, ...) are added to the request body.
@@ -40,7 +44,11 @@ MAX_TOKENS = 8192
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 300.0
 #: `model_options` keys that configure the client rather than the request body.
-CLIENT_OPTIONS = frozenset({"base_url", "api_key", "timeout", *LIMIT_OPTIONS})
+CLIENT_OPTIONS = frozenset({"base_url", "api_key", "timeout", "prompt_caching", *LIMIT_OPTIONS})
+#: Where prompt caching marks a breakpoint: the end of the tools, of the system prompt and of the
+#: conversation so far (the API allows 4). The system prompt is frozen per baseline and the
+#: conversation only grows, so each call reads the previous call's prefix from the cache.
+CACHE_CONTROL = {"type": "ephemeral"}
 #: Content block types passed through as they came (the thinking kinds).
 THINKING_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 
@@ -57,6 +65,7 @@ class AnthropicModel:
         self.api_key = options.get("api_key") or os.environ.get("ANTHROPIC_API_KEY") or ""
         self.timeout = httpx.Timeout(float(options.get("timeout") or READ_TIMEOUT), connect=CONNECT_TIMEOUT)
         self.extra = {k: v for k, v in options.items() if k not in CLIENT_OPTIONS}
+        self.caching = options.get("prompt_caching", True) is not False
 
     async def query(self, request: ModelRequest) -> Reply:
         headers = {
@@ -83,16 +92,28 @@ class AnthropicModel:
             "stream": True,
         }
         if request.system:
-            body["system"] = request.system
+            body["system"] = [{"type": "text", "text": request.system}]
         if request.tools:
             body["tools"] = [
                 {"name": t.name, "description": t.description, "input_schema": t.input_schema}
                 for t in request.tools
             ]
+        if self.caching:
+            mark_cache_breakpoints(body)
         body.update(self.extra)
         if request.max_tokens is not None:
             body["max_tokens"] = min(request.max_tokens, int(body["max_tokens"]))
         return body
+
+
+def mark_cache_breakpoints(body: dict[str, Any]) -> None:
+    """`cache_control` on the last tool, the system prompt and the last message's last block."""
+    if body.get("tools"):
+        body["tools"][-1]["cache_control"] = CACHE_CONTROL
+    if body.get("system"):
+        body["system"][-1]["cache_control"] = CACHE_CONTROL
+    if body["messages"] and body["messages"][-1]["content"]:
+        body["messages"][-1]["content"][-1]["cache_control"] = CACHE_CONTROL
 
 
 def decode_event(data: str) -> dict[str, Any]:
