@@ -244,6 +244,8 @@ async def test_answering_an_approval_after_a_restart_resumes_the_turn(
         assert len(results) == 1 and results[0].data["is_error"] == (decision == "deny")
         assert seen in results[0].data["content"][0]["text"]
         assert await kit.approvals.repo.pending(session.id) == []
+        (resolved,) = [e for e in await kit.store.list_events(session.id) if e.type == "approval.resolved"]
+        assert resolved.data["tool_use_id"] == asked.data["tool_use_id"] == results[0].data["tool_use_id"]
     finally:
         await kit.close()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.agent.events import EventBus
+from agentbox.agent.events import MAX_PENDING_DELTAS, Delta, EventBus
 from agentbox.store.db import Database, timestamp
 from agentbox.store.files import FileStore
 from agentbox.store.sessions import (
@@ -225,6 +225,19 @@ async def test_subscribe_heartbeats_when_idle_and_stops_at_the_turn_end(store: S
             bus.publish(await store.finish(turn.id, "aborted", {"reason": "user_abort"}))
     assert got[-1] is not None and got[-1].type == "turn.aborted"
     assert None in got
+
+
+async def test_a_slow_readers_deltas_keep_the_newest_up_to_the_limit(store: SessionStore) -> None:
+    sid = await new_session(store)
+    bus = EventBus(store)
+    subscription = bus.subscribe(sid, 0, deltas=True)
+    assert (await anext(subscription)) is not None  # session.created; now it is subscribed
+    for index in range(MAX_PENDING_DELTAS + 1):  # the reader does not run in between
+        bus.publish_delta(sid, "trn_x", f"piece {index} ", index)
+    got = [await asyncio.wait_for(anext(subscription), DEADLINE) for _ in range(MAX_PENDING_DELTAS)]
+    assert all(isinstance(d, Delta) for d in got)
+    assert [d.index for d in got if isinstance(d, Delta)] == list(range(1, MAX_PENDING_DELTAS + 1))
+    await subscription.aclose()
 
 
 async def test_deleting_a_session_removes_its_rows(store: SessionStore, db: Database) -> None:

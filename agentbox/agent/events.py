@@ -26,6 +26,9 @@ SUBSCRIBE_PAGE = 500
 
 #: The type of the ephemeral text-delta event.
 DELTA_EVENT = "agent.message.delta"
+#: Deltas held for one subscriber that reads slower than the model writes; past it the oldest
+#: go (their `index` shows the gap, and the stored `agent.message` has the whole text anyway).
+MAX_PENDING_DELTAS = 1000
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class EventBus:
         """
         flag = asyncio.Event()
         self._flags.setdefault(session_id, set()).add(flag)
-        queue: deque[Delta] | None = self._deltas.setdefault(flag, deque()) if deltas else None
+        queue = self._deltas.setdefault(flag, deque(maxlen=MAX_PENDING_DELTAS)) if deltas else None
         cursor = after
         try:
             while True:

@@ -516,6 +516,16 @@ class Worker:
             else:
                 await loop.record_result(call, ToolResult.error(INTERRUPTED))
 
+    async def _asker(self, approval: Approval) -> str | None:
+        """The tool_use_id whose call asked `approval`: remembered, or (asked before a restart)
+        read from its `approval.requested` event."""
+        if approval.id in self._asking:
+            return self._asking.pop(approval.id)
+        if approval.turn_id is None:
+            return None
+        turn = await self.store.get_turn(approval.turn_id)
+        return next((call for call, asked in (await self._asked(turn)).items() if asked == approval.id), None)
+
     async def _asked(self, turn: Turn) -> dict[str, str]:
         """tool_use_id -> approval id, for the turn's calls that asked the user (from its events)."""
         asked: dict[str, str] = {}
@@ -623,7 +633,7 @@ class Worker:
         data: dict[str, Any] = {
             "approval_id": approval.id, "tool": approval.tool, "action": approval.action,
             "tool_use_id": self._asking.get(approval.id) if kind == "approval.requested"
-            else self._asking.pop(approval.id, None),
+            else await self._asker(approval),
         }  # fmt: skip
         if kind == "approval.requested":
             data["detail"] = approval.detail
