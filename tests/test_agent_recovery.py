@@ -282,3 +282,34 @@ def test_the_recovery_table_covers_every_state() -> None:
     assert set(RECOVERY) == set(State)
     assert RECOVERY[State.AWAITING_APPROVAL] == Act.WAIT
     assert RECOVERY[State.TOOLS_UNRESOLVED] == Act.REPAIR
+
+
+async def test_a_turn_resumed_mid_way_tells_its_signals_only_at_the_next_turn(sandbox_tmp: Path) -> None:
+    """The mode changes while a turn waits across a restart: no signal may land between the
+    waiting call and its result (providers refuse that); the next turn is told."""
+    home = sandbox_tmp / "home"
+    script = [
+        bash("echo ran"),
+        {"expect": {"tool_result_contains": "ran"}, "text": "resumed"},
+        {"text": "next"},
+    ]
+    kit = await make_kit(home)
+    try:
+        session = await kit.worker.create_session("scripted", permission_mode="full-ask", script=script)
+        turns = [(await kit.worker.submit(session.id, f"message {i}")).turn.id for i in range(2)]
+        asked = await wait_for(kit, session.id, lambda e: e.type == "approval.requested")
+    finally:
+        await kit.close()
+    kit = await make_kit(home)
+    try:
+        await kit.worker.update_session(session.id, {"permission_mode": "full-auto"})
+        await kit.approvals.resolve(asked.data["approval_id"], "allow")
+        for turn_id in turns:
+            assert (await terminal(kit, session.id, turn_id)).type == "turn.completed"
+        rows = await kit.store.transcript(session.id)
+        first = [(m.role, "signal" in m.content) for m in rows if m.turn_id == turns[0]]
+        assert first == [("user", False), ("assistant", False), ("tool", False), ("assistant", False)]
+        second = [(m.role, "signal" in m.content) for m in rows if m.turn_id == turns[1]]
+        assert second == [("user", False), ("user", True), ("assistant", False)]
+    finally:
+        await kit.close()

@@ -154,14 +154,21 @@ class TurnContext:
 
     # ------------------------------------------------------------------ the turn boundary
 
-    async def begin(self) -> None:
-        """The first baseline, or the signals for what changed since the model was last told."""
+    async def begin(self, boundary: bool = True) -> None:
+        """The first baseline, or the signals for what changed since the model was last told.
+
+        `boundary` False (a turn resumed mid-way after a restart): no signals, since a message
+        between a reply's tool calls and their results breaks every provider's pairing rule;
+        they are told at the next turn's start.
+        """
         now = await self.surroundings()
         env = now.environment()
         baseline = await self.baselines.latest(self.turn.session_id)
         if baseline is None:
             _, events = await self.baselines.add(self.turn.id, now.prompt(), environment_data(env))
             self.bus.publish(events)
+            return
+        if not boundary:
             return
         told = environment_from(baseline.environment)
         for row in await self.store.transcript(self.turn.session_id, through=self.turn):

@@ -459,7 +459,7 @@ class Worker:
         loop = TurnLoop(self.store, self.bus, model, host, turn, context=context, config=self.config)
         try:
             await self._place(session, turn)
-            await context.begin()
+            await context.begin(boundary=before.status == "queued")
         except PlacementError as exc:
             return Failed("internal_error", str(exc))
         except MachineError as exc:  # the sandbox cannot start: nothing in this turn could use it
