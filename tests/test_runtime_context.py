@@ -19,7 +19,7 @@ import pytest
 from agentbox.agent.compaction import SUMMARY_HEAD
 from agentbox.agent.context import COMPACTED_EVENT, SIGNAL_EVENT
 from agentbox.agent.loop import LoopConfig
-from agentbox.agent.models import Model, ModelRateLimited, ModelRequest, Reply, ScriptedModel
+from agentbox.agent.models import Model, ModelRateLimited, ModelRequest, Reply, ScriptedModel, ScriptError
 from agentbox.agent.prompt import NO_AGENTS
 from agentbox.agent.providers.errors import ContextOverflow
 from agentbox.agent.providers.retry import RetryPolicy
@@ -321,3 +321,29 @@ async def test_a_subagents_model_call_is_retried_like_the_turns_own(sandbox_tmp:
         assert result.data["content"][0]["text"] == "fine" and not result.data["is_error"]
     finally:
         await kit.close()
+
+
+async def test_the_reported_usage_triggers_compaction_at_the_threshold(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    """Window 10 000, reserve 2 000: a reply reporting 7 990 tokens leaves the next call under the
+    threshold (7 990 + the next message's estimate <= 8 000); one reporting 8 001 does not."""
+    kit, requests = recorded
+    script = [
+        {"text": "a", "usage": {"input_tokens": 7980, "output_tokens": 10}},
+        {"text": "b", "usage": {"input_tokens": 7991, "output_tokens": 10}},
+        {"text": "## Goal\nsummarised"},
+        {"text": "c"},
+    ]
+    session = await kit.worker.create_session(
+        "scripted", script=script, model_options={"context_window": 10_000},
+        compaction={"reserve_tokens": 2000, "keep_recent_tokens": 1},
+    )  # fmt: skip
+    await run(kit, session.id, "one")
+    second = await run(kit, session.id, "xy")  # 7 990 + 1 (estimate of "xy") = 7 991: no compaction
+    assert not [e for e in await turn_events(kit, session.id, second) if e.type == COMPACTED_EVENT]
+    third = await run(kit, session.id, "z")  # 8 001 + 1 > 8 000
+    (event,) = [e for e in await turn_events(kit, session.id, third) if e.type == COMPACTED_EVENT]
+    assert event.data["tokens_before"] == 8002 and requests[2].tools == []
+    with pytest.raises(ScriptError, match="usage"):
+        await kit.worker.create_session("scripted", script=[{"usage": {"input_tokens": -1}}])

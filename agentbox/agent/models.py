@@ -22,6 +22,8 @@ so a restart continues the script where the dead process stopped. A step is an o
     delay_ms    wait that long before replying
     hang        true: never reply (until the call is cancelled: the turn was aborted)
     error       "rate_limited" | "overloaded": raise that error (the step is consumed)
+    usage       {"input_tokens", "output_tokens"}: the usage the reply reports (default: the
+                conversation's characters / 4, and the reply's); compaction counts from it
 
 An exhausted script replies with nothing, which ends the turn (`end_turn`).
 
@@ -49,7 +51,9 @@ from typing import Any, Literal, Protocol
 #: The model name that selects the scripted model.
 SCRIPTED = "scripted"
 #: Keys a script step may have; any other key is a mistake worth failing on.
-STEP_KEYS = frozenset({"text", "tool_calls", "expect", "delay_ms", "hang", "error"})
+STEP_KEYS = frozenset({"text", "tool_calls", "expect", "delay_ms", "hang", "error", "usage"})
+#: The keys of a step's `usage`.
+USAGE_KEYS = frozenset({"input_tokens", "output_tokens"})
 #: The errors a step may raise, by its `error` value.
 STEP_ERRORS = ("rate_limited", "overloaded")
 #: Pieces the scripted model streams a step's text in (fewer when the text has fewer words).
@@ -181,9 +185,8 @@ class ScriptedModel:
             for i, call in enumerate(step.get("tool_calls") or [])
         ]
         prompt = sum(len(m.text) for m in request.messages)
-        return Reply(
-            text, calls, Usage(input_tokens=prompt // 4 + 1, output_tokens=len(text) // 4 + len(calls))
-        )
+        usage = {"input_tokens": prompt // 4 + 1, "output_tokens": len(text) // 4 + len(calls)}
+        return Reply(text, calls, Usage(**{**usage, **(step.get("usage") or {})}))
 
     def steps_for(self, task_path: Sequence[str]) -> list[Any]:
         """The steps answering a request with this `task_path`: the session's script, or a child's."""
@@ -240,6 +243,13 @@ def check_step(step: Any, index: int, path: str = "") -> None:
         raise ScriptError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(STEP_KEYS)}")
     if "error" in step and step["error"] not in STEP_ERRORS:
         raise ScriptError(f"{where}: error must be one of {STEP_ERRORS}, not {step['error']!r}")
+    usage = step.get("usage", {})
+    if (
+        not isinstance(usage, dict)
+        or set(usage) - USAGE_KEYS
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in usage.values())
+    ):
+        raise ScriptError(f"{where}: usage must map {sorted(USAGE_KEYS)} to counts, not {usage!r}")
     for position, call in enumerate(step.get("tool_calls") or []):
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ScriptError(f"{where}: each tool call needs a string `name`")
