@@ -347,3 +347,35 @@ async def test_the_reported_usage_triggers_compaction_at_the_threshold(
     assert event.data["tokens_before"] == 8002 and requests[2].tools == []
     with pytest.raises(ScriptError, match="usage"):
         await kit.worker.create_session("scripted", script=[{"usage": {"input_tokens": -1}}])
+
+
+async def test_an_agent_with_its_own_model_gets_the_sessions_options_only_from_the_same_provider(
+    sandbox_tmp: Path,
+) -> None:
+    built: list[tuple[str, dict[str, Any]]] = []
+
+    def models(session: Session) -> Model:
+        built.append((session.model, dict(session.model_options)))
+        return ScriptedModel(session.script or [])
+
+    kit = await make_kit(sandbox_tmp / "home", models=models)
+    kit.registry.settings.agents = [
+        {"name": "other", "description": "another provider's model", "model": "anthropic:claude-x"},
+        {"name": "same", "description": "this provider's model", "model": "scripted"},
+    ]
+    try:
+        calls = [
+            {"name": "task", "input": {"agent": name, "prompt": "p"}, "script": [{"text": f"from {name}"}]}
+            for name in ("other", "same")
+        ]
+        session = await kit.worker.create_session(
+            "scripted", script=[{"tool_calls": calls}, {"text": "done"}], model_options={"temperature": 0.5}
+        )
+        turn = await run(kit, session.id, "delegate")
+        results = [e.data["content"][0]["text"] for e in await turn_events(kit, session.id, turn)
+                   if e.type == "agent.tool_result"]  # fmt: skip
+        assert sorted(results) == ["from other", "from same"]
+        assert ("anthropic:claude-x", {}) in built  # no scripted options sent to another provider
+        assert built.count(("scripted", {"temperature": 0.5})) == len(built) - 1
+    finally:
+        await kit.close()

@@ -586,8 +586,14 @@ class Worker:
             await emit([model_error_event(exc, attempt, self.config.retry.attempts, delay, "subagent")])
 
         def child_model(spec: AgentSpec) -> Model:
-            model = self.models(dataclasses.replace(session, model=spec.model) if spec.model else session)
-            return RetryingModel(model, self.config.retry, retrying)
+            """The agent's own model if it names one: the session's options (endpoint, key) go with
+            it only when it is the same provider's; another provider's is configured by the env."""
+            chosen = session
+            if spec.model:
+                same = spec.model.partition(":")[0] == session.model.partition(":")[0]
+                options = session.model_options if same else {}
+                chosen = dataclasses.replace(session, model=spec.model, model_options=options)
+            return RetryingModel(self.models(chosen), self.config.retry, retrying)
 
         canonical = canonical_names(session.toolset)
         return Subagents(
