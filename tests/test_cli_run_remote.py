@@ -170,7 +170,7 @@ def test_refusals_exit_3_with_one_line(server: Server, client_home: Path) -> Non
     no_script = agentbox(client_home, "run", "--url", server.url, "task")
     assert no_script.returncode == EXIT_REFUSED and "--script" in no_script.stdout
     both = agentbox(client_home, "run", "--url", server.url, "--session", "ses_x", "--script", script, "t")
-    assert both.returncode == EXIT_REFUSED and "--script is fixed at creation" in both.stdout
+    assert both.returncode == EXIT_REFUSED and "--script: fixed at creation" in both.stdout
     events = agentbox(client_home, "events", "ses_nope", "--url", server.url)
     assert events.returncode == EXIT_REFUSED and "404" in events.stdout
     sessions = agentbox(client_home, "sessions", "--url", nowhere)
