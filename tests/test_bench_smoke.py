@@ -155,3 +155,18 @@ def test_bench_sessions_quick(tmp_path: Path) -> None:
     check_figures(document, SESSIONS_FIGURES, "bench_sessions")
     assert document["missing_routes"] == []
     assert document["counts"]["sessions"] == 3
+
+
+#: bench_runtime's figures in a --quick run (sizes 10 and 200).
+RUNTIME_FIGURES = {
+    "transcript_10", "context_request_10", "transcript_200", "context_request_200",
+    "compaction_200", "context_request_200_compacted",
+}  # fmt: skip
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_runtime_quick(tmp_path: Path) -> None:
+    document = run_quick("bench_runtime.py", tmp_path / "runtime.json")
+    check_figures(document, RUNTIME_FIGURES, "bench_runtime")
+    assert document["figures"]["compaction_200"]["extra"] == {"compacted": True}
+    assert document["figures"]["context_request_200"]["raw"] == document["figures"]["transcript_200"]["median"]

@@ -170,10 +170,8 @@ class TurnContext:
             return
         if not boundary:
             return
-        told = environment_from(baseline.environment)
-        for row in await self.store.transcript(self.turn.session_id, through=self.turn):
-            if row.role == "user" and "signal" in row.content and row.id > baseline.last_message:
-                told = environment_from(row.content["environment"])
+        latest = await self.baselines.last_signal(self.turn.session_id, after=baseline.last_message)
+        told = environment_from(latest if latest is not None else baseline.environment)
         signals = diff(told, env)
         if signals:
             await self.record_signals(signals, env)
@@ -188,10 +186,8 @@ class TurnContext:
 
     async def view(self) -> View:
         baseline = await self.baselines.latest(self.turn.session_id)
-        transcript = await self.store.transcript(self.turn.session_id, through=self.turn)
-        if baseline is not None and baseline.first_kept is not None:
-            start = next((i for i, m in enumerate(transcript) if m.id == baseline.first_kept), 0)
-            transcript = transcript[start:]
+        since = baseline.first_kept if baseline is not None else None
+        transcript = await self.store.transcript(self.turn.session_id, through=self.turn, since=since)
         pairs = conversation_rows(transcript)
         rows: list[Message | None] = [row for row, _ in pairs]
         messages = [message for _, message in pairs]

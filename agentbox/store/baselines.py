@@ -55,6 +55,16 @@ class BaselineStore:
         )
         return _baseline(row) if row is not None else None
 
+    async def last_signal(self, session_id: str, after: int) -> dict[str, Any] | None:
+        """The environment the newest signal row after message `after` told (None: no such row)."""
+        row = await self.db.fetchone(
+            "SELECT json_extract(content, '$.environment') FROM messages WHERE session_id = ?"
+            " AND role = 'user' AND id > ? AND json_extract(content, '$.signal') IS NOT NULL"
+            " ORDER BY id DESC LIMIT 1",
+            (session_id, after),
+        )
+        return json.loads(row[0]) if row is not None else None
+
     async def compactions(self, session_id: str) -> int:
         """How many baselines came from a compaction (each cost one model call)."""
         row = await self.db.fetchone(

@@ -548,17 +548,27 @@ class SessionStore:
             "UPDATE messages SET status = 'aborted' WHERE turn_id = ? AND status = 'streaming'", (turn_id,)
         )
 
-    async def transcript(self, session_id: str, through: Turn | None = None) -> list[Message]:
+    async def transcript(
+        self, session_id: str, through: Turn | None = None, since: int | None = None
+    ) -> list[Message]:
         """The session's conversation as recorded, turn by turn (then oldest first within a turn).
 
         Ordered by turn, not by row id: a message queued while a turn runs is written at once,
-        but belongs after that turn's replies. `through`: only turns up to that one.
+        but belongs after that turn's replies. `through`: only turns up to that one. `since`:
+        only from that message on, in this order (what a compaction kept; the rest is never read).
         """
-        rows = await self.db.fetchall(
+        sql = (
             "SELECT m.* FROM messages m JOIN turns t ON t.id = m.turn_id"
-            " WHERE m.session_id = ? AND t.seq <= ? ORDER BY t.seq, m.id",
-            (session_id, through.seq if through is not None else 2**62),
+            " WHERE m.session_id = ? AND t.seq <= ?"
         )
+        params: list[Any] = [session_id, through.seq if through is not None else 2**62]
+        if since is not None:
+            sql += (
+                " AND (t.seq, m.id) >= ((SELECT t2.seq FROM messages m2 JOIN turns t2 ON t2.id = m2.turn_id"
+                " WHERE m2.id = ?), ?)"
+            )
+            params += [since, since]
+        rows = await self.db.fetchall(sql + " ORDER BY t.seq, m.id", tuple(params))
         return [_message(row) for row in rows]
 
     async def answered(self, session_id: str, tool_use_ids: Sequence[str]) -> set[str]:
