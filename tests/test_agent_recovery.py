@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from agentbox.agent.worker import RECOVERY, Act, State
+from agentbox.agent.recovery import RECOVERY, Act, State
 from agentbox.store.approvals import ApprovalsRepo, Decision
 from agentbox.store.db import Database
 from agentbox.store.sessions import INTERRUPTED, TERMINAL_EVENTS, Message, SessionStore, insert_message

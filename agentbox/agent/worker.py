@@ -22,23 +22,8 @@ if it completed first, that stands: `finish` is conditional, so abort and comple
 leave exactly one terminal event. A task that ignores cancellation for `ABORT_GRACE_S` is
 finished anyway; the store's fence keeps it from writing after that.
 
-Recovery on start, per open turn, in FIFO order. First converge (a reply left `streaming`
-by the dead process becomes `aborted`), then classify and act by `RECOVERY`:
-
-    state               meaning                                        action
-    queued              never started                                   start
-    awaiting_approval   a tool call waits for the user                  wait (left as it is)
-    input_only          started, no complete reply yet                  continue (query the model)
-    tool_results        the last reply's tool calls all have results    continue
-    tools_unresolved    some of its calls have no result                repair, then continue
-    replied             the last reply had no tool calls                complete (end_turn)
-
-Repair keeps recorded results (never re-run), re-runs read-only tools, and gives every other
-unresolved call the "interrupted, outcome unknown" result, except a call whose approval was
-answered: denied, the refusal is its result; allowed, it runs (without asking again) only if
-this process saw the answer arrive while no task waited for it (a turn left waiting by a
-restart), since then it cannot have started; else its outcome is unknown. The calls after
-such a call never started either, so they run as usual.
+Recovery on start, per open turn, in FIFO order: converge, classify and act by
+`agent.recovery.RECOVERY` (the table and what repair does are there).
 
 Resume: answering the approval of a turn that waits with no live task (after a restart)
 moves it to running and wakes the session; its drain repairs it as above and continues.
@@ -51,11 +36,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from datetime import date
 from typing import Any
 
@@ -67,12 +50,13 @@ from agentbox.agent.inputs import PlacementError, place_inputs
 from agentbox.agent.limits import check_limit_options, model_limits
 from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop, model_error_event
 from agentbox.agent.mcp_tools import McpTools
-from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, ToolSpec, check_script
+from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, check_script
 from agentbox.agent.prompt import facts
 from agentbox.agent.providers import provider_model
-from agentbox.agent.providers.arguments import invalid_arguments
 from agentbox.agent.providers.retry import RetryingModel
-from agentbox.agent.subagents import Subagents, calling, running_call
+from agentbox.agent.recovery import RECOVERY, Act, classify
+from agentbox.agent.subagents import Subagents, running_call
+from agentbox.agent.tool_host import SessionToolHost
 from agentbox.machines.errors import MachineError
 from agentbox.machines.registry import Entry, Registry
 from agentbox.store.approvals import Approval
@@ -97,7 +81,7 @@ from agentbox.tools.base import Action, Tool, ToolResult
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools, denied
 from agentbox.tools.skills import catalog
-from agentbox.tools.tiers import Tier, decide
+from agentbox.tools.tiers import Tier
 from agentbox.tools.toolsets import TOOLSETS, toolset
 
 log = logging.getLogger(__name__)
@@ -111,50 +95,6 @@ PLAN_TIER = Tier.FULL_ASK
 PERMISSION_MODES: tuple[str, ...] = (*(t.value for t in Tier), PLAN)
 #: The `machine` of a session without a sandbox: no file or shell tools, no workspace context.
 NO_MACHINE = "none"
-
-
-class State(enum.StrEnum):
-    QUEUED = "queued"
-    AWAITING_APPROVAL = "awaiting_approval"
-    INPUT_ONLY = "input_only"
-    TOOL_RESULTS = "tool_results"
-    TOOLS_UNRESOLVED = "tools_unresolved"
-    REPLIED = "replied"
-
-
-class Act(enum.StrEnum):
-    START = "start"
-    WAIT = "wait"
-    CONTINUE = "continue"
-    REPAIR = "repair"
-    COMPLETE = "complete"
-
-
-#: Flue's recovery table (flue-runtime.md a.9) in our states: what to do with an open turn.
-RECOVERY: Mapping[State, Act] = {
-    State.QUEUED: Act.START,
-    State.AWAITING_APPROVAL: Act.WAIT,
-    State.INPUT_ONLY: Act.CONTINUE,
-    State.TOOL_RESULTS: Act.CONTINUE,
-    State.TOOLS_UNRESOLVED: Act.REPAIR,
-    State.REPLIED: Act.COMPLETE,
-}
-
-
-def classify(turn: Turn, transcript: Sequence[Message]) -> State:
-    """Where an open turn stands, from its recorded rows (after converging)."""
-    if turn.status in ("queued", "awaiting_approval"):
-        return State(turn.status)
-    replies = [
-        m for m in transcript if m.turn_id == turn.id and m.role == "assistant" and m.status == "complete"
-    ]
-    if not replies:
-        return State.INPUT_ONLY
-    calls = replies[-1].content.get("tool_calls", [])
-    if not calls:
-        return State.REPLIED
-    answered = {m.tool_use_id for m in transcript if m.role == "tool"}
-    return State.TOOL_RESULTS if all(c["id"] in answered for c in calls) else State.TOOLS_UNRESOLVED
 
 
 class UnknownModel(ValueError):
@@ -180,49 +120,6 @@ def tier_of(permission_mode: str) -> tuple[Tier, bool]:
 
 
 ModelFactory = Callable[[Session], Model]
-
-
-@dataclass
-class SessionToolHost:
-    """`SessionTools` as the loop needs it; the session's machine is (re)opened before each call."""
-
-    tools: SessionTools
-    open_machine: Callable[[], Awaitable[Any]]
-    subagents: Subagents | None = None
-
-    @property
-    def current(self) -> str | None:
-        """The tool_use_id of the call running in this task (approvals name it; calls may run in parallel)."""
-        return running_call()
-
-    def specs(self) -> list[ToolSpec]:
-        return [ToolSpec(t.name, t.description, t.schema()) for t in self.tools.offered()]
-
-    def permission(self, name: str) -> str:
-        tool = self.tools.toolset.get(name)
-        if tool is None:
-            return "unknown"
-        return str(decide(self.tools.tier, tool.action, plan=self.tools.plan))
-
-    def read_only(self, name: str) -> bool:
-        tool = self.tools.toolset.get(name)
-        return tool is not None and tool.read_only
-
-    def parallel(self, call: ToolCall) -> bool:
-        tool = self.tools.toolset.get(call.name)
-        agent = call.input.get("agent")
-        return (
-            tool is not None and tool.action == Action.TASK and self.subagents is not None
-            and isinstance(agent, str) and self.subagents.read_only(agent)
-        )  # fmt: skip
-
-    async def call(self, call: ToolCall, preapproved: str | None = None) -> ToolResult:
-        problem = invalid_arguments(call)  # a provider sent arguments that are not JSON
-        if problem is not None:
-            return ToolResult.error(problem)
-        self.tools.machine = await self.open_machine()
-        with calling(call.id):
-            return await self.tools.call(call.name, call.input, preapproved=preapproved)
 
 
 class Worker:

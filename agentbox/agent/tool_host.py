@@ -1,0 +1,58 @@
+"""A turn's tools as the loop needs them: `SessionTools` over the session's machine, opened
+before each call, with the running call's id known to approvals and subagents."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from agentbox.agent.models import ToolCall, ToolSpec
+from agentbox.agent.providers.arguments import invalid_arguments
+from agentbox.agent.subagents import Subagents, calling, running_call
+from agentbox.tools.base import Action, ToolResult
+from agentbox.tools.runner import SessionTools
+from agentbox.tools.tiers import decide
+
+
+@dataclass
+class SessionToolHost:
+    """`SessionTools` as the loop needs it; the session's machine is (re)opened before each call."""
+
+    tools: SessionTools
+    open_machine: Callable[[], Awaitable[Any]]
+    subagents: Subagents | None = None
+
+    @property
+    def current(self) -> str | None:
+        """The tool_use_id of the call running in this task (approvals name it; calls may run in parallel)."""
+        return running_call()
+
+    def specs(self) -> list[ToolSpec]:
+        return [ToolSpec(t.name, t.description, t.schema()) for t in self.tools.offered()]
+
+    def permission(self, name: str) -> str:
+        tool = self.tools.toolset.get(name)
+        if tool is None:
+            return "unknown"
+        return str(decide(self.tools.tier, tool.action, plan=self.tools.plan))
+
+    def read_only(self, name: str) -> bool:
+        tool = self.tools.toolset.get(name)
+        return tool is not None and tool.read_only
+
+    def parallel(self, call: ToolCall) -> bool:
+        tool = self.tools.toolset.get(call.name)
+        agent = call.input.get("agent")
+        return (
+            tool is not None and tool.action == Action.TASK and self.subagents is not None
+            and isinstance(agent, str) and self.subagents.read_only(agent)
+        )  # fmt: skip
+
+    async def call(self, call: ToolCall, preapproved: str | None = None) -> ToolResult:
+        problem = invalid_arguments(call)  # a provider sent arguments that are not JSON
+        if problem is not None:
+            return ToolResult.error(problem)
+        self.tools.machine = await self.open_machine()
+        with calling(call.id):
+            return await self.tools.call(call.name, call.input, preapproved=preapproved)
