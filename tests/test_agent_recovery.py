@@ -20,7 +20,7 @@ import pytest
 from agentbox.agent.recovery import RECOVERY, Act, State
 from agentbox.store.approvals import ApprovalsRepo, Decision
 from agentbox.store.db import Database
-from agentbox.store.sessions import INTERRUPTED, TERMINAL_EVENTS, Message, SessionStore, insert_message
+from agentbox.store.sessions import INTERRUPTED, TERMINAL_EVENTS, Event, Message, SessionStore, insert_message
 from tests.test_agent_loop import DEADLINE, Kit, bash, make_kit, terminal, wait_for
 
 #: The server stand-in: opens the home, recovers, runs turns until killed.
@@ -84,6 +84,10 @@ def side_lines(kit: Kit, session_id: str) -> list[str]:
     return (kit.registry.session_dir(session_id) / "workspace" / "side.txt").read_text().splitlines()
 
 
+def in_second_model_call(rows: list[Message]) -> bool:
+    return any(m.role == "tool" for m in rows) and any(m.status == "streaming" for m in rows)
+
+
 async def test_kill_during_a_model_call_then_restart(sandbox_tmp: Path) -> None:
     home = sandbox_tmp / "home"
     script = [
@@ -96,7 +100,9 @@ async def test_kill_during_a_model_call_then_restart(sandbox_tmp: Path) -> None:
     child = spawn(home)
     try:
         async with Database.in_home(home) as db:
-            await until(SessionStore(db), session_id, lambda rows: any(m.status == "streaming" for m in rows))
+            # the hanging call: the bash call's own reply was streaming for a moment too, so wait
+            # for its result first, or the kill may land during the bash call instead
+            await until(SessionStore(db), session_id, in_second_model_call)
     finally:
         kill(child)
     kit = await make_kit(home)
@@ -203,6 +209,19 @@ async def test_a_turn_awaiting_approval_stays_waiting_after_a_restart(sandbox_tm
         await kit.close()
 
 
+async def two_turns_left_asking(home: Path, script: list[Any]) -> tuple[str, list[str], Event]:
+    """A full-ask session with two turns, the first waiting for its approval; then a graceful
+    shutdown (the question survives it). (session id, turn ids, the approval.requested event)."""
+    kit = await make_kit(home)
+    try:
+        session = await kit.worker.create_session("scripted", permission_mode="full-ask", script=script)
+        turns = [(await kit.worker.submit(session.id, f"message {i}")).turn.id for i in range(2)]
+        asked = await wait_for(kit, session.id, lambda e: e.type == "approval.requested")
+    finally:
+        await kit.close()
+    return session.id, turns, asked
+
+
 @pytest.mark.parametrize("decision", ["allow", "deny"])
 async def test_answering_an_approval_after_a_restart_resumes_the_turn(
     sandbox_tmp: Path, decision: Decision
@@ -216,35 +235,29 @@ async def test_answering_an_approval_after_a_restart_resumes_the_turn(
         {"expect": {"tool_result_contains": seen}, "text": "resumed"},
         {"text": "second turn"},
     ]
+    session_id, turns, asked = await two_turns_left_asking(home, script)
     kit = await make_kit(home)
     try:
-        session = await kit.worker.create_session("scripted", permission_mode="full-ask", script=script)
-        turns = [(await kit.worker.submit(session.id, f"message {i}")).turn.id for i in range(2)]
-        asked = await wait_for(kit, session.id, lambda e: e.type == "approval.requested")
-    finally:
-        await kit.close()
-    kit = await make_kit(home)
-    try:
-        await kit.worker.idle(session.id)
+        await kit.worker.idle(session_id)
         assert (await kit.store.get_turn(turns[0])).status == "awaiting_approval"
-        assert [a.id for a in await kit.approvals.repo.pending(session.id)] == [asked.data["approval_id"]]
-        side = kit.registry.session_dir(session.id) / "workspace" / "side.txt"
+        assert [a.id for a in await kit.approvals.repo.pending(session_id)] == [asked.data["approval_id"]]
+        side = kit.registry.session_dir(session_id) / "workspace" / "side.txt"
         assert not side.exists()
         await kit.approvals.resolve(asked.data["approval_id"], decision, message="not now")
         for turn_id in turns:
-            assert (await terminal(kit, session.id, turn_id)).type == "turn.completed"
-        await check_log(kit, session.id, turns)
+            assert (await terminal(kit, session_id, turn_id)).type == "turn.completed"
+        await check_log(kit, session_id, turns)
         if decision == "allow":
-            assert side_lines(kit, session.id) == ["ran"]
+            assert side_lines(kit, session_id) == ["ran"]
         else:
             assert not side.exists()
         results = [
-            e for e in await kit.store.list_events(session.id, limit=1000) if e.type == "agent.tool_result"
+            e for e in await kit.store.list_events(session_id, limit=1000) if e.type == "agent.tool_result"
         ]
         assert len(results) == 1 and results[0].data["is_error"] == (decision == "deny")
         assert seen in results[0].data["content"][0]["text"]
-        assert await kit.approvals.repo.pending(session.id) == []
-        (resolved,) = [e for e in await kit.store.list_events(session.id) if e.type == "approval.resolved"]
+        assert await kit.approvals.repo.pending(session_id) == []
+        (resolved,) = [e for e in await kit.store.list_events(session_id) if e.type == "approval.resolved"]
         assert resolved.data["tool_use_id"] == asked.data["tool_use_id"] == results[0].data["tool_use_id"]
     finally:
         await kit.close()
@@ -293,20 +306,14 @@ async def test_a_turn_resumed_mid_way_tells_its_signals_only_at_the_next_turn(sa
         {"expect": {"tool_result_contains": "ran"}, "text": "resumed"},
         {"text": "next"},
     ]
+    session_id, turns, asked = await two_turns_left_asking(home, script)
     kit = await make_kit(home)
     try:
-        session = await kit.worker.create_session("scripted", permission_mode="full-ask", script=script)
-        turns = [(await kit.worker.submit(session.id, f"message {i}")).turn.id for i in range(2)]
-        asked = await wait_for(kit, session.id, lambda e: e.type == "approval.requested")
-    finally:
-        await kit.close()
-    kit = await make_kit(home)
-    try:
-        await kit.worker.update_session(session.id, {"permission_mode": "full-auto"})
+        await kit.worker.update_session(session_id, {"permission_mode": "full-auto"})
         await kit.approvals.resolve(asked.data["approval_id"], "allow")
         for turn_id in turns:
-            assert (await terminal(kit, session.id, turn_id)).type == "turn.completed"
-        rows = await kit.store.transcript(session.id)
+            assert (await terminal(kit, session_id, turn_id)).type == "turn.completed"
+        rows = await kit.store.transcript(session_id)
         first = [(m.role, "signal" in m.content) for m in rows if m.turn_id == turns[0]]
         assert first == [("user", False), ("assistant", False), ("tool", False), ("assistant", False)]
         second = [(m.role, "signal" in m.content) for m in rows if m.turn_id == turns[1]]

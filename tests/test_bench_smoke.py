@@ -169,4 +169,6 @@ def test_bench_runtime_quick(tmp_path: Path) -> None:
     document = run_quick("bench_runtime.py", tmp_path / "runtime.json")
     check_figures(document, RUNTIME_FIGURES, "bench_runtime")
     assert document["figures"]["compaction_200"]["extra"] == {"compacted": True}
-    assert document["figures"]["context_request_200"]["raw"] == document["figures"]["transcript_200"]["median"]
+    assert (
+        document["figures"]["context_request_200"]["raw"] == document["figures"]["transcript_200"]["median"]
+    )
