@@ -126,10 +126,10 @@ async def test_a_scripted_turn_streams_in_order_and_the_views_agree(client: http
     types = [f.event for f in streamed]
     assert in_order(
         [t for t in types if t],
-        ["user.message", "turn.queued", "turn.started", "sandbox.ready", "agent.tool_use",
+        ["user.message", "turn.queued", "turn.started", "agent.tool_use", "sandbox.ready",
          "agent.tool_result", "agent.message", "turn.completed"],
     )  # fmt: skip
-    # sandbox.ready comes when the turn starts: the system prompt describes the machine
+    # sandbox.ready comes when the first tool call starts the machine, after its agent.tool_use
     assert types[0] == "session.created" and types[-1] == "turn.completed"
     assert [f.id for f in streamed] == list(range(1, len(streamed) + 1))
     assert all(f.data is not None and f.data["seq"] == f.id and f.data["type"] == f.event for f in streamed)

@@ -379,3 +379,24 @@ async def test_an_agent_with_its_own_model_gets_the_sessions_options_only_from_t
         assert built.count(("scripted", {"temperature": 0.5})) == len(built) - 1
     finally:
         await kit.close()
+
+
+async def test_describing_the_machine_starts_no_sandbox(recorded: tuple[Kit, list[ModelRequest]]) -> None:
+    """The prompt describes the sandbox through an unstarted view of it (its workspace is a host
+    folder): a turn that only talks starts nothing; the first tool call does."""
+    kit, requests = recorded
+    session = await kit.worker.create_session("scripted", script=[{"text": "just talk"}, bash("true"), {}])
+    workspace = kit.registry.session_dir(session.id) / "workspace"
+    workspace.mkdir(parents=True)
+    (workspace / "AGENTS.md").write_text("Seen without a sandbox.")
+    (workspace / "AGENTS.md").chmod(0o644)
+    (workspace / "CLAUDE.md").symlink_to("/etc/shadow")  # the sandbox's /etc, not the host's
+    await run(kit, session.id, "hello")
+    assert kit.registry.entries() == []
+    system = requests[0].system
+    assert "# CLAUDE.md" not in system and "root:" not in system
+    assert "Seen without a sandbox." in system and "- AGENTS.md" in system
+    assert "Machine: sandbox (sandbox, linux), workspace /workspace" in system
+    turn = await run(kit, session.id, "now run something")
+    assert [e.type for e in await turn_events(kit, session.id, turn)].count("sandbox.ready") == 1
+    assert [e.machine.name for e in kit.registry.entries()] == ["sandbox"]

@@ -7,9 +7,10 @@ and classifies every open turn (Flue's recovery, a.9) before acting on it.
 What a turn is given (`_work`): the session's model (`models(session)`: the scripted model or
 a provider with the session's `model_options`), its tools (the toolset, its MCP servers' tools,
 `task` with a `Subagents` delegate; a session whose machine is `NO_MACHINE` keeps only the tools
-that need no machine) and a `TurnContext` over the session's baselines. The machine is opened
-when the turn starts, not at its first tool call: the system prompt describes it (seed 004's
-machine line, the workspace listing, AGENTS.md), and the signals compare it at each boundary.
+that need no machine) and a `TurnContext` over the session's baselines. The system prompt and
+the signals describe the machine (seed 004's machine line, the workspace listing, AGENTS.md)
+through `Registry.view`, which starts nothing: a sandbox starts at the first tool call that
+needs it, so a turn that only talks costs no sandbox.
 
 FIFO: each session has at most one drain task, which takes the first open turn, runs it to
 its end, and takes the next. A message that arrives while a turn runs is queued as its own
@@ -501,8 +502,7 @@ class Worker:
     async def _surroundings(self, session: Session, host: SessionToolHost) -> Surroundings:
         """What the prompt describes now; also refreshes the subagents' roster and facts."""
         session = await self.store.get_session(session.id)
-        machine = await self._machine(session)
-        host.tools.machine = machine
+        machine = None if session.machine == NO_MACHINE else self.registry.view(session.id, session.machine)
         skills = catalog(machine, host.tools.config) if machine is not None else []
         agents: list[Any] = []
         if host.subagents is not None:

@@ -180,17 +180,38 @@ class Registry:
         """The entry's options with `enc:` secrets decrypted: only when opening it."""
         return SecretBox(self.settings.home).decrypt_fields(config.options, SECRET_FIELDS)
 
+    def view(self, session_id: str | None = None, name: str | None = None) -> Machine:
+        """The machine as a session would get it, without starting anything: the live one if it
+        is open, else an unstarted one whose path map works (the workspace is a host folder), so
+        it can be described (a system prompt's machine line, listing, AGENTS.md) for nothing."""
+        config = self.config(name)
+        sid = (session_id or DEFAULT_SESSION) if config.per_session else None
+        entry = self._entries.get((config.name, sid))
+        if entry is not None:
+            return entry.machine
+        return self._machine(config, sid, new_id("sbx"))
+
     async def _create(self, config: MachineConfig, session_id: str | None) -> Entry:
-        env = self._env(config, session_id)
         config = MachineConfig(config.name, config.kind, self.secrets(config), config.level, config.env)
+        sandbox_id = await self._recovered_id(session_id, config.name) if session_id else None
+        machine = self._machine(config, session_id, sandbox_id or new_id("sbx"))
+        if isinstance(machine, SandboxMachine):
+            assert session_id is not None
+            await machine.start()
+            await self._mark(session_id, config, machine)
+            return Entry(machine, config, session_id)
+        return Entry(machine, config, None)
+
+    def _machine(self, config: MachineConfig, session_id: str | None, sandbox_id: str) -> Machine:
+        """The machine object for `config` (not started)."""
+        env = self._env(config, session_id)
         if config.kind == "local":
             root = Path(config.options.get("root") or self.settings.home / "local")
-            return Entry(LocalMachine(config.name, root, env), config, None)
+            return LocalMachine(config.name, root, env)
         if config.kind != "sandbox":
             raise MachineNotFound(f"machine kind {config.kind!r} is not available in this build")
         assert session_id is not None
-        sandbox_id = await self._recovered_id(session_id, config.name) or new_id("sbx")
-        machine = SandboxMachine(
+        return SandboxMachine(
             config.name,
             sandbox_id,
             self.sandbox_host,
@@ -198,9 +219,6 @@ class Registry:
             self.session_dir(session_id) / "workspace",
             self.session_dir(session_id) / "run" / config.name,
         )
-        await machine.start()
-        await self._mark(session_id, config, machine)
-        return Entry(machine, config, session_id)
 
     async def _resume(self, entry: Entry) -> Entry:
         machine = entry.machine
