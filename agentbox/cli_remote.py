@@ -15,12 +15,15 @@ in-process renderer (`cli_run.follow`) shows them unchanged. The stream is read 
 `until=turn_end` and closed by this side after its own turn's terminal event (the server's
 `until` follows the turn running at request time, which may be another client's).
 
-Every failure to talk to the server (refused connection, timeout, 401, an error envelope, a
-stream that ends before the turn did) is a `RemoteError`: one line, exit status 3, no traceback.
+A stream that breaks before the turn ends is opened again from the last event seen
+(`RECONNECTS` times): a restarted server recovers the turn and the client follows it. Every
+failure to talk to the server (refused connection, timeout, 401, an error envelope, a stream
+that stays lost) is a `RemoteError`: one line, exit status 3, no traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
@@ -54,6 +57,10 @@ REQUEST_TIMEOUT_S = 30.0
 HEARTBEAT_S = 15.0
 #: Seconds the stream may stay silent (no event, no heartbeat) before the server counts as lost.
 STREAM_SILENCE_S = 3 * HEARTBEAT_S
+#: Times a broken event stream is opened again (from the last event seen) before giving up.
+RECONNECTS = 4
+#: Seconds before the first reconnect; doubled for each further one (0.5 + 1 + 2 + 4 = 7.5 s).
+RECONNECT_DELAY_S = 0.5
 #: Characters of a non-envelope error body quoted in a `RemoteError`.
 ERROR_BODY_CHARS = 200
 #: The wire keys of an event that are its envelope; the rest is its `data` (`Event.to_dict`).
@@ -152,28 +159,38 @@ class Remote:
         return int(session["last_seq"])
 
     async def stream(self, session_id: str, after: int, turn_id: str) -> AsyncGenerator[Item, None]:
-        """The session's events (and text deltas) after `after`, until `turn_id`'s terminal event."""
+        """The session's events (and text deltas) after `after`, until `turn_id`'s terminal event.
+
+        A stream that breaks is opened again from the last event seen (the log replays from
+        there, so nothing is shown twice or missed), `RECONNECTS` times with a doubling wait:
+        a server that restarts recovers the turn, and this side follows it to its end.
+        """
         path = f"/v1/sessions/{session_id}/events/stream"
-        params: dict[str, Any] = {"after": after, "deltas": "true", "heartbeat": HEARTBEAT_S}
         timeout = httpx.Timeout(REQUEST_TIMEOUT_S, read=STREAM_SILENCE_S)
-        try:
-            async with self.client.stream("GET", path, params=params, timeout=timeout) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise refusal(response)
-                async for frame in sse_events(response.aiter_bytes()):
-                    item = item_of(frame, after)
-                    if isinstance(item, Event):
-                        after = item.seq
-                    yield item
-                    if isinstance(item, Event) and item.turn_id == turn_id and item.type in EXIT_CODES:
-                        return
-        except httpx.HTTPError as exc:
-            lost = f"lost the event stream of {self.url} ({exc or type(exc).__name__})"
-        except (ValueError, KeyError, TypeError) as exc:
-            lost = f"a malformed event on the stream of {self.url} ({exc})"
-        else:
-            lost = f"{self.url} closed the event stream"
+        lost = ""
+        for attempt in range(RECONNECTS + 1):
+            if attempt:
+                await asyncio.sleep(RECONNECT_DELAY_S * 2 ** (attempt - 1))
+            params: dict[str, Any] = {"after": after, "deltas": "true", "heartbeat": HEARTBEAT_S}
+            try:
+                async with self.client.stream("GET", path, params=params, timeout=timeout) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise refusal(response)
+                    async for frame in sse_events(response.aiter_bytes()):
+                        item = item_of(frame, after)
+                        if isinstance(item, Event):
+                            after = item.seq
+                        yield item
+                        if isinstance(item, Event) and item.turn_id == turn_id and item.type in EXIT_CODES:
+                            return
+            except httpx.HTTPError as exc:
+                lost = f"lost the event stream of {self.url} ({exc or type(exc).__name__})"
+            except (ValueError, KeyError, TypeError) as exc:
+                lost = f"a malformed event on the stream of {self.url} ({exc})"
+                break
+            else:
+                lost = f"{self.url} closed the event stream"
         raise RemoteError(
             f"{lost} before turn {turn_id} ended; it may still run: agentbox events {session_id} --url {self.url}"
         )

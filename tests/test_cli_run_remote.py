@@ -218,6 +218,40 @@ def test_a_server_lost_mid_turn_exits_3_without_a_traceback(sandbox_tmp: Path, c
         stop_server(lost)
 
 
+def test_a_server_restarted_mid_turn_is_followed_to_the_end(sandbox_tmp: Path, client_home: Path) -> None:
+    """Killed while a command runs, started again on the same home and port: the new server
+    recovers the turn (the command's outcome is unknown, so it says so and goes on), and the
+    client, reconnecting from the last event it saw, shows its end."""
+    home = sandbox_tmp / "restart-home"
+    first = start_server(home, SERVER_ENV)
+    port = int(first.url.rsplit(":", 1)[1])
+    steps = [bash("sleep 600"), {"text": "finished after the restart"}]
+    script = script_file(client_home.parent, steps)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agentbox", "run", "--url", first.url, "--script", str(script), "wait"],
+        env=cli_env(client_home), cwd=sandbox_tmp, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    second = None
+    try:
+        assert process.stdout is not None
+        while b"bash" not in (line := process.stdout.readline()):  # the call is recorded: kill now
+            assert line, "the client ended before the command started"
+        first.process.kill()
+        first.process.wait()
+        second = start_server(home, SERVER_ENV, port=port)
+        assert process.wait(timeout=CLI_DEADLINE) == EXIT_CODES["turn.completed"]
+        out = process.stdout.read().decode()
+        assert "finished after the restart" in out and "interrupted before completion" in out
+        assert "Traceback" not in out
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if second is not None:
+            stop_server(second)
+
+
 # ------------------------------------------------------------------ the client, in this process
 
 
