@@ -20,17 +20,14 @@ Configuration: `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY`, overridden by the ses
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import httpx
-
-from agentbox.agent.limits import LIMIT_OPTIONS
 from agentbox.agent.models import ChatMessage, ModelRequest, Reply, ToolCall, Usage
 from agentbox.agent.providers.arguments import parse_arguments, raw_arguments
+from agentbox.agent.providers.endpoint import endpoint
 from agentbox.agent.providers.errors import ServerError, classify_stream_error
 from agentbox.agent.providers.sse import post_sse
 
@@ -40,11 +37,8 @@ DEFAULT_BASE_URL = "https://api.anthropic.com"
 API_VERSION = "2023-06-01"
 #: `max_tokens` (required by the API) unless the session's options say otherwise.
 MAX_TOKENS = 8192
-#: Seconds to connect; seconds of silence mid-stream before the call is a `Timeout`.
-CONNECT_TIMEOUT = 10.0
-READ_TIMEOUT = 300.0
-#: `model_options` keys that configure the client rather than the request body.
-CLIENT_OPTIONS = frozenset({"base_url", "api_key", "timeout", "prompt_caching", *LIMIT_OPTIONS})
+#: `model_options` keys of this adapter's own that configure it rather than the request body.
+OWN_OPTIONS = frozenset({"prompt_caching"})
 #: Where prompt caching marks a breakpoint: the end of the tools, of the system prompt and of the
 #: conversation so far (the API allows 4). The system prompt is frozen per baseline and the
 #: conversation only grows, so each call reads the previous call's prefix from the cache.
@@ -57,15 +51,13 @@ class AnthropicModel:
     """A `Model` over `POST {base_url}/v1/messages` with `stream: true`."""
 
     def __init__(self, model: str, options: Mapping[str, Any] | None = None) -> None:
-        options = dict(options or {})
         self.model = model
         self.name = f"anthropic:{model}"
-        base = options.get("base_url") or os.environ.get("ANTHROPIC_BASE_URL") or DEFAULT_BASE_URL
-        self.url = str(base).rstrip("/") + "/v1/messages"
-        self.api_key = options.get("api_key") or os.environ.get("ANTHROPIC_API_KEY") or ""
-        self.timeout = httpx.Timeout(float(options.get("timeout") or READ_TIMEOUT), connect=CONNECT_TIMEOUT)
-        self.extra = {k: v for k, v in options.items() if k not in CLIENT_OPTIONS}
-        self.caching = options.get("prompt_caching", True) is not False
+        self.endpoint = endpoint(
+            options, env_prefix="ANTHROPIC", default_base_url=DEFAULT_BASE_URL, path="/v1/messages",
+            own_options=OWN_OPTIONS,
+        )  # fmt: skip
+        self.caching = (options or {}).get("prompt_caching", True) is not False
 
     async def query(self, request: ModelRequest) -> Reply:
         headers = {
@@ -73,10 +65,11 @@ class AnthropicModel:
             "accept": "text/event-stream",
             "anthropic-version": API_VERSION,
         }
-        if self.api_key:
-            headers["x-api-key"] = self.api_key
+        if self.endpoint.api_key:
+            headers["x-api-key"] = self.endpoint.api_key
         stream = MessageStream(on_text=getattr(request, "on_text", None))
-        events = post_sse(self.url, headers, self.body(request), timeout=self.timeout, provider=self.name)
+        url, timeout = self.endpoint.url, self.endpoint.timeout
+        events = post_sse(url, headers, self.body(request), timeout=timeout, provider=self.name)
         async with aclosing(events):
             async for event in events:
                 if stream.feed(event.event, decode_event(event.data)):
@@ -100,7 +93,7 @@ class AnthropicModel:
             ]
         if self.caching:
             mark_cache_breakpoints(body)
-        body.update(self.extra)
+        body.update(self.endpoint.extra)
         if request.max_tokens is not None:
             body["max_tokens"] = min(request.max_tokens, int(body["max_tokens"]))
         return body

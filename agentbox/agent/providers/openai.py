@@ -14,49 +14,39 @@ are added to the request body.
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
-from agentbox.agent.limits import LIMIT_OPTIONS
 from agentbox.agent.models import ModelRequest, Reply, ToolCall, Usage
 from agentbox.agent.providers.arguments import parse_arguments, raw_arguments
+from agentbox.agent.providers.endpoint import endpoint
 from agentbox.agent.providers.errors import ServerError, classify_stream_error
 from agentbox.agent.providers.sse import post_sse
 
 #: Where requests go without `OPENAI_BASE_URL` or a `base_url` option.
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
-#: Seconds to connect; seconds of silence mid-stream before the call is a `Timeout`.
-CONNECT_TIMEOUT = 10.0
-READ_TIMEOUT = 300.0
-#: `model_options` keys that configure the client rather than the request body.
-CLIENT_OPTIONS = frozenset({"base_url", "api_key", "timeout", *LIMIT_OPTIONS})
 
 
 class OpenAIModel:
     """A `Model` over `POST {base_url}/chat/completions` with `stream: true`."""
 
     def __init__(self, model: str, options: Mapping[str, Any] | None = None) -> None:
-        options = dict(options or {})
         self.model = model
         self.name = f"openai:{model}"
-        base = options.get("base_url") or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
-        self.url = str(base).rstrip("/") + "/chat/completions"
-        self.api_key = options.get("api_key") or os.environ.get("OPENAI_API_KEY") or ""
-        self.timeout = httpx.Timeout(float(options.get("timeout") or READ_TIMEOUT), connect=CONNECT_TIMEOUT)
-        self.extra = {k: v for k, v in options.items() if k not in CLIENT_OPTIONS}
+        self.endpoint = endpoint(
+            options, env_prefix="OPENAI", default_base_url=DEFAULT_BASE_URL, path="/chat/completions"
+        )
 
     async def query(self, request: ModelRequest) -> Reply:
         headers = {"content-type": "application/json", "accept": "text/event-stream"}
-        if self.api_key:
-            headers["authorization"] = f"Bearer {self.api_key}"
+        if self.endpoint.api_key:
+            headers["authorization"] = f"Bearer {self.endpoint.api_key}"
         stream = ChatStream(on_text=getattr(request, "on_text", None))
-        events = post_sse(self.url, headers, self.body(request), timeout=self.timeout, provider=self.name)
+        url, timeout = self.endpoint.url, self.endpoint.timeout
+        events = post_sse(url, headers, self.body(request), timeout=timeout, provider=self.name)
         async with aclosing(events):
             async for event in events:
                 if event.data.strip() == "[DONE]":
@@ -79,7 +69,7 @@ class OpenAIModel:
                 }
                 for t in request.tools
             ]
-        body.update(self.extra)
+        body.update(self.endpoint.extra)
         if request.max_tokens is not None:
             body["max_tokens"] = min(request.max_tokens, int(body.get("max_tokens") or request.max_tokens))
         return body
