@@ -53,6 +53,18 @@ GREP_RATIO_TARGET = 1.3
 
 #: Exit status when some route is not served (the figures that could run are still printed).
 MISSING_ROUTES_EXIT = 3
+
+
+def exit_status(missing: list[str], what: str) -> int:
+    """0, or (after naming them on stderr) MISSING_ROUTES_EXIT when routes were missing."""
+    if not missing:
+        return 0
+    print(f"not measured, the server does not serve {what} yet:", file=sys.stderr)
+    for m in missing:
+        print(f"  {m}", file=sys.stderr)
+    return MISSING_ROUTES_EXIT
+
+
 #: Seconds the server may take to answer /health.
 SERVER_START_TIMEOUT = 30.0
 #: Seconds the first command may take (it starts the session's sandbox).
@@ -596,12 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     print(footer(time.perf_counter() - started))
     if args.json:
         write_json(args.json, "bench_api", args.quick, figures, missing_routes=missing, **details)
-    if missing:
-        print("not measured, the server does not serve these routes yet:", file=sys.stderr)
-        for m in missing:
-            print(f"  {m}", file=sys.stderr)
-        return MISSING_ROUTES_EXIT
-    return 0
+    return exit_status(missing, "these routes")
 
 
 if __name__ == "__main__":

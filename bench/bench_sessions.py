@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_api import MISSING_ROUTES_EXIT, ApiError, MissingRoute, Server, call, serving
+from bench_api import ApiError, MissingRoute, Server, call, exit_status, serving
 from figures import (
     Figure,
     Target,
@@ -576,12 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     print(footer(time.perf_counter() - started))
     if args.json:
         write_json(args.json, "bench_sessions", args.quick, figures, missing_routes=missing, **details)
-    if missing:
-        print("not measured, the server does not serve the sessions API yet:", file=sys.stderr)
-        for m in missing:
-            print(f"  {m}", file=sys.stderr)
-        return MISSING_ROUTES_EXIT
-    return 0
+    return exit_status(missing, "the sessions API")
 
 
 if __name__ == "__main__":
