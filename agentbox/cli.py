@@ -76,17 +76,10 @@ def exec(
 
 
 async def _exec(argv: list[str], session: str, machine_name: str | None, cwd: str | None) -> int:
+    from agentbox.home import opened_home
     from agentbox.machines.base import ExecRequest, iter_output
-    from agentbox.machines.registry import Registry
-    from agentbox.store.db import Database
-    from agentbox.store.markers import MarkersRepo
 
-    settings = config_mod.load()
-    settings.home.mkdir(parents=True, exist_ok=True)
-    db = Database.in_home(settings.home)
-    await db.connect()
-    registry = Registry(settings, MarkersRepo(db))
-    try:
+    async with opened_home(config_mod.load()) as (_, registry):
         m = await registry.open(session, machine_name)
         request = (
             ExecRequest(argv=tuple(argv), cwd=cwd) if len(argv) > 1 else ExecRequest(command=argv[0], cwd=cwd)
@@ -97,9 +90,6 @@ async def _exec(argv: list[str], session: str, machine_name: str | None, cwd: st
             out.write(chunk)
             out.flush()
         return await process.wait()
-    finally:
-        await registry.shutdown()
-        await db.close()
 
 
 @app.command("mcp")

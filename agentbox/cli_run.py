@@ -40,7 +40,6 @@ from agentbox.agent.events import Delta
 from agentbox.agent.models import SCRIPTED, ModelError
 from agentbox.api.sessions import _PROVIDER_MODEL, PROVIDERS, Platform, start_platform
 from agentbox.store.approvals import ApprovalNotPending, Decision, Scope
-from agentbox.store.db import Database
 from agentbox.store.sessions import MAX_EVENTS_PAGE, Event, Session
 
 #: How each terminal turn event maps to the process's exit status.
@@ -176,24 +175,16 @@ def new_session_fields(opts: RunOptions) -> dict[str, Any]:
 @asynccontextmanager
 async def opened_platform() -> AsyncIterator[Platform]:
     """The home's database, registry and file store with a started platform; all closed after."""
-    from agentbox.machines.registry import Registry
+    from agentbox.home import opened_home
     from agentbox.store.files import FileStore
-    from agentbox.store.markers import MarkersRepo
 
     settings = config_mod.load()
-    settings.home.mkdir(parents=True, exist_ok=True)
-    db = Database.in_home(settings.home)
-    await db.connect()
-    registry = Registry(settings, MarkersRepo(db))
-    try:
+    async with opened_home(settings) as (db, registry):
         platform = await start_platform(db, registry, FileStore(db, settings.home))
         try:
             yield platform
         finally:
             await platform.close()
-    finally:
-        await registry.shutdown()
-        await db.close()
 
 
 async def open_session(p: Platform, opts: RunOptions) -> Session:

@@ -60,13 +60,13 @@ from starlette.types import Receive, Scope, Send
 from agentbox import __version__
 from agentbox.api.sandboxes import SESSION_ID_PATTERN
 from agentbox.config import Settings
+from agentbox.home import opened_home
 from agentbox.machines.errors import MachineError
 from agentbox.machines.registry import DEFAULT_SESSION, Registry
 from agentbox.store.approvals import ApprovalsRepo
 from agentbox.store.changes import ChangesRepo
 from agentbox.store.db import Database
 from agentbox.store.files import FileStore
-from agentbox.store.markers import MarkersRepo
 from agentbox.store.todos import TodoRepo
 from agentbox.tools.approvals import Approvals
 from agentbox.tools.base import Action, Block, ImageBlock, Tool, ToolResult
@@ -327,11 +327,7 @@ async def serve_stdio(
     """
     check_session(session_id)
     check_toolset(toolset)
-    settings.home.mkdir(parents=True, exist_ok=True)
-    db = Database.in_home(settings.home)
-    await db.connect()
-    registry = Registry(settings, MarkersRepo(db))
-    try:
+    async with opened_home(settings) as (db, registry):
         host = ToolHost(registry, db, settings.home, machine, client_approves)
         first = await host.tools(session_id, toolset)
 
@@ -341,9 +337,6 @@ async def serve_stdio(
         server = build_server(resolve, instructions=machine_line(first))
         async with stdio_server() as (read_stream, write_stream):
             await server.run(read_stream, write_stream, server.create_initialization_options())
-    finally:
-        await registry.shutdown()
-        await db.close()
 
 
 # ---------------------------------------------------------------------------- HTTP

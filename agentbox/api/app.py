@@ -25,12 +25,10 @@ from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2
 from agentbox.api.envelope import BodyError, body_errors, error_response, query_error
 from agentbox.api.sandboxes import Sandboxes
 from agentbox.config import Settings
+from agentbox.home import opened_home
 from agentbox.machines.errors import MachineError
-from agentbox.machines.registry import Registry
 from agentbox.mcp import McpHttp
-from agentbox.store.db import Database
 from agentbox.store.files import FileStore
-from agentbox.store.markers import MarkersRepo
 from agentbox.workspace.errors import WorkspaceError, translate
 
 ROUTERS = [v2_fs, v2_watch, v2_commands, v2_sandbox, v1_file, v1_shell, v1_bash, v1_sandbox]
@@ -61,26 +59,21 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        settings.home.mkdir(parents=True, exist_ok=True)
-        db = Database.in_home(settings.home)
-        await db.connect()
-        registry = Registry(settings, MarkersRepo(db))
-        await registry.recover()
-        registry.start_janitor()
-        app.state.db = db
-        app.state.files = FileStore(db, settings.home)  # the files API's store (api/files.py)
-        app.state.registry = registry
-        app.state.sandboxes = Sandboxes(registry)
-        # The sessions API's worker and stores (api/sessions.py); starting recovers open turns.
-        app.state.platform = await sessions_api.start_platform(db, registry, app.state.files)
-        try:
-            async with mcp_http.running():
-                yield
-        finally:
-            await app.state.platform.close()
-            await app.state.sandboxes.close()
-            await registry.shutdown()
-            await db.close()
+        async with opened_home(settings) as (db, registry):
+            await registry.recover()
+            registry.start_janitor()
+            app.state.db = db
+            app.state.files = FileStore(db, settings.home)  # the files API's store (api/files.py)
+            app.state.registry = registry
+            app.state.sandboxes = Sandboxes(registry)
+            # The sessions API's worker and stores (api/sessions.py); starting recovers open turns.
+            app.state.platform = await sessions_api.start_platform(db, registry, app.state.files)
+            try:
+                async with mcp_http.running():
+                    yield
+            finally:
+                await app.state.platform.close()
+                await app.state.sandboxes.close()
 
     app = FastAPI(title="agentbox", version=__version__, lifespan=lifespan)
     app.state.settings = settings
