@@ -288,10 +288,11 @@ async def test_a_child_stops_after_max_child_steps(
         )
 
 
-async def test_the_call_id_may_come_from_current_call(machine: LocalMachine, db: Database) -> None:
+async def test_the_call_id_comes_from_the_running_call(machine: LocalMachine, db: Database) -> None:
     tools, events = session_tools(machine, db, Tier.FULL_AUTO), Events()
-    delegate(tools, root(task_call("explore", [{"text": "ok"}])), events, current_call=lambda: "toolu_s0_0")
-    result = await tools.call("task", {"agent": "explore", "prompt": "go"})
+    delegate(tools, root(task_call("explore", [{"text": "ok"}])), events)
+    with calling("toolu_s0_0"):
+        result = await tools.call("task", {"agent": "explore", "prompt": "go"})
     assert result.as_text() == "ok" and events.of("subagent.started")[0]["tool_use_id"] == "toolu_s0_0"
 
 

@@ -121,21 +121,6 @@ class Context(Protocol):
         ...
 
 
-class TranscriptContext:
-    """The whole recorded conversation under a fixed system prompt; no compaction."""
-
-    def __init__(self, store: SessionStore, turn: Turn, system: str = "") -> None:
-        self.store, self.turn, self.system = store, turn, system
-
-    async def request(self, tools: list[ToolSpec]) -> ModelRequest:
-        transcript = await self.store.transcript(self.turn.session_id, through=self.turn)
-        calls = await self.store.model_calls(self.turn.session_id)
-        return ModelRequest(self.system, conversation(transcript), tools, call_index=calls)
-
-    async def after_overflow(self) -> bool:
-        return False
-
-
 class TurnLoop:
     def __init__(
         self,
@@ -144,12 +129,12 @@ class TurnLoop:
         model: Model,
         tools: ToolHost,
         turn: Turn,
+        context: Context,
         *,
-        context: Context | None = None,
         config: LoopConfig | None = None,
     ) -> None:
         self.store, self.bus, self.model, self.tools, self.turn = store, bus, model, tools, turn
-        self.context = context or TranscriptContext(store, turn)
+        self.context = context
         self.config = config or LoopConfig()
         self.steps = 0
         self._call_ids: set[str] | None = None  # the session's tool call ids, read once per turn
@@ -321,11 +306,6 @@ def side_events(result: ToolResult) -> list[NewEvent]:
                 "file_id": record["id"], "filename": record["filename"], "bytes": record["bytes"],
             }))  # fmt: skip
     return events
-
-
-def conversation(transcript: Sequence[Message]) -> list[ChatMessage]:
-    """The recorded rows as model messages; replies that never completed are left out."""
-    return [message for _, message in conversation_rows(transcript)]
 
 
 def conversation_rows(transcript: Sequence[Message]) -> list[tuple[Message, ChatMessage]]:

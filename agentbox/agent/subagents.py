@@ -19,9 +19,8 @@ second slot: it runs inside its ancestor's, which is waiting for it (so chains o
 cannot deadlock on the slots their ancestors hold).
 
 Which task call a child belongs to: its tool_use_id, taken from the context variable set by
-`calling(tool_use_id)` around the call (the parent loop wraps each call; the child loop does
-so itself), else from the `current_call` callable. A context variable and not the tool host's
-`.current`, because parallel calls each see their own.
+`calling(tool_use_id)` around the call (the turn's tool host wraps each call; the child loop
+does so itself). A context variable, because parallel calls each see their own.
 
 How a child run ends (never an exception out of `__call__`, except cancellation):
 
@@ -112,7 +111,6 @@ class Subagents:
         task_path: tuple[str, ...] = (),
         semaphore: asyncio.Semaphore | None = None,
         writer_lock: asyncio.Lock | None = None,
-        current_call: Callable[[], str | None] | None = None,
         max_steps: int = MAX_CHILD_STEPS,
     ) -> None:
         self.agents, self.parent, self.canonical = agents, parent, canonical
@@ -122,7 +120,6 @@ class Subagents:
         """Read-only task slots, shared by the whole tree."""
         self.writer_lock = writer_lock or asyncio.Lock()
         """Held by a task that may change things, shared by the whole tree."""
-        self.current_call = current_call
         self.max_steps = max_steps
         self._unnamed = itertools.count(1)
 
@@ -161,8 +158,7 @@ class Subagents:
 
     def _call_id(self) -> str:
         """The tool_use_id of the running `task` call (see the module docstring)."""
-        found = _tool_use_id.get() or (self.current_call() if self.current_call is not None else None)
-        return found or f"task_{self.depth}_{next(self._unnamed)}"
+        return _tool_use_id.get() or f"task_{self.depth}_{next(self._unnamed)}"
 
     async def _run(self, spec: AgentSpec, call_id: str, prompt: str, description: str) -> ToolResult:
         path = (*self.task_path, call_id)

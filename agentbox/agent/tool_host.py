@@ -9,7 +9,7 @@ from typing import Any
 
 from agentbox.agent.models import ToolCall, ToolSpec
 from agentbox.agent.providers.arguments import invalid_arguments
-from agentbox.agent.subagents import Subagents, calling, running_call
+from agentbox.agent.subagents import Subagents, calling
 from agentbox.tools.base import Action, ToolResult
 from agentbox.tools.runner import SessionTools
 from agentbox.tools.tiers import decide
@@ -22,11 +22,6 @@ class SessionToolHost:
     tools: SessionTools
     open_machine: Callable[[], Awaitable[Any]]
     subagents: Subagents | None = None
-
-    @property
-    def current(self) -> str | None:
-        """The tool_use_id of the call running in this task (approvals name it; calls may run in parallel)."""
-        return running_call()
 
     def specs(self) -> list[ToolSpec]:
         return [ToolSpec(t.name, t.description, t.schema()) for t in self.tools.offered()]
