@@ -5,6 +5,7 @@ nothing runs in-process."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentbox import cli_remote
 from agentbox.cli_remote import ERROR_BODY_CHARS, RemoteError, connected, refusal
 from agentbox.cli_run import EXIT_CODES, EXIT_REFUSED, RESULT_LINES
 from agentbox.store.sessions import MAX_EVENTS_PAGE, Event
@@ -315,3 +317,33 @@ async def test_an_answer_that_is_not_json_is_one_line(server: Server) -> None:
     async with connected(server.url, None) as remote:
         with pytest.raises(RemoteError, match="not a JSON answer"):
             await remote.call("GET", "/docs")
+
+
+async def test_a_broken_stream_is_opened_again_reconnects_times_then_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that answers each stream request with a 200 and then hangs up: the client opens
+    the stream 1 + RECONNECTS times, always from the last event seen, then raises."""
+    monkeypatch.setattr(cli_remote, "RECONNECT_DELAY_S", 0.001)
+    opened: list[str] = []
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        opened.append((await reader.readuntil(b"\r\n\r\n")).decode().split()[1])
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 1000\r\n\r\n")
+        writer.write(b'id: 7\nevent: user.message\ndata: {"id": "evt_x", "seq": 7, "type": "user.message", '
+                     b'"session_id": "ses_x", "turn_id": "trn_x", "created_at": "t"}\n\n')  # fmt: skip
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with connected(url, None) as remote:
+            with pytest.raises(RemoteError, match="before turn trn_x ended"):
+                async for _ in remote.stream("ses_x", 0, "trn_x"):
+                    pass
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert len(opened) == 1 + cli_remote.RECONNECTS
+    assert "after=0" in opened[0] and all("after=7" in path for path in opened[1:])
