@@ -16,7 +16,6 @@ import contextlib
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 OS = Literal["linux", "darwin", "windows"]
@@ -128,24 +127,6 @@ class Machine(Protocol):
     async def chown(self, path: str, user: str) -> None: ...
 
     async def close(self) -> None: ...
-
-
-@runtime_checkable
-class HostMapped(Protocol):
-    """A machine whose files are host files the server can open directly.
-
-    `local` and `sandbox` machines are; file operations, grep and watch then run on host
-    paths with no process spawn. `host_path` is the single place that maps an inside path
-    to a host path and refuses escapes.
-    """
-
-    def host_path(self, path: str, *, write: bool = False, follow: bool = True) -> Path: ...
-
-    def inside_path(self, host: Path) -> str: ...
-
-    def default_owner(self) -> tuple[int, int] | None:
-        """The host uid/gid new files should get so the machine's processes can use them."""
-        ...
 
 
 Listener = Callable[[str, str], None]

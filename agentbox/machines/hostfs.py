@@ -1,21 +1,25 @@
-"""File methods of the `Machine` protocol for machines whose files are host files.
+"""`HostFiles`: the declared capability of machines whose files the server reaches directly.
 
-`local` and `sandbox` share this: every method resolves through the machine's `PathMap`
-and then works on the host path directly, with no process spawn. New files and
-directories get the machine's default owner so that its processes can use them.
+`local` and `sandbox` have it: their `view` (`hostview.HostView`) opens every file relative to
+a descriptor of the mount it lives on, with no process spawn and no path ever resolved by name
+on the host. The workspace layer works through `view`; the `Machine` file methods here are the
+same operations for callers that only know the protocol. New files and directories get the
+machine's default owner so that its processes can use them.
 """
 
 from __future__ import annotations
 
-import errno
+import asyncio
 import os
-import shutil
 import stat as stat_mod
-from pathlib import Path
 
-from agentbox.machines.base import FileEntry, FileStat
+from agentbox.machines.base import ExecRequest, FileEntry, FileStat, Process
 from agentbox.machines.errors import MachineError, OwnerUnsupported
-from agentbox.machines.pathmap import PathMap, open_nofollow
+from agentbox.machines.hostview import HostView
+
+Owner = tuple[int, int]
+#: Largest file `HostFiles.read` returns whole.
+MAX_MACHINE_READ_BYTES = 64 * 1024 * 1024
 
 
 def to_stat(inside: str, st: os.stat_result, is_symlink: bool = False) -> FileStat:
@@ -34,107 +38,87 @@ def to_stat(inside: str, st: os.stat_result, is_symlink: bool = False) -> FileSt
 
 
 class HostFiles:
-    """Host-path implementations of read/write/list/stat/remove/mkdir/rename/chown."""
+    """Machine file methods over a `HostView`; `view`, `owner` and `users` come from the kind."""
 
-    paths: PathMap
-    owner: tuple[int, int] | None = None
+    name: str
+    view: HostView
+    root: str
+    ripgrep: str
+    """Where `rg` is inside this machine (a search runs as one of its commands)."""
+    owner: Owner | None = None
     #: Inside user names this machine can give files to, mapped to host (uid, gid).
-    users: dict[str, tuple[int, int]] = {}
+    users: dict[str, Owner] = {}
 
-    def host_path(self, path: str, *, write: bool = False, follow: bool = True) -> Path:
-        return self.paths.resolve(path, write=write, follow=follow)
+    async def spawn(self, request: ExecRequest) -> Process:
+        raise NotImplementedError
 
-    def inside_path(self, host: Path) -> str:
-        return self.paths.to_inside(host)
+    def default_owner(self) -> Owner | None:
+        """The host uid/gid new files get so the machine's processes can use them (root only)."""
+        return self.owner if os.geteuid() == 0 else None
 
-    def default_owner(self) -> tuple[int, int] | None:
-        return self.owner
-
-    def give(self, host: Path, owner: tuple[int, int] | None = None) -> None:
-        """Hand a file the server created to the machine's user (no-op when not root)."""
-        uid_gid = owner or self.owner
-        if uid_gid is not None and os.geteuid() == 0:
-            os.lchown(host, *uid_gid)
-
-    def owner_of(self, user: str) -> tuple[int, int]:
+    def owner_of(self, user: str) -> Owner:
         if user in self.users:
             return self.users[user]
         raise OwnerUnsupported(f"this machine cannot give files to user {user!r}", path=None)
 
     async def read(self, path: str) -> bytes:
-        host = self.host_path(path)
-        fd = open_nofollow(host, os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            if stat_mod.S_ISDIR(os.fstat(f.fileno()).st_mode):
-                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-            return f.read()
+        return await asyncio.to_thread(self.view.read_bytes, path, MAX_MACHINE_READ_BYTES)
 
     async def write(self, path: str, data: bytes) -> None:
-        host = self.host_path(path, write=True)
-        existed = host.exists()
-        fd = open_nofollow(host, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        if not existed:
-            self.give(host)
+        await asyncio.to_thread(self._write, path, data)
+
+    def _write(self, path: str, data: bytes) -> None:
+        fd = self.view.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            owner = self.default_owner()
+            if owner is not None and os.fstat(fd).st_uid != owner[0]:
+                os.fchown(fd, *owner)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
 
     async def stat(self, path: str) -> FileStat | None:
-        inside = self.paths.absolute(path)
         try:
-            link = self.host_path(path, follow=False)
-            is_link = link.is_symlink()
-            host = self.host_path(path)
-            return to_stat(inside, host.stat(), is_link)
+            lst = self.view.lstat(path)
+            st = self.view.stat(path) if stat_mod.S_ISLNK(lst.st_mode) else lst
         except FileNotFoundError:
             return None
+        return to_stat(self.view.absolute(path), st, stat_mod.S_ISLNK(lst.st_mode))
 
     async def list(self, path: str) -> list[FileEntry]:
-        host = self.host_path(path)
-        inside = self.paths.absolute(path)
+        inside = self.view.resolve(path)
         entries = []
-        with os.scandir(host) as it:
-            for e in it:
-                child = inside.rstrip("/") + "/" + e.name
-                st = e.stat(follow_symlinks=False)
-                if e.is_symlink():  # the target as the machine sees it, never the host's
-                    try:
-                        st = self.host_path(child).stat()
-                    except (OSError, MachineError):
-                        pass
-                entries.append(FileEntry(e.name, child, to_stat(child, st, e.is_symlink())))
-        return sorted(entries, key=lambda e: e.name)
+        for name, st in self.view.listdir(path):
+            child = inside.rstrip("/") + "/" + name
+            link = stat_mod.S_ISLNK(st.st_mode)
+            if link:  # the target as the machine sees it, never the host's
+                try:
+                    st = self.view.stat(child)
+                except (OSError, MachineError):
+                    pass
+            entries.append(FileEntry(name, child, to_stat(child, st, link)))
+        return entries
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        host = self.host_path(path, write=True, follow=False)
-        if host.is_dir() and not host.is_symlink():
-            if recursive:
-                shutil.rmtree(host)
-            else:
-                host.rmdir()
-        else:
-            host.unlink()
+        self.view.remove(path, recursive=recursive)
 
     async def mkdir(self, path: str, *, parents: bool = False) -> None:
-        host = self.host_path(path, write=True)
+        inside = self.view.absolute(path)
+        missing = [inside]
         if parents:
-            missing = []
-            p = host
-            while not p.exists():
-                missing.append(p)
-                p = p.parent
-            host.mkdir(parents=True, exist_ok=True)
-            for m in missing:
-                self.give(m)
-        else:
-            host.mkdir()
-            self.give(host)
+            while missing[-1] != "/" and not self.view.exists(os.path.dirname(missing[-1])):
+                missing.append(os.path.dirname(missing[-1]))
+        for directory in reversed(missing):
+            try:
+                self.view.mkdir(directory, owner=self.default_owner())
+            except FileExistsError:
+                if not parents or not stat_mod.S_ISDIR(self.view.stat(directory).st_mode):
+                    raise
 
     async def rename(self, src: str, dst: str) -> None:
-        os.rename(
-            self.host_path(src, write=True, follow=False), self.host_path(dst, write=True, follow=False)
-        )
+        self.view.rename(src, dst)
 
     async def chown(self, path: str, user: str) -> None:
-        host = self.host_path(path, write=True, follow=False)
-        uid, gid = self.owner_of(user)
-        os.lchown(host, uid, gid)
+        self.view.chown(path, *self.owner_of(user))

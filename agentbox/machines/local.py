@@ -15,8 +15,9 @@ import signal
 from pathlib import Path
 
 from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
+from agentbox.machines.binaries import ripgrep_binary
 from agentbox.machines.hostfs import HostFiles
-from agentbox.machines.pathmap import Mount, PathMap
+from agentbox.machines.hostview import HostView, Mount
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -62,8 +63,9 @@ class LocalMachine(HostFiles):
         self.name = name
         root.mkdir(parents=True, exist_ok=True)
         self.root = str(root.resolve())
-        self.paths = PathMap([Mount("/", Path("/"))], self.root)
+        self.view = HostView([Mount("/", Path("/"))], self.root)
         self.env = env or {}
+        self.ripgrep = ripgrep_binary()
         self.owner = None
         self.users = {}
 
@@ -71,7 +73,7 @@ class LocalMachine(HostFiles):
         return {"PATH": BASE_PATH, "HOME": os.environ.get("HOME", "/"), "LANG": "C.UTF-8", **self.env}
 
     async def spawn(self, request: ExecRequest) -> HostProcess:
-        cwd = self.paths.absolute(request.cwd or self.root)
+        cwd = self.view.absolute(request.cwd or self.root)
         proc = await asyncio.create_subprocess_exec(
             *request.args(),
             cwd=cwd,

@@ -40,10 +40,11 @@ from typing import Any
 
 from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
+from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.hostfs import HostFiles
-from agentbox.machines.pathmap import Alias, Mount, PathMap
+from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.sysroot import Base, ensure_base, hosts_file, resolv_conf
 
 #: Where a root host keeps the curated base system (rebuilt when the host's /etc or dpkg changes).
@@ -55,6 +56,8 @@ DEFAULT_SANDBOX_UID = 64999
 SANDBOX_HOME = "/root"
 #: Where the exec agent sees the host's /usr read-only when /usr itself is the fuse layer.
 AGENT_USR = "/.agentbox"
+#: Where the server's ripgrep is bound read-only inside every sandbox (searches run it there).
+SANDBOX_RG = "/.agentbox/bin/rg"
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: The whole environment of every process the server starts for a sandbox.
 LAUNCH_ENV = {"PATH": SANDBOX_PATH}
@@ -99,6 +102,8 @@ class SandboxHost:
             (p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists()), None
         )
         self.libc = ctypes.CDLL(None, use_errno=True)
+        rg = ripgrep_binary()
+        self.rg = str(reachable_copy(rg, bwrap_mod.runtime_dir())) if self.root else rg
         self.merged_root = bwrap_mod.runtime_dir() / "mnt" if self.root else None
         if self.merged_root is not None:
             # Searchable, not listable: bwrap (as the sandbox uid) resolves the mounts by path.
@@ -229,6 +234,7 @@ class SandboxMachine(HostFiles):
     isolated = True
     os: OS = "linux"
     root = "/workspace"
+    ripgrep = SANDBOX_RG
 
     def __init__(
         self, name: str, sandbox_id: str, host: SandboxHost, config: SandboxConfig, workspace: Path, run: Path
@@ -242,7 +248,7 @@ class SandboxMachine(HostFiles):
         self.hostname = f"sbx-{sandbox_id[-12:]}".lower()
         self.owner = (host.uid, host.gid)
         self.users = {"root": self.owner, str(0): self.owner}
-        self.paths = self._pathmap()
+        self.view = self._view()
         self.loop: asyncio.AbstractEventLoop = asyncio.get_event_loop()
         self.state = "stopped"
         self.started_at = 0.0
@@ -267,19 +273,19 @@ class SandboxMachine(HostFiles):
         self._stopping: asyncio.Task[None] | None = None
         self._buffer = b""
 
-    def _pathmap(self) -> PathMap:
+    def _view(self) -> HostView:
         base = self.host.base
         mounts = [
             Mount("/workspace", self.workspace),
             Mount("/tmp", self.run / "tmp"),
             Mount(SANDBOX_HOME, self.run / "home"),
-            Mount("/usr", Path("/usr"), writable=False),
-            Mount("/etc", base.etc, writable=False),
+            Mount("/usr", Path("/usr"), writable=False, foreign=True),
+            Mount("/etc", base.etc, writable=False, foreign=True),
         ]
         aliases = [
             Alias(f"/{d}", f"/usr/{d}") for d in ("bin", "sbin", "lib", "lib64") if Path(f"/{d}").is_symlink()
         ]
-        return PathMap(mounts, self.root, aliases)
+        return HostView(mounts, self.root, aliases, owner_uid=self.host.uid)
 
     # lifecycle ---------------------------------------------------------------
 
@@ -331,7 +337,9 @@ class SandboxMachine(HostFiles):
     def _prepare_dirs(self) -> None:
         for d in (self.workspace, self.run / "tmp", self.run / "home", self.run / "var"):
             d.mkdir(parents=True, exist_ok=True)
-            self.give(d)
+            if self.host.root:
+                os.lchown(d, self.host.uid, self.host.gid)
+        self.view.forget()
         os.chmod(self.run / "tmp", 0o1777)
         os.chmod(self.run, 0o711)
 
@@ -389,6 +397,7 @@ class SandboxMachine(HostFiles):
             "--bind-fd", str(fd_of(self.workspace)), "/workspace",
             "--bind-fd", str(fd_of(self.run / "tmp")), "/tmp",
             "--bind-fd", str(fd_of(self.run / "home")), SANDBOX_HOME,
+            "--ro-bind", host.rg, SANDBOX_RG,
             "--chdir", "/workspace",
             "--info-fd", str(info_w),
             *self._agent_command(), "-I", "-S", "-c", AGENT_SOURCE, str(child.fileno()),
@@ -547,6 +556,7 @@ class SandboxMachine(HostFiles):
             self._ready.set_exception(MachineUnavailable("the sandbox exited during start"))
             self._ready.exception()
         shutil.rmtree(self.run, ignore_errors=True)
+        self.view.forget()
 
     def _kill_all(self) -> None:
         if self._slirp is not None:
@@ -666,7 +676,7 @@ class SandboxMachine(HostFiles):
         if self.state != "running":
             raise MachineUnavailable("the sandbox is not running")
         self.last_used = time.monotonic()
-        cwd = self.paths.absolute(request.cwd or self.root)
+        cwd = self.view.absolute(request.cwd or self.root)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         fds = [out_w, err_w]
