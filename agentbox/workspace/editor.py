@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import errno
 import os
+import posixpath
 import stat as stat_mod
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
-from agentbox.machines.base import HostMapped
-from agentbox.machines.pathmap import open_nofollow
+from agentbox.machines.hostfs import HostFiles
 from agentbox.workspace.errors import WorkspaceError, bad_request, operation
 
 #: Previous versions kept per file; the oldest is dropped past this.
@@ -70,10 +70,8 @@ ReplaceMode = Literal["ALL", "FIRST", "LAST"]
 REPLACE_MODES: tuple[str, ...] = ("ALL", "FIRST", "LAST")
 
 
-class HostMachine(HostMapped, Protocol):
-    """What the editor needs of a machine: host paths, and a name to key history by."""
-
-    name: str
+#: What the editor works on: a machine with the `HostFiles` capability (and a name, for history).
+HostMachine = HostFiles
 
 
 @dataclass(frozen=True)
@@ -166,7 +164,7 @@ class EditHistory:
             del self._stacks[key]
 
 
-# --- files on the host -----------------------------------------------------------------
+# --- files, by inside path through the machine's descriptor view ------------------------
 
 
 @dataclass(frozen=True)
@@ -213,66 +211,64 @@ def too_large(op: str, path: str, size: int) -> WorkspaceError:
     return bad_request(op, f"{path} would be {size} bytes; the limit is {MAX_EDIT_BYTES} bytes", path)
 
 
-def read_capped(host: Path, path: str, op: str) -> bytes | None:
+def read_capped(machine: HostMachine, inside: str, path: str, op: str) -> bytes | None:
     """The bytes of a regular file, None if it does not exist; refuses dirs and big files."""
     try:
-        fd = open_nofollow(host, os.O_RDONLY | os.O_NONBLOCK)
+        fd = machine.view.open(inside, os.O_RDONLY)
     except FileNotFoundError:
         return None
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        if stat_mod.S_ISDIR(mode):
+        st = os.fstat(f.fileno())
+        if stat_mod.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-        if not stat_mod.S_ISREG(mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
         data = f.read(MAX_EDIT_BYTES + 1)
     if len(data) > MAX_EDIT_BYTES:
-        raise too_large(op, path, os.stat(host).st_size)
+        raise too_large(op, path, st.st_size)
     return data
 
 
-def load_text(host: Path, path: str, op: str) -> TextFile:
-    raw = read_capped(host, path, op)
+def load_text(machine: HostMachine, inside: str, path: str, op: str) -> TextFile:
+    raw = read_capped(machine, inside, path, op)
     if raw is None:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     return TextFile.decode(raw)
 
 
-def readable_or_none(host: Path, path: str) -> bytes | None:
+def readable_or_none(machine: HostMachine, inside: str, path: str) -> bytes | None:
     """The current bytes for `old_content` where they can be had; a file grown past the
     limit must not stop an undo from putting back the smaller version."""
     try:
-        return read_capped(host, path, "edit")
+        return read_capped(machine, inside, path, "edit")
     except WorkspaceError:
         return None
 
 
-def give(machine: HostMapped, host: Path) -> None:
-    """Hand a file or directory the server created to the machine's user (only root can)."""
-    owner = machine.default_owner()
-    if owner is not None and os.geteuid() == 0:
-        os.lchown(host, *owner)
-
-
-def write_in_place(machine: HostMapped, host: Path, data: bytes) -> None:
+def write_in_place(machine: HostMachine, inside: str, data: bytes) -> None:
     """Write through the existing inode (links, watchers and owners stay); create if absent."""
-    existed = os.path.lexists(host)
-    fd = open_nofollow(host, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        fd = machine.view.open(inside, os.O_WRONLY)
+        created = False
+    except FileNotFoundError:
+        fd = machine.view.open(inside, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        created = True
     with os.fdopen(fd, "wb") as f:
+        if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), inside)
+        f.truncate(0)
         f.write(data)
-    if not existed:
-        give(machine, host)
+        owner = machine.default_owner()
+        if created and owner is not None:
+            os.fchown(f.fileno(), *owner)
 
 
-def make_parents(machine: HostMapped, host: Path) -> None:
+def make_parents(machine: HostMachine, inside: str) -> None:
     missing = []
-    parent = host.parent
-    while not parent.exists():
+    parent = posixpath.dirname(inside)
+    while parent != "/" and not machine.view.exists(parent):
         missing.append(parent)
-        parent = parent.parent
+        parent = posixpath.dirname(parent)
     for directory in reversed(missing):
-        directory.mkdir()
-        give(machine, directory)
+        machine.view.mkdir(directory, owner=machine.default_owner())
 
 
 def checked_encode(file: TextFile, text: str, op: str, path: str) -> bytes:
@@ -421,24 +417,17 @@ def checked_range(view_range: Sequence[int], n_lines: int, path: str) -> tuple[i
     return start, min(end, n_lines)
 
 
-def dir_listing(machine: HostMapped, host: Path) -> list[str]:
-    """Inside paths up to VIEW_DIR_DEPTH below `host`, hidden names skipped, links not entered."""
-    entries = [machine.inside_path(host)]
-
-    def walk(directory: Path, depth: int) -> None:
-        try:
-            with os.scandir(directory) as it:
-                children = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
-        except PermissionError:
-            return
-        for entry in children:
-            if len(entries) > MAX_VIEW_DIR_ENTRIES:
-                return
-            entries.append(machine.inside_path(Path(entry.path)))
-            if depth < VIEW_DIR_DEPTH and entry.is_dir(follow_symlinks=False):
-                walk(Path(entry.path), depth + 1)
-
-    walk(host, 1)
+def dir_listing(machine: HostMachine, inside: str) -> list[str]:
+    """Inside paths up to VIEW_DIR_DEPTH below `inside`, hidden names skipped, links not entered."""
+    entries = [inside]
+    for node in machine.view.walk(
+        inside, max_depth=VIEW_DIR_DEPTH, descend=lambda n: not n.name.startswith(".")
+    ):
+        if node.name.startswith("."):
+            continue
+        if len(entries) > MAX_VIEW_DIR_ENTRIES:
+            break
+        entries.append(node.inside)
     if len(entries) > MAX_VIEW_DIR_ENTRIES:
         del entries[MAX_VIEW_DIR_ENTRIES:]
         entries.append(f"[listing stopped after {MAX_VIEW_DIR_ENTRIES} entries]")
@@ -450,15 +439,19 @@ def dir_listing(machine: HostMapped, host: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class Target:
-    host: Path  # the file, symlinks followed
+    inside: str  # the file's inside path, symlinks followed
     key: Key  # history key: machine name and the file's inside path
     shown: str  # the requested path, absolute, as messages name it
 
 
 def target(machine: HostMachine, path: str, *, write: bool) -> Target:
-    host = machine.host_path(path, write=write)
-    shown = machine.inside_path(machine.host_path(path, follow=False))
-    return Target(host, (machine.name, machine.inside_path(host)), shown)
+    view = machine.view
+    inside = view.resolve(path, missing_ok=True)  # `create` makes the missing parents
+    mount = view.mount_for(inside)
+    if write and mount is not None and not mount.writable:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    shown = view.resolve(path, follow=False, missing_ok=True)
+    return Target(inside, (machine.name, inside), shown)
 
 
 class Editor:
@@ -473,16 +466,16 @@ class Editor:
         """A file as `cat -n` (optionally lines `view_range`), or a directory two levels deep."""
         with operation("edit", path):
             t = target(machine, path, write=False)
-            if t.host.is_dir():
+            if stat_mod.S_ISDIR(machine.view.stat(t.inside).st_mode):
                 if view_range:
                     raise bad_request("edit", "view_range is not allowed when path is a directory", path)
-                listing = "\n".join(dir_listing(machine, t.host))
+                listing = "\n".join(dir_listing(machine, t.inside))
                 output = (
                     f"Here's the files and directories up to {VIEW_DIR_DEPTH} levels deep in {t.shown}, "
                     f"excluding hidden items:\n{listing}\n"
                 )
                 return EditResult(t.shown, output, None, None, True)
-            lines = display_lines(load_text(t.host, path, "edit").text)
+            lines = display_lines(load_text(machine, t.inside, path, "edit").text)
             start, end = checked_range(view_range, len(lines), path) if view_range else (1, len(lines))
             return EditResult(t.shown, cat_n(lines[start - 1 : end], start, t.shown), None, None, True)
 
@@ -493,9 +486,9 @@ class Editor:
             data = file_text.encode("utf-8")
             if len(data) > MAX_EDIT_BYTES:
                 raise too_large("edit", path, len(data))
-            previous = read_capped(t.host, path, "edit")
-            make_parents(machine, t.host)
-            write_in_place(machine, t.host, data)
+            previous = read_capped(machine, t.inside, path, "edit")
+            make_parents(machine, t.inside)
+            write_in_place(machine, t.inside, data)
             self.history.push(t.key, previous)
             verb = "overwritten" if previous is not None else "created"
             return EditResult(
@@ -518,7 +511,7 @@ class Editor:
         with operation("edit", path):
             mode = checked_mode(replace_mode, path)
             t = target(machine, path, write=True)
-            before = load_text(t.host, path, "edit")
+            before = load_text(machine, t.inside, path, "edit")
             old, new = before.adapt(old_str), before.adapt(new_str)
             if not old:
                 raise bad_request("edit", "old_str must not be empty", path)
@@ -540,7 +533,7 @@ class Editor:
         """Insert `new_str` as whole lines after line `insert_line` (0 = at the top)."""
         with operation("edit", path):
             t = target(machine, path, write=True)
-            before = load_text(t.host, path, "edit")
+            before = load_text(machine, t.inside, path, "edit")
             text = before.text
             n_lines = line_count(text)
             if not 0 <= insert_line <= n_lines:
@@ -573,17 +566,18 @@ class Editor:
             snap = self.history.latest(t.key)
             if snap is None:
                 raise bad_request("edit", f"No edit history found for {t.shown}.", path)
-            current = readable_or_none(t.host, path)
+            current = readable_or_none(machine, t.inside, path)
             current_text = current.decode("utf-8", "replace") if current is not None else None
             if snap.content is None:
-                t.host.unlink(missing_ok=True)
+                with suppress(FileNotFoundError):
+                    machine.view.unlink(t.inside)
                 self.history.drop_latest(t.key)
                 output = (
                     f"Last edit to {t.shown} undone successfully. "
                     f"The file did not exist before that edit, so it has been removed."
                 )
                 return EditResult(t.shown, output, current_text, None, current is not None)
-            write_in_place(machine, t.host, snap.content)
+            write_in_place(machine, t.inside, snap.content)
             self.history.drop_latest(t.key)
             restored = snap.content.decode("utf-8", "replace")
             output = f"Last edit to {t.shown} undone successfully. " + cat_n(
@@ -592,11 +586,11 @@ class Editor:
             return EditResult(t.shown, output, current_text, restored, current is not None)
 
     def _commit(self, machine: HostMachine, t: Target, before: TextFile, data: bytes) -> None:
-        write_in_place(machine, t.host, data)
+        write_in_place(machine, t.inside, data)
         self.history.push(t.key, before.raw)
 
 
-async def replace_in_file(machine: HostMapped, path: str, old_str: str, new_str: str) -> int:
+async def replace_in_file(machine: HostMachine, path: str, old_str: str, new_str: str) -> int:
     """v1 `/v1/file/replace`: replace every occurrence of `old_str`, literally; no history.
 
     Zero occurrences is a success that returns 0 and leaves the file untouched (upstream's
@@ -605,11 +599,12 @@ async def replace_in_file(machine: HostMapped, path: str, old_str: str, new_str:
     with operation("replace", path):
         if not old_str:
             raise bad_request("replace", "old_str must not be empty", path)
-        host = machine.host_path(path, write=True)
-        file = load_text(host, path, "replace")
+        with machine.view.at(path, write=True) as at:
+            inside = at.inside
+        file = load_text(machine, inside, path, "replace")
         count = file.text.count(old_str)
         if count and old_str != new_str:
             write_in_place(
-                machine, host, checked_encode(file, file.text.replace(old_str, new_str), "replace", path)
+                machine, inside, checked_encode(file, file.text.replace(old_str, new_str), "replace", path)
             )
         return count

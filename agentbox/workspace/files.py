@@ -1,9 +1,10 @@
 """File operations on a machine whose files are host files (seed 002 `/v2/fs/*`, AIO `/v1/file/*`).
 
 read, write, mkdir, list, search / glob, upload, download, remove and stat. Every inside path
-goes through `machine.host_path` exactly once (the one place that maps paths and refuses
-escapes); the work then happens on host paths with no process spawn. The only host paths
-joined here are child names read by `os.scandir` from a directory that was already resolved.
+goes through the machine's `view` (`machines.hostview.HostView`), which reaches each file
+relative to a descriptor of its mount, one component at a time and never through a link
+followed on the host; the work then happens on descriptors with no process spawn. No host
+path name is ever built or opened here.
 
 These are plain blocking functions: async callers run them with `asyncio.to_thread` (FastAPI
 does so for `def` routes). `upload` is async because it consumes a request body as it arrives.
@@ -27,7 +28,6 @@ import errno
 import os
 import posixpath
 import re
-import shutil
 import stat as stat_mod
 import uuid
 from collections.abc import AsyncIterable, Callable, Iterator
@@ -35,16 +35,15 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
-from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 from wcmatch import fnmatch as wc_fnmatch
 from wcmatch import glob as wc_glob
 
-from agentbox.machines.base import FileStat, HostMapped
+from agentbox.machines.base import FileStat
 from agentbox.machines.errors import MachineError
-from agentbox.machines.hostfs import to_stat
-from agentbox.machines.pathmap import open_nofollow
+from agentbox.machines.hostfs import HostFiles, to_stat
+from agentbox.machines.hostview import Node
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
 
 #: Largest file `read_text` returns (it decodes the whole file in memory); use download beyond.
@@ -73,16 +72,11 @@ STAGING_PREFIX = ".aiod-"
 STAGING_SUFFIX = ".part"
 
 
-class HostMachine(HostMapped, Protocol):
-    """What these operations need of a machine: `HostMapped`, its root and its owners.
+#: What these operations work on: a machine with the `HostFiles` capability (local, sandbox).
+HostMachine = HostFiles
 
-    Every `Machine` built on `machines.hostfs.HostFiles` (local, sandbox) is one. It is
-    narrower than `Machine & HostMapped` on purpose: nothing here execs.
-    """
-
-    root: str
-
-    def owner_of(self, user: str) -> Owner: ...
+#: Flags of every file the server creates beside a target (a staged part).
+_PART_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 # ---------------------------------------------------------------- results
@@ -171,8 +165,9 @@ class UploadResult:
 
 @dataclass(frozen=True)
 class DownloadTarget:
+    machine: HostMachine
     path: str
-    host_path: Path
+    """The resolved inside path (what `iter_download` opens again, by descriptor)."""
     size: int
     mtime: float
     inode: int
@@ -190,7 +185,7 @@ class RangeNotSatisfiable(WorkspaceError):
 
 def shown_path(machine: HostMachine, path: str) -> str:
     """The caller's path as an absolute inside path; a final symlink is named, not followed."""
-    return machine.inside_path(machine.host_path(path, follow=False))
+    return machine.view.resolve(path, follow=False)
 
 
 def new_owner(machine: HostMachine, user: str | None) -> Owner | None:
@@ -224,17 +219,18 @@ def is_staging_name(name: str) -> bool:
     return name.startswith(STAGING_PREFIX) and name.endswith(STAGING_SUFFIX)
 
 
-def lstat_or_none(host: Path) -> os.stat_result | None:
+def lstat_or_none(machine: HostMachine, path: str, *, follow: bool = False) -> os.stat_result | None:
+    """The file at `path` (with `follow`, what a final link leads to), or None when missing."""
     try:
-        return host.lstat()
+        return machine.view.stat(path) if follow else machine.view.lstat(path)
     except FileNotFoundError:
         return None
 
 
-def require_dir(host: Path) -> None:
-    """Raise ENOTDIR (invalid_target) unless `host` is a directory; ENOENT if it is missing."""
-    if not stat_mod.S_ISDIR(host.stat().st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(host))
+def require_dir(machine: HostMachine, path: str) -> None:
+    """Raise ENOTDIR (invalid_target) unless `path` leads to a directory; ENOENT if it is missing."""
+    if not stat_mod.S_ISDIR(machine.view.stat(path).st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -247,9 +243,9 @@ def iso_time(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).isoformat()
 
 
-def unlink_quietly(host: Path) -> None:
+def unlink_quietly(dirfd: int, name: str) -> None:
     with suppress(FileNotFoundError):
-        host.unlink()
+        os.unlink(name, dir_fd=dirfd)
 
 
 async def off_loop(fd: int, work: Callable[[int], None]) -> None:
@@ -288,34 +284,44 @@ async def receive(
     return total
 
 
+def part_name(kind: str) -> str:
+    return f"{STAGING_PREFIX}{kind}-{uuid.uuid4()}{STAGING_SUFFIX}"
+
+
 @contextmanager
-def staged(host: Path, kind: str, *, owner: Owner | None, like: os.stat_result | None) -> Iterator[int]:
-    """Yield an fd on `.aiod-<kind>-<uuid4>.part` beside `host`; rename it over `host` on success.
+def staged(
+    machine: HostMachine, path: str, kind: str, *, owner: Owner | None, like: os.stat_result | None
+) -> Iterator[int]:
+    """Yield an fd on `.aiod-<kind>-<uuid4>.part` beside `path`; rename it over `path` on success.
 
-    The part gets `owner` and, when replacing a file, that file's rwx bits. On any
-    failure, cancellation included, the part is removed and `host` is left as it was.
-    Callers fsync before leaving the block.
+    `path` is resolved once (a final link followed, inside the machine); the part is created
+    and renamed in that same parent directory, by descriptor. The part gets `owner` and, when
+    replacing a file, that file's rwx bits. On any failure, cancellation included, the part is
+    removed and the target is left as it was. Callers fsync before leaving the block.
     """
-    part = host.parent / f"{STAGING_PREFIX}{kind}-{uuid.uuid4()}{STAGING_SUFFIX}"
-    fd = open_nofollow(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    try:
+    with machine.view.at(path, write=True) as at:
+        if not at.name:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        part = part_name(kind)
+        fd = os.open(part, _PART_FLAGS, 0o644, dir_fd=at.fd)
         try:
-            if owner is not None:
-                os.fchown(fd, *owner)
-            if like is not None:  # after chown, which may reset bits; never setuid/setgid/sticky
-                os.fchmod(fd, stat_mod.S_IMODE(like.st_mode) & 0o777)
-            yield fd
-        finally:
-            os.close(fd)
-        os.rename(part, host)
-    except BaseException:
-        unlink_quietly(part)
-        raise
+            try:
+                if owner is not None:
+                    os.fchown(fd, *owner)
+                if like is not None:  # after chown, which may reset bits; never setuid/setgid/sticky
+                    os.fchmod(fd, stat_mod.S_IMODE(like.st_mode) & 0o777)
+                yield fd
+            finally:
+                os.close(fd)
+            os.rename(part, at.name, src_dir_fd=at.fd, dst_dir_fd=at.fd)
+        except BaseException:
+            unlink_quietly(at.fd, part)
+            raise
 
 
-def _existing_file(host: Path, path: str) -> os.stat_result | None:
-    """The target's lstat if there is one; a directory there is EISDIR (invalid_target)."""
-    existing = lstat_or_none(host)
+def _existing_file(machine: HostMachine, path: str) -> os.stat_result | None:
+    """What the target leads to, if anything; a directory there is EISDIR (invalid_target)."""
+    existing = lstat_or_none(machine, path, follow=True)
     if existing is not None and stat_mod.S_ISDIR(existing.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     return existing
@@ -352,7 +358,7 @@ def read_text(
             raise bad_request("read", "start_line and end_line must not be negative", path)
         if end_line is not None and end_line < start:
             raise bad_request("read", f"end_line {end_line} is before start_line {start}", path)
-        fd = open_nofollow(machine.host_path(path), os.O_RDONLY | os.O_NONBLOCK)
+        fd = machine.view.open(path, os.O_RDONLY)
         with os.fdopen(fd, "rb") as f:
             size = _require_regular(f.fileno(), "read", path).st_size
             data = f.read(MAX_READ_BYTES + 1) if size <= MAX_READ_BYTES else b""
@@ -409,30 +415,33 @@ def write_file(
     target, given to that user and renamed over it (seed 002), so the inode changes.
     """
     with operation("write", path):
-        host = machine.host_path(path, write=True)
         if user is None:
-            _write_in_place(host, data, append=append, owner=new_owner(machine, None), path=path)
+            _write_in_place(machine, path, data, append=append, owner=new_owner(machine, None))
         else:
             owner = machine.owner_of(user)
-            existing = _existing_file(host, path)
-            with staged(host, "write", owner=owner, like=existing) as fd:
+            existing = _existing_file(machine, path)
+            with staged(machine, path, "write", owner=owner, like=existing) as fd:
                 if append and existing is not None:
-                    _copy_into(host, fd, path)
+                    _copy_into(machine, path, fd)
                 write_all(fd, data)
                 os.fsync(fd)
         return WriteResult(shown_path(machine, path), len(data))
 
 
-def _write_in_place(host: Path, data: bytes, *, append: bool, owner: Owner | None, path: str) -> None:
-    flags = os.O_WRONLY | os.O_NONBLOCK | (os.O_APPEND if append else os.O_TRUNC)
+def _write_in_place(
+    machine: HostMachine, path: str, data: bytes, *, append: bool, owner: Owner | None
+) -> None:
+    flags = os.O_WRONLY | (os.O_APPEND if append else 0)
     try:
-        fd = open_nofollow(host, flags)
+        fd = machine.view.open(path, flags)
         created = False
     except FileNotFoundError:  # a missing parent raises again below: not_found
-        fd = open_nofollow(host, flags | os.O_CREAT | os.O_EXCL)
+        fd = machine.view.open(path, flags | os.O_CREAT | os.O_EXCL)
         created = True
     try:
         _require_regular(fd, "write", path)
+        if not append:
+            os.ftruncate(fd, 0)  # only once it is known to be a regular file
         if created and owner is not None:
             os.fchown(fd, *owner)
         write_all(fd, data)
@@ -440,8 +449,8 @@ def _write_in_place(host: Path, data: bytes, *, append: bool, owner: Owner | Non
         os.close(fd)
 
 
-def _copy_into(host: Path, fd: int, path: str) -> None:
-    src = open_nofollow(host, os.O_RDONLY | os.O_NONBLOCK)
+def _copy_into(machine: HostMachine, path: str, fd: int) -> None:
+    src = machine.view.open(path, os.O_RDONLY)
     try:
         _require_regular(src, "write", path)
         while chunk := os.read(src, WRITE_BATCH_BYTES):
@@ -457,96 +466,58 @@ def mkdir(machine: HostMachine, path: str, *, parents: bool = False, user: str |
     there is `already_exists`.
     """
     with operation("mkdir", path):
-        host = machine.host_path(path, write=True)
+        view = machine.view
         owner = new_owner(machine, user)
-        existing = lstat_or_none(host)
+        target = view.absolute(path)
+        existing = lstat_or_none(machine, target, follow=True)
         if existing is not None:
             if parents and stat_mod.S_ISDIR(existing.st_mode):
                 return MkdirResult(shown_path(machine, path), created=False)
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
-        missing = [host]
+        missing = [target]
         if parents:
-            while lstat_or_none(missing[-1].parent) is None:
-                missing.append(missing[-1].parent)
+            while (
+                missing[-1] != "/"
+                and lstat_or_none(machine, posixpath.dirname(missing[-1]), follow=True) is None
+            ):
+                missing.append(posixpath.dirname(missing[-1]))
         for directory in reversed(missing):
             try:
-                os.mkdir(directory, 0o755)
+                view.mkdir(directory, 0o755, owner=owner)
             except FileExistsError:  # created meanwhile by someone else: fine only for ancestors
-                if directory == host or not directory.is_dir():
+                if directory == target or not stat_mod.S_ISDIR(view.stat(directory).st_mode):
                     raise
-                continue
-            if owner is not None:
-                os.chown(directory, *owner, follow_symlinks=False)
         return MkdirResult(shown_path(machine, path), created=True)
 
 
 # ---------------------------------------------------------------- walk, list
 
 
-def _children(host: Path) -> list[os.DirEntry[str]]:
-    with os.scandir(host) as it:
-        return sorted(it, key=lambda e: e.name)
-
-
-def walk(
-    host_dir: Path,
-    *,
-    max_depth: int | None = None,
-    descend: Callable[[str, os.DirEntry[str]], bool] | None = None,
-) -> Iterator[tuple[str, int, os.DirEntry[str]]]:
-    """Every entry under a resolved directory, depth first in name order, never through a symlink.
-
-    Yields (relative POSIX path, depth with 1 for a direct child, entry). A real directory is
-    entered while within `max_depth` and when `descend(rel, entry)` agrees. Subdirectories that
-    vanish or cannot be read are skipped; the root's own errors propagate.
-    """
-    stack = [(e.name, 1, e) for e in reversed(_children(host_dir))]
-    while stack:
-        rel, depth, entry = stack.pop()
-        yield rel, depth, entry
-        try:
-            is_dir = entry.is_dir(follow_symlinks=False)
-        except OSError:
-            continue
-        if not is_dir or (max_depth is not None and depth >= max_depth):
-            continue
-        if descend is not None and not descend(rel, entry):
-            continue
-        try:
-            kids = _children(Path(entry.path))
-        except OSError:
-            continue
-        stack.extend((f"{rel}/{k.name}", depth + 1, k) for k in reversed(kids))
-
-
 def _target_stat(machine: HostMachine, inside: str) -> os.stat_result | None:
     """What a symlink leads to *in the machine's view*, or None when it dangles or escapes."""
     try:
-        return machine.host_path(inside).stat()
+        return machine.view.stat(inside)
     except (OSError, MachineError):
         return None
 
 
-def _entry_stat(machine: HostMachine, inside: str, entry: os.DirEntry[str]) -> tuple[os.stat_result, bool]:
-    st = entry.stat(follow_symlinks=False)
-    if stat_mod.S_ISLNK(st.st_mode):
-        return _target_stat(machine, inside) or st, True
-    return st, False
+def _node_stat(machine: HostMachine, node: Node) -> tuple[os.stat_result, bool]:
+    if node.is_symlink:
+        return _target_stat(machine, node.inside) or node.st, True
+    return node.st, False
 
 
-def _to_entry(
-    machine: HostMachine, inside: str, entry: os.DirEntry[str], *, size: bool, permissions: bool
-) -> Entry:
-    st, link = _entry_stat(machine, inside, entry)
+def _to_entry(machine: HostMachine, inside: str, node: Node, *, size: bool, permissions: bool) -> Entry:
+    st, link = _node_stat(machine, node)
     is_dir = stat_mod.S_ISDIR(st.st_mode)
     return Entry(
-        name=entry.name,
+        name=node.name,
         path=inside,
         is_directory=is_dir,
         size=st.st_size if size else None,
         modified_time=iso_time(st.st_mtime),
         permissions=stat_mod.filemode(st.st_mode)[1:] if permissions else None,
-        extension=None if is_dir else (posixpath.splitext(entry.name)[1] or None),
+        extension=None if is_dir else (posixpath.splitext(node.name)[1] or None),
         is_symlink=link,
     )
 
@@ -583,24 +554,23 @@ def list_dir(
             raise bad_request("list", f"sort_by must be one of {sorted(LIST_SORT_KEYS)}", path)
         if max_depth is not None and max_depth < 1:
             raise bad_request("list", "max_depth must be at least 1", path)
-        host = machine.host_path(path)
-        require_dir(host)
+        require_dir(machine, path)
         base = shown_path(machine, path)
         suffixes = None if file_types is None else {"." + t.lstrip(".").lower() for t in file_types}
 
-        def visible(rel: str, entry: os.DirEntry[str]) -> bool:
-            return show_hidden or not entry.name.startswith(".")
+        def visible(node: Node) -> bool:
+            return show_hidden or not node.name.startswith(".")
 
         entries: list[Entry] = []
         truncated = False
-        for rel, _, dir_entry in walk(host, max_depth=max_depth if recursive else 1, descend=visible):
-            if not visible(rel, dir_entry):
+        for node in machine.view.walk(path, max_depth=max_depth if recursive else 1, descend=visible):
+            if not visible(node):
                 continue
             try:
                 item = _to_entry(
                     machine,
-                    posixpath.join(base, rel),
-                    dir_entry,
+                    posixpath.join(base, node.rel),
+                    node,
                     size=include_size,
                     permissions=include_permissions,
                 )
@@ -623,7 +593,7 @@ def list_dir(
 @dataclass(frozen=True)
 class _Hit:
     path: str
-    entry: os.DirEntry[str]
+    node: Node
     is_directory: bool
 
 
@@ -655,37 +625,35 @@ def _glob(
         raise bad_request(op, f"max_results must be between 1 and {MAX_SEARCH_RESULTS}", path)
     if not pattern or pattern.startswith("/"):
         raise bad_request(op, "pattern must be a non-empty glob relative to path", path)
-    host = machine.host_path(path)
-    require_dir(host)
+    require_dir(machine, path)
     base = shown_path(machine, path)
     excludes = exclude or []
     flags = wc_glob.GLOBSTAR | wc_glob.BRACE | (wc_glob.DOTGLOB if include_hidden else 0)
     depth = None if "**" in pattern else pattern.count("/") + 1
     skip_hidden = not include_hidden and not any(s.startswith(".") for s in pattern.split("/"))
 
-    def descend(rel: str, entry: os.DirEntry[str]) -> bool:
-        return not (skip_hidden and entry.name.startswith(".")) and not _excluded(rel, entry.name, excludes)
+    def descend(node: Node) -> bool:
+        return not (skip_hidden and node.name.startswith(".")) and not _excluded(
+            node.rel, node.name, excludes
+        )
 
     hits: list[_Hit] = []
     truncated = False
-    for scanned, (rel, _, entry) in enumerate(walk(host, max_depth=depth, descend=descend), 1):
+    for scanned, node in enumerate(machine.view.walk(path, max_depth=depth, descend=descend), 1):
         if scanned > MAX_SEARCH_SCANNED:
             truncated = True
             break
-        if not wc_glob.globmatch(rel, pattern, flags=flags) or _excluded(rel, entry.name, excludes):
+        if not wc_glob.globmatch(node.rel, pattern, flags=flags) or _excluded(node.rel, node.name, excludes):
             continue
-        inside = posixpath.join(base, rel)
-        try:
-            st, _ = _entry_stat(machine, inside, entry)
-        except FileNotFoundError:
-            continue
+        inside = posixpath.join(base, node.rel)
+        st, _ = _node_stat(machine, node)
         is_dir = stat_mod.S_ISDIR(st.st_mode)
         if files_only and is_dir:
             continue
         if len(hits) == limit:
             truncated = True
             break
-        hits.append(_Hit(inside, entry, is_dir))
+        hits.append(_Hit(inside, node, is_dir))
     return base, hits, truncated
 
 
@@ -744,11 +712,11 @@ def glob_files(
         )  # fmt: skip
         files = []
         for hit in hits:
-            st = _entry_stat(machine, hit.path, hit.entry)[0] if include_metadata else None
+            st = _node_stat(machine, hit.node)[0] if include_metadata else None
             files.append(
                 GlobEntry(
                     path=hit.path,
-                    name=hit.entry.name,
+                    name=hit.node.name,
                     is_directory=hit.is_directory,
                     size=st.st_size if st is not None else None,
                     modified_time=iso_time(st.st_mtime) if st is not None else None,
@@ -771,10 +739,9 @@ async def upload(
     target is either the old file or the whole new one.
     """
     with operation("upload", path):
-        host = machine.host_path(path, write=True)
         owner = new_owner(machine, user)
-        existing = _existing_file(host, path)
-        with staged(host, "upload", owner=owner, like=existing) as fd:
+        existing = _existing_file(machine, path)
+        with staged(machine, path, "upload", owner=owner, like=existing) as fd:
             size = await receive(chunks, fd, limit=MAX_UPLOAD_BYTES, operation_name="upload", path=path)
             await off_loop(fd, os.fsync)
         return UploadResult(shown_path(machine, path), size)
@@ -783,23 +750,23 @@ async def upload(
 def download(machine: HostMachine, path: str) -> DownloadTarget:
     """Check that `path` is a regular file and describe it; `iter_download` streams it."""
     with operation("download", path):
-        host = machine.host_path(path)
-        st = host.stat()
+        resolved = machine.view.resolve(path)
+        st = machine.view.stat(resolved)
         if stat_mod.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         if not stat_mod.S_ISREG(st.st_mode):
             raise wrong_kind("download", path, f"{path} is not a regular file")
-        return DownloadTarget(shown_path(machine, path), host, st.st_size, st.st_mtime, st.st_ino)
+        return DownloadTarget(machine, resolved, st.st_size, st.st_mtime, st.st_ino)
 
 
 def iter_download(target: DownloadTarget, start: int = 0, end: int | None = None) -> Iterator[bytes]:
     """Bytes `start..end` (inclusive, as `parse_range` gives them) of the file `download` checked.
 
-    The file is opened without following a link and must still be the same inode; one that
-    was replaced in between is an error rather than someone else's bytes.
+    The file is opened again by descriptor, without following a final link, and must still be
+    the same inode; one that was replaced in between is an error rather than someone else's bytes.
     """
     with operation("download", target.path):
-        fd = open_nofollow(target.host_path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = target.machine.view.open(target.path, os.O_RDONLY, follow=False)
     with os.fdopen(fd, "rb") as f:
         if os.fstat(f.fileno()).st_ino != target.inode:
             raise WorkspaceError(
@@ -879,33 +846,17 @@ def remove(machine: HostMachine, path: str, *, recursive: bool = False) -> str:
     not expose) are refused: removing them would break the machine, not tidy it.
     """
     with operation("remove", path):
-        host = machine.host_path(path, write=True, follow=False)
-        shown = machine.inside_path(host)
-        if shown in ("/", machine.root) or _is_mount_point(machine, host):
+        shown = shown_path(machine, path)
+        if shown in ("/", machine.root) or any(shown == m.inside for m in machine.view.mounts):
             raise wrong_kind("remove", path, f"{shown} is the root of the machine or of a mount")
-        st = host.lstat()
-        if not stat_mod.S_ISDIR(st.st_mode):
-            host.unlink()
-        elif recursive:
-            shutil.rmtree(host)  # fd-based; never follows a symlink
-        else:
-            host.rmdir()
+        machine.view.remove(shown, recursive=recursive)  # by descriptor; never follows a link
         return shown
-
-
-def _is_mount_point(machine: HostMachine, host: Path) -> bool:
-    try:
-        machine.inside_path(host.parent)
-    except MachineError:
-        return True
-    return host.parent == host
 
 
 def stat(machine: HostMachine, path: str) -> FileStat:
     """What `path` is; a symlink is described by what it leads to inside the machine."""
     with operation("stat", path):
-        link = machine.host_path(path, follow=False)
-        lst = link.lstat()
+        lst = machine.view.lstat(path)
         is_link = stat_mod.S_ISLNK(lst.st_mode)
         st = (_target_stat(machine, path) or lst) if is_link else lst
-        return to_stat(machine.inside_path(link), st, is_link)
+        return to_stat(shown_path(machine, path), st, is_link)

@@ -1,9 +1,10 @@
 """Content search: `grep` (v1 `/v1/file/grep`, `/v2/fs/grep`) and `search_in_file` (v1 `/v1/file/search`).
 
-Both run ripgrep (`rg --json`) on the host path behind the machine path, so a search costs
-one process on the host and none inside the machine. rg walks the tree without following
-symlinks (a link never leads the search out of the tree) and every path it reports is
-mapped back to an inside path. Its JSON messages arrive per file as
+Both run ripgrep (`rg --json`) *on the machine* (`machine.spawn`), with the machine's own
+view of its files and its own rights: in a sandbox, the server's `rg` is bound read-only at
+`SANDBOX_RG` and runs as one more command of the sandbox (its cgroup, its namespaces), so
+no path the sandbox controls is ever walked by the server. rg walks the tree without
+following symlinks and reports inside paths. Its JSON messages arrive per file as
 `begin`, then `context` / `match` lines in file order, then `end`; a final `summary` ends the run.
 
 Choices where the upstream API is silent:
@@ -17,8 +18,8 @@ Choices where the upstream API is silent:
   the next one shows up, then killed) or when a record longer than MAX_RECORD_BYTES was skipped.
 - `match_count` counts the matches returned. `files_matched` counts files with a match up to
   where rg stopped. `files_searched` is None: rg's JSON summary counts only files with a match.
-- Search starts at the host path behind `path`; other mounts nested below it in the
-  machine's view are not entered.
+- Search starts at `path` as the machine sees it; other mounts nested below it in the
+  machine's view are not entered (`--one-file-system`).
 """
 
 from __future__ import annotations
@@ -29,16 +30,15 @@ import contextlib
 import errno
 import json
 import os
+import posixpath
 import re
-import shutil
-import sysconfig
+import stat as stat_mod
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
 
-from agentbox.machines.base import HostMapped
+from agentbox.machines.base import ExecRequest
+from agentbox.machines.hostfs import HostFiles
 from agentbox.workspace.editor import MAX_EDIT_BYTES
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
 
@@ -123,8 +123,8 @@ class GrepOptions:
         if self.file_type is not None and not self.file_type:
             refuse("type must not be empty")
 
-    def rg_args(self, host: Path) -> list[str]:
-        args = ["--json", "--no-config", "--no-messages", "--sort", "path", "--crlf"]
+    def rg_args(self, target: str) -> list[str]:
+        args = ["--json", "--no-config", "--no-messages", "--sort", "path", "--crlf", "--one-file-system"]
         args += ["--no-ignore-global", "--no-require-git", f"--max-filesize={self.max_file_size}"]
         args.append("--ignore-case" if self.case_insensitive else "--case-sensitive")
         if self.fixed_strings:
@@ -145,22 +145,13 @@ class GrepOptions:
             args.append(f"--type={self.file_type}")
         args += [f"--glob={g}" for g in self.include]
         args += [f"--glob=!{g}" for g in self.exclude]
-        return [*args, "--regexp", self.pattern, "--", str(host)]
+        return [*args, "--regexp", self.pattern, "--", target]
 
 
 def globs(value: str | Sequence[str] | None) -> tuple[str, ...]:
     if value is None:
         return ()
     return (value,) if isinstance(value, str) else tuple(value)
-
-
-@cache
-def rg_binary() -> str:
-    """The `rg` the ripgrep wheel put beside this interpreter, else one on PATH."""
-    found = shutil.which("rg", path=sysconfig.get_path("scripts")) or shutil.which("rg")
-    if found is None:
-        raise FileNotFoundError("ripgrep (rg) is not installed; `pip install ripgrep` provides it")
-    return found
 
 
 # --- reading rg's output ---------------------------------------------------------------
@@ -177,10 +168,10 @@ def data_text(value: dict[str, str]) -> str:
     return base64.b64decode(value.get("bytes", "")).decode("utf-8", "replace")
 
 
-def data_path(value: dict[str, str]) -> Path:
+def data_path(value: dict[str, str]) -> str:
     if "text" in value:
-        return Path(value["text"])
-    return Path(os.fsdecode(base64.b64decode(value.get("bytes", ""))))
+        return value["text"]
+    return os.fsdecode(base64.b64decode(value.get("bytes", "")))
 
 
 def split_lines(text: str) -> list[str]:
@@ -195,11 +186,8 @@ class MatchCollector:
     overlapping contexts land in every match they surround.
     """
 
-    def __init__(
-        self, before: int, after: int, skip: int, limit: int, to_inside: Callable[[Path], str]
-    ) -> None:
+    def __init__(self, before: int, after: int, skip: int, limit: int) -> None:
         self.before, self.after, self.skip, self.limit = before, after, skip, limit
-        self.to_inside = to_inside
         self.matches: list[GrepMatch] = []
         self.seen = 0
         self.files_matched = 0
@@ -234,7 +222,7 @@ class MatchCollector:
             self.truncated = True
             return
         self.files_matched += 1
-        self._file = self.to_inside(data_path(data["path"]))
+        self._file = data_path(data["path"])
         self._recent.clear()
         self._open.clear()
 
@@ -282,6 +270,7 @@ async def records(stream: asyncio.StreamReader) -> AsyncGenerator[tuple[bytes, b
         while (nl := chunk.find(b"\n", start)) != -1:
             if not oversized:
                 buffer += chunk[start:nl]
+                oversized = len(buffer) > MAX_RECORD_BYTES  # the last piece may be what tips it over
             yield bytes(buffer[:64]) if oversized else bytes(buffer), not oversized
             buffer.clear()
             oversized = False
@@ -303,19 +292,12 @@ async def read_capped_stream(stream: asyncio.StreamReader, limit: int) -> bytes:
 
 
 async def run_rg(
-    args: list[str], cwd: Path, collector: MatchCollector, timeout: float
+    machine: HostFiles, args: list[str], cwd: str, collector: MatchCollector, timeout: float
 ) -> tuple[int | None, str]:
     """Feed rg's records to `collector` until it is done or rg ends; rg never outlives this."""
-    proc = await asyncio.create_subprocess_exec(
-        rg_binary(),
-        *args,
-        cwd=cwd,
-        env=RG_ENV,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
+    request = ExecRequest(argv=(machine.ripgrep, *args), cwd=cwd, env=RG_ENV)
+    proc = await machine.spawn(request)
+    done = False
     stderr = asyncio.ensure_future(read_capped_stream(proc.stderr, MAX_STDERR_BYTES))
     try:
         async with asyncio.timeout(timeout), contextlib.aclosing(records(proc.stdout)) as lines:
@@ -328,12 +310,12 @@ async def run_rg(
                 if collector.done:
                     return None, ""
             code = await proc.wait()
+            done = True
             return code, (await stderr).decode("utf-8", "replace")
     finally:
-        if proc.returncode is None:
+        if not done:
             proc.kill()
-            # wait() also waits for the pipes to close: a stdout left paused with a full
-            # buffer would never see EOF, so drain it before waiting.
+            # A stdout left paused with a full buffer would never see EOF: drain it.
             while await proc.stdout.read(PIPE_DRAIN_CHUNK):
                 pass
             await proc.wait()
@@ -353,27 +335,25 @@ def rg_message(stderr: str) -> str:
 
 
 async def run_search(
-    machine: HostMapped, path: str, options: GrepOptions, op: str, timeout: float, *, file_only: bool = False
+    machine: HostFiles, path: str, options: GrepOptions, op: str, timeout: float, *, file_only: bool = False
 ) -> GrepResult:
     with operation(op, path):
         options.check(op, path)
-        host = machine.host_path(path)
-        shown = machine.inside_path(machine.host_path(path, follow=False))
-        is_dir = host.is_dir()
-        if not is_dir and not host.exists():
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        target = machine.view.resolve(path)
+        shown = machine.view.resolve(path, follow=False)
+        is_dir = stat_mod.S_ISDIR(machine.view.stat(target).st_mode)  # ENOENT when missing
         if file_only and is_dir:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         collector = MatchCollector(
-            options.context_before,
-            options.context_after,
-            options.offset,
-            options.max_results,
-            machine.inside_path,
+            options.context_before, options.context_after, options.offset, options.max_results
         )
         try:
             code, stderr = await run_rg(
-                options.rg_args(host), host if is_dir else host.parent, collector, timeout
+                machine,
+                options.rg_args(target),
+                target if is_dir else posixpath.dirname(target),
+                collector,
+                timeout,
             )
         except TimeoutError:
             raise WorkspaceError(
@@ -400,7 +380,7 @@ async def run_search(
 
 
 async def grep(
-    machine: HostMapped,
+    machine: HostFiles,
     path: str,
     pattern: str,
     *,
@@ -446,7 +426,7 @@ async def grep(
 
 
 async def search_in_file(
-    machine: HostMapped, path: str, regex: str, *, timeout: float = GREP_TIMEOUT_SECONDS
+    machine: HostFiles, path: str, regex: str, *, timeout: float = GREP_TIMEOUT_SECONDS
 ) -> tuple[list[str], list[int]]:
     """v1 `/v1/file/search`: the lines of one file matching `regex`, with 0-BASED line numbers.
 

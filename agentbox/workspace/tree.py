@@ -7,7 +7,9 @@ whatever the tree weighs. Symlinks are stored as symlinks; devices, fifos, socke
 server's own `.aiod-*.part` files are left out.
 
 `untar` is the dangerous direction: an archive is input from outside. The body is first
-received into `.aiod-tree-<uuid4>.part` beside the target (under `MAX_TREE_BYTES`), then
+received into an unnamed temporary file on the target's file system (`O_TMPFILE`: nobody
+inside the machine can see or change it between the checks and the extraction; under
+`MAX_TREE_BYTES`), then
 every member is checked before anything is written, and only then extracted:
 
     refused as invalid_path    absolute names, `..` components, hardlinks, devices, fifos,
@@ -34,15 +36,15 @@ import lzma
 import os
 import stat as stat_mod
 import tarfile
+import tempfile
 import uuid
 import zlib
 from collections.abc import AsyncIterable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO
 
-from agentbox.machines.pathmap import open_nofollow
+from agentbox.machines.hostview import At
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
 from agentbox.workspace.files import (
     STAGING_PREFIX,
@@ -56,8 +58,6 @@ from agentbox.workspace.files import (
     receive,
     require_dir,
     shown_path,
-    unlink_quietly,
-    walk,
     write_all,
 )
 
@@ -95,29 +95,22 @@ class _Member:
 def tar_stream(machine: HostMachine, path: str) -> Iterator[bytes]:
     """A PAX tar of the directory's contents (names relative to it), produced as it is read."""
     with operation("tree", path):
-        host = machine.host_path(path)
-        require_dir(host)
+        require_dir(machine, path)
         members: list[_Member] = []
-        for rel, _, entry in walk(host):
-            if is_staging_name(entry.name):
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat_mod.S_IFMT(st.st_mode) not in _CARRIED:
+        for node in machine.view.walk(path):
+            if is_staging_name(node.name) or stat_mod.S_IFMT(node.st.st_mode) not in _CARRIED:
                 continue
             if len(members) == MAX_TREE_MEMBERS:
                 raise limit_exceeded("tree", path, f"the tree has more than {MAX_TREE_MEMBERS} members")
-            members.append(_Member(rel, st))
-    return _tar_chunks(host, members, path)
+            members.append(_Member(node.rel, node.st))
+        root_fd = machine.view.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    return _tar_chunks(root_fd, members, path)
 
 
-def _tar_chunks(host: Path, members: list[_Member], path: str) -> Iterator[bytes]:
+def _tar_chunks(root_fd: int, members: list[_Member], path: str) -> Iterator[bytes]:
+    """The archive's bytes; owns `root_fd` (the directory, opened by descriptor) and closes it."""
     out = bytearray()
     offset = 0
-    with operation("tree", path):
-        root_fd = os.open(host, _DIR_FLAGS)
     try:
         for member in members:
             for piece in _member_bytes(root_fd, member, path):
@@ -213,46 +206,57 @@ async def untar(
 ) -> TreeResult:
     """Extract a tar body into the directory `path` (created if missing; its parent must exist)."""
     with operation("tree", path):
-        host = machine.host_path(path, write=True)
         owner = new_owner(machine, user)
-        existing = lstat_or_none(host)
+        existing = lstat_or_none(machine, path, follow=True)
         if existing is not None and not stat_mod.S_ISDIR(existing.st_mode):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
-        archive = host.parent / f"{STAGING_PREFIX}tree-{uuid.uuid4()}{STAGING_SUFFIX}"
-        fd = open_nofollow(archive, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            try:
+        with machine.view.at(path, write=True) as at:
+            fd = _unnamed_file(at)
+            with os.fdopen(fd, "w+b") as archive:
                 await receive(chunks, fd, limit=MAX_TREE_BYTES, operation_name="tree", path=path)
-            finally:
-                os.close(fd)
-            result = await asyncio.to_thread(_unpack, archive, host, owner, path)
-        finally:
-            unlink_quietly(archive)
+                result = await asyncio.to_thread(_unpack, archive, at, owner, path)
         result.path = shown_path(machine, path)
         return result
 
 
-def _unpack(archive: Path, host: Path, owner: Owner | None, path: str) -> TreeResult:
+def _unnamed_file(at: At) -> int:
+    """A file on the target's file system with no name (gone when closed), else a host temp file."""
+    try:
+        return os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=at.fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    return os.dup(tempfile.TemporaryFile().fileno())
+
+
+def _unpack(source: IO[bytes], at: At, owner: Owner | None, path: str) -> TreeResult:
     """Check, then extract, reading the archive twice from one open file (two streaming passes)."""
     try:
-        with open(archive, "rb") as source:
-            kinds = _check_archive(source, path)
-            result = TreeResult(path)
-            if lstat_or_none(host) is None:
-                os.mkdir(host, 0o755)
-                if owner is not None:
-                    os.chown(host, *owner, follow_symlinks=False)
-                result.dirs_created += 1
-            root_fd = os.open(host, _DIR_FLAGS)
-            try:
-                _check_disk(root_fd, kinds, path)  # a directory just created passes trivially
-                source.seek(0)
-                _extract(source, root_fd, owner, result, path)
-            finally:
-                os.close(root_fd)
+        source.seek(0)
+        kinds = _check_archive(source, path)
+        result = TreeResult(path)
+        if at.name and _lstat_at(at.fd, at.name) is None:
+            os.mkdir(at.name, 0o755, dir_fd=at.fd)
+            if owner is not None:
+                os.chown(at.name, *owner, dir_fd=at.fd, follow_symlinks=False)
+            result.dirs_created += 1
+        root_fd = os.open(at.target, _DIR_FLAGS, dir_fd=at.fd)
+        try:
+            _check_disk(root_fd, kinds, path)  # a directory just created passes trivially
+            source.seek(0)
+            _extract(source, root_fd, owner, result, path)
+        finally:
+            os.close(root_fd)
         return result
     except _ARCHIVE_ERRORS as exc:
         raise bad_request("tree", f"the body is not a readable tar archive: {exc}", path) from exc
+
+
+def _lstat_at(dirfd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def _refuse(path: str, name: str, why: str, error_type: str = "invalid_path") -> WorkspaceError:
@@ -360,9 +364,7 @@ def _probe(root_fd: int, key: tuple[str, ...]) -> os.stat_result | None:
     except FileNotFoundError:
         return None
     try:
-        return os.stat(key[-1], dir_fd=parent, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
+        return _lstat_at(parent, key[-1])
     finally:
         os.close(parent)
 

@@ -1,11 +1,14 @@
 """Watchers: a machine's file changes as numbered events (seed 002, "监听文件变化").
 
-A `WatchHub` belongs to one host-mapped machine (local or sandbox). It owns one inotify
+A `WatchHub` belongs to one machine with host files (local or sandbox). It owns one inotify
 instance and one reader task; each `Watcher` it creates subscribes to the inotify watches
 of the directories under its root and keeps its own numbered events (`seq` from 1) in a
 ring that `poll` (cursor + long-poll), `stream` (SSE with resume) and `wait_for` (v1
 `watch/wait`) read. Processes inside a bubblewrap sandbox write to the same host
-directories, so watching host paths sees them; every event path is mapped back inside.
+directories, so watching them sees their changes. Every path here is an *inside* path:
+directories are found through the machine's descriptor view and watched through the
+descriptor (`/proc/self/fd/N`), files are stat'ed through the view, so no host path is
+ever resolved by name (a directory swapped for a link cannot redirect a watch).
 
 How inotify becomes events, one to one:
 
@@ -76,9 +79,12 @@ from typing import Literal, cast
 from asyncinotify import Event as RawEvent
 from asyncinotify import Inotify, Mask, Watch
 
-from agentbox.machines.base import HostMapped
 from agentbox.machines.errors import MachineError
+from agentbox.machines.hostfs import HostFiles
 from agentbox.workspace.errors import WorkspaceError, bad_request, operation
+
+#: What a hub watches: a machine with the `HostFiles` capability.
+HostMachine = HostFiles
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +132,9 @@ DEFAULT_EXCLUDES: tuple[str, ...] = (
 EventType = Literal["create", "write", "remove", "rename", "chmod"]
 EVENT_TYPES: tuple[EventType, ...] = ("create", "write", "remove", "rename", "chmod")
 
-#: What each watched directory listens for. ONLYDIR + DONT_FOLLOW: a symlink is never watched.
+#: What each watched directory listens for. The watch is added through the directory's
+#: descriptor (`/proc/self/fd/N`), so DONT_FOLLOW must stay off (it would watch that link);
+#: ONLYDIR refuses anything but a directory.
 DIR_MASK = (
     Mask.CREATE
     | Mask.MODIFY
@@ -138,7 +146,6 @@ DIR_MASK = (
     | Mask.MOVED_TO
     | Mask.MOVE_SELF
     | Mask.ONLYDIR
-    | Mask.DONT_FOLLOW
     | Mask.EXCL_UNLINK
 )
 
@@ -302,10 +309,10 @@ class _Move:
     timer: asyncio.TimerHandle
 
 
-def _lstat(host: Path) -> os.stat_result | None:
+def _lstat(machine: HostMachine, inside: Path) -> os.stat_result | None:
     try:
-        return host.lstat()
-    except OSError:
+        return machine.view.lstat(str(inside))
+    except (OSError, MachineError):
         return None
 
 
@@ -411,14 +418,10 @@ class Watcher:
     # -- recording -------------------------------------------------------------------------
 
     def _emit(self, kind: EventType, host: Path, is_dir: bool, old_host: Path | None = None) -> Event | None:
-        machine = self.hub.machine
         rel = self.scope.relative(host)
-        try:
-            inside = machine.inside_path(host)
-            old_inside = machine.inside_path(old_host) if old_host is not None else None
-        except MachineError:
-            return None  # not behind any mount the machine exposes
-        st = _lstat(host)
+        inside = str(host)
+        old_inside = str(old_host) if old_host is not None else None
+        st = _lstat(self.hub.machine, host)
         event = Event(
             seq=self._next_seq,
             type=kind,
@@ -509,20 +512,19 @@ class Watcher:
             if self.hub._subscribe(self, directory) is None:
                 continue
             try:
-                with os.scandir(directory) as it:
-                    entries = sorted(it, key=lambda e: e.name)
-            except OSError:
+                entries = self.hub.machine.view.listdir(str(directory))
+            except (OSError, MachineError):
                 continue
-            for entry in entries:
-                entry_rel = (*dir_rel, entry.name)
-                is_dir = entry.is_dir(follow_symlinks=False)
+            for name, st in entries:
+                entry_rel = (*dir_rel, name)
+                is_dir = stat_mod.S_ISDIR(st.st_mode)
                 if synthesize and self.scope.visible(entry_rel):
-                    self._synthesize(Path(entry.path), is_dir)
+                    self._synthesize(directory / name, is_dir)
                 if is_dir and self.scope.descends(entry_rel):
-                    pending.append((Path(entry.path), entry_rel))
+                    pending.append((directory / name, entry_rel))
 
     def _synthesize(self, host: Path, is_dir: bool) -> None:
-        st = _lstat(host)
+        st = _lstat(self.hub.machine, host)
         if st is None:
             return
         seen = self._scanned.get(host)
@@ -546,7 +548,7 @@ class Watcher:
         if change.kind not in ("create", "write"):
             del self._scanned[change.host]
             return False
-        st = _lstat(change.host)
+        st = _lstat(self.hub.machine, change.host)
         echo = False
         if change.kind == "create" and seen.create:
             seen.create = False
@@ -573,7 +575,7 @@ class Watcher:
 class WatchHub:
     """The watchers of one machine, over one inotify instance and one reader task."""
 
-    def __init__(self, machine: HostMapped) -> None:
+    def __init__(self, machine: HostMachine) -> None:
         self.machine = machine
         self._watchers: dict[str, Watcher] = {}
         self._inotify: Inotify | None = None
@@ -589,14 +591,14 @@ class WatchHub:
     def create(self, path: str, *, recursive: bool = True, exclude: Iterable[str] | None = None) -> Watcher:
         """Start recording changes under `path` (a directory, or a single file)."""
         with operation("watch", path):
-            host = self.machine.host_path(path)
-            st = host.stat()
+            host = Path(self.machine.view.resolve(path))
+            st = self.machine.view.stat(str(host))
         if stat_mod.S_ISDIR(st.st_mode):
             excludes = DEFAULT_EXCLUDES if exclude is None else tuple(exclude)
             scope = Scope(host, recursive, excludes)
         else:
             scope = Scope(host.parent, recursive, (), target=(host.name,))
-        return self._open(scope, path, self._inside(host, path), listed=True)
+        return self._open(scope, path, str(host), listed=True)
 
     def get(self, watcher_id: str) -> Watcher:
         try:
@@ -637,14 +639,21 @@ class WatchHub:
 
     def _exact(self, path: str) -> Watcher:
         """An unlisted watcher for exactly `path`, which may not exist yet (for `wait_for`)."""
+        view = self.machine.view
         with operation("watch", path):
-            host = self.machine.host_path(path, follow=False)
-            root = host.parent
-            while not root.is_dir() and root != root.parent:
+            wanted = Path(view.absolute(path))
+            root = wanted.parent
+            while not self._is_dir(str(root)) and root != root.parent:
                 root = root.parent
-            self.machine.inside_path(root)  # the nearest existing directory must be inside too
-        scope = Scope(root, True, (), target=host.relative_to(root).parts)
-        return self._open(scope, path, self._inside(host, path), listed=False)
+            real_root = Path(view.resolve(str(root)))  # the nearest existing directory, links resolved
+        scope = Scope(real_root, True, (), target=wanted.relative_to(root).parts)
+        return self._open(scope, path, str(wanted), listed=False)
+
+    def _is_dir(self, inside: str) -> bool:
+        try:
+            return stat_mod.S_ISDIR(self.machine.view.stat(inside).st_mode)
+        except (OSError, MachineError):
+            return False
 
     def _open(self, scope: Scope, path: str, inside: str, *, listed: bool) -> Watcher:
         if self._closed:
@@ -658,10 +667,6 @@ class WatchHub:
         self._watchers[watcher.id] = watcher
         watcher._enter(scope.root, (), synthesize=False)
         return watcher
-
-    def _inside(self, host: Path, path: str) -> str:
-        with operation("watch", path):
-            return self.machine.inside_path(host)
 
     def _new_id(self) -> str:
         while (watcher_id := secrets.token_hex(6)) in self._watchers:
@@ -682,7 +687,12 @@ class WatchHub:
             watcher._lost()
             return None
         try:
-            watch = self._inotify.add_watch(host, DIR_MASK)
+            with self.machine.view.opendir(str(host), follow=False) as fd:
+                watch = self._inotify.add_watch(f"/proc/self/fd/{fd}", DIR_MASK)
+        except MachineError:
+            if strict:
+                raise
+            return None
         except OSError as exc:
             if strict:
                 raise
@@ -863,7 +873,7 @@ class WatchHub:
 
 
 async def wait_for(
-    source: WatchHub | HostMapped,
+    source: WatchHub | HostMachine,
     path: str,
     timeout: float,
     event_types: Iterable[str] = EVENT_TYPES,
@@ -894,7 +904,7 @@ async def _wait(hub: WatchHub, path: str, timeout: float, types: set[str]) -> Ev
     try:
         assert watcher.scope.target is not None
         host = watcher.scope.root.joinpath(*watcher.scope.target)
-        if "create" in types and (st := _lstat(host)) is not None:
+        if "create" in types and (st := _lstat(hub.machine, host)) is not None:
             return watcher._emit("create", host, stat_mod.S_ISDIR(st.st_mode))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(timeout, 0.0)
