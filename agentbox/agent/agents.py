@@ -24,11 +24,10 @@ import stat as stat_mod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from agentbox.agent import prompt as prompt_mod
-from agentbox.machines.pathmap import open_nofollow
+from agentbox.machines.errors import MachineError
 from agentbox.tools.base import Action, Tool
 from agentbox.tools.skills import SKILL_FILE, SkillError, split_frontmatter
 from agentbox.tools.tiers import Tier
@@ -263,11 +262,12 @@ def _tool_list(value: Any) -> tuple[str, ...]:
 def _load_workspace(machine: Any, loaded: LoadedAgents) -> None:
     folder = posixpath.join(machine.root, AGENTS_DIR)
     try:
-        root: Path = machine.host_path(machine.root)
-        host: Path = machine.host_path(folder)
-        names = sorted(
-            e.name for e in os.scandir(host) if e.name.endswith(".md") and not e.name.startswith(".")
-        )
+        root = machine.view.resolve(machine.root)
+        names = [
+            name
+            for name, _ in machine.view.listdir(folder)
+            if name.endswith(".md") and not name.startswith(".")
+        ]
     except FileNotFoundError:
         return
     except Exception as exc:  # not a folder, a link out of the machine, unreadable
@@ -288,14 +288,14 @@ def _load_workspace(machine: Any, loaded: LoadedAgents) -> None:
         loaded.agents[spec.name] = spec
 
 
-def _load_file(machine: Any, root: Path, path: str, filename: str) -> AgentSpec:
+def _load_file(machine: Any, root: str, path: str, filename: str) -> AgentSpec:
     try:
-        host: Path = machine.host_path(path)
+        inside = machine.view.resolve(path)
     except Exception as exc:  # PathEscape and friends: the machine refused the path
         raise AgentError(str(exc)) from exc
-    if not host.is_relative_to(root):
+    if not inside.startswith(root.rstrip("/") + "/"):
         raise AgentError("it links out of the working directory")
-    text = _read_agent_file(host)
+    text = _read_agent_file(machine, inside)
     try:
         fields, body = split_frontmatter(text)
     except SkillError as exc:  # the parser is the skills'; its messages name SKILL.md
@@ -303,11 +303,14 @@ def _load_file(machine: Any, root: Path, path: str, filename: str) -> AgentSpec:
     return parse_agent(fields, body, filename.removesuffix(".md"), path)
 
 
-def _read_agent_file(host: Path) -> str:
+def _read_agent_file(machine: Any, inside: str) -> str:
+    """Opened through the descriptor view: a FIFO swapped in is refused, never opened (it would block)."""
     try:
-        fd = open_nofollow(host, os.O_RDONLY)
+        fd = machine.view.open(inside, os.O_RDONLY, follow=False)
     except OSError as exc:
         raise AgentError(f"cannot be read: {exc.strerror or exc}") from None
+    except MachineError as exc:
+        raise AgentError(f"cannot be read: {exc.message}") from None
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
         if not stat_mod.S_ISREG(info.st_mode):

@@ -82,17 +82,18 @@ def _copy_in(machine: Any, blob: Path, folder: str, filename: str) -> str:
         raise PlacementError(f"could not place input file {filename!r}: not a plain file name")
     for n in range(1, MAX_NAME_VARIANTS + 1):
         inside = posixpath.join(folder, variant(filename, n))
-        host = machine.host_path(inside, write=True, follow=False)
         try:
-            fd = os.open(host, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            fd = machine.view.open(inside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, follow=False)
         except FileExistsError:
             continue
         try:
             with open(blob, "rb") as source, os.fdopen(fd, "wb") as target:
+                owner = machine.default_owner()
+                if owner is not None:
+                    os.fchown(target.fileno(), *owner)
                 shutil.copyfileobj(source, target)
         except BaseException:
-            os.unlink(host)
+            machine.view.unlink(inside)
             raise
-        machine.give(host)
         return inside
     raise PlacementError(f"could not place input file {filename}: {MAX_NAME_VARIANTS} names are taken")

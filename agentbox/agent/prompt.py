@@ -17,7 +17,7 @@ signals (`agent/signals.py`) at the next turn boundary; compaction rebaselines, 
 A session without a machine (`machine: none`) gets no workspace part (2 and the machine,
 working directory and listing lines of 5): it has no file or shell tools to use them with.
 
-Files are read through the machine's path map (`HostMapped.host_path`, links followed inside
+Files are read through the machine's descriptor view (`machine.view`, links followed inside
 the machine only), so a context file that links out of the workspace is skipped, never read.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat as stat_mod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import date
@@ -93,11 +94,11 @@ def context_files(machine: Any) -> str:
 
 def read_context_file(machine: Any, name: str) -> str | None:
     """The file's text (cut at `MAX_CONTEXT_FILE_CHARS`), or None when absent or not readable."""
-    try:
-        host = machine.host_path(posixpath.join(machine.root, name))
-        if not host.is_file():
-            return None
-        with open(host, encoding="utf-8", errors="replace") as f:
+    try:  # through the descriptor view: a FIFO or device swapped in is refused, never opened
+        fd = machine.view.open(posixpath.join(machine.root, name), os.O_RDONLY)
+        with open(fd, encoding="utf-8", errors="replace", closefd=True) as f:
+            if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
             text = f.read(MAX_CONTEXT_FILE_CHARS + 1)
     except Exception:  # PathEscape (a link out of the machine), permissions, a vanished file
         return None
@@ -133,9 +134,10 @@ def facts(machine: Any | None, today: date) -> str:
 def directory_listing(machine: Any) -> str:
     """The working directory's top level (not recursive), folders with a trailing `/`, sorted."""
     try:
-        host = machine.host_path(machine.root)
-        with os.scandir(host) as entries:
-            names = sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries)
+        names = [
+            name + ("/" if stat_mod.S_ISDIR(st.st_mode) else "")
+            for name, st in machine.view.listdir(machine.root)
+        ]
     except Exception:  # an unreadable root leaves the listing out rather than failing the prompt
         return ""
     shown = names[:MAX_LISTING_ENTRIES]

@@ -41,9 +41,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import posixpath
+import stat as stat_mod
 from collections.abc import AsyncIterator, Generator, Iterator
 from email.utils import formatdate
-from typing import Annotated, Any, Literal, Protocol, cast
+from typing import Annotated, Any, Literal, cast
 from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
@@ -54,7 +55,8 @@ from starlette.datastructures import UploadFile
 from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
 from agentbox.api.v2_watch import HEARTBEAT_SECONDS, SSE_HEADERS, resume_position, sse
-from agentbox.machines.base import HostMapped
+from agentbox.machines.errors import MachineError
+from agentbox.machines.hostfs import HostFiles
 from agentbox.workspace import editor as editor_mod
 from agentbox.workspace import files, grep
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
@@ -79,17 +81,17 @@ UPLOAD_CHUNK_BYTES = 1024 * 1024
 ChangePolicy = Literal["ignore", "abort"]
 
 
-class FileMachine(files.HostMachine, editor_mod.HostMachine, Protocol):
-    """A machine whose files the server reaches directly (local and sandbox kinds)."""
+#: A machine whose files the server reaches directly (local and sandbox kinds).
+FileMachine = HostFiles
 
 
 def machine_of(sb: Sandbox) -> FileMachine:
-    if not isinstance(sb.machine, HostMapped):
+    if not isinstance(sb.machine, HostFiles):
         raise WorkspaceError(
             "invalid_target", "This machine's files cannot be reached by the file API", "open",
             exception_type="NotHostMapped",
         )  # fmt: skip
-    return cast(FileMachine, sb.machine)
+    return sb.machine
 
 
 def resource_error(error: WorkspaceError, status: int | None = None) -> JSONResponse:
@@ -258,7 +260,7 @@ def ensure_parent(machine: FileMachine, path: str, op: str) -> None:
     """Create the missing directories above `path` (write and upload do, as upstream does)."""
     parent = posixpath.dirname(path)
     with operation(op, path):
-        missing = bool(parent) and files.lstat_or_none(machine.host_path(parent)) is None
+        missing = bool(parent) and files.lstat_or_none(machine, parent, follow=True) is None
     if missing:
         files.mkdir(machine, parent, parents=True)
 
@@ -487,7 +489,8 @@ def upload_target(machine: FileMachine, path: str | None, filename: str | None) 
     """Where an upload goes: `path`, or the part's file name inside `path` / the machine root."""
     if path and not path.endswith("/"):
         with operation("upload", path):
-            if not machine.host_path(path).is_dir():
+            st = files.lstat_or_none(machine, path, follow=True)
+            if st is None or not stat_mod.S_ISDIR(st.st_mode):
                 return path
     name = posixpath.basename(filename or "")
     if name in ("", ".", ".."):
@@ -512,8 +515,8 @@ class FileChanged(WorkspaceError):
 
 def unchanged(target: files.DownloadTarget) -> bool:
     try:
-        st = target.host_path.stat()
-    except OSError:
+        st = target.machine.view.stat(target.path)
+    except (OSError, MachineError):
         return False
     return (st.st_ino, st.st_size, st.st_mtime) == (target.inode, target.size, target.mtime)
 

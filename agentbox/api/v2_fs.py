@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import mimetypes
-import os
 import posixpath
 from collections.abc import AsyncIterator, Callable, Iterator
 from email.utils import formatdate
-from typing import Annotated, Any, Literal, Protocol, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import quote
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
@@ -39,10 +38,9 @@ from starlette.concurrency import run_in_threadpool
 
 from agentbox.api.envelope import failure, json_body, ok, parse_body
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
-from agentbox.machines.base import HostMapped
+from agentbox.machines.hostfs import HostFiles
 from agentbox.workspace import files, grep, tree
 from agentbox.workspace.editor import Editor
-from agentbox.workspace.editor import HostMachine as EditorMachine
 from agentbox.workspace.errors import bad_request, operation
 from agentbox.workspace.files import HostMachine, RangeNotSatisfiable
 
@@ -67,16 +65,16 @@ PathQuery = Annotated[
 # ---------------------------------------------------------------- shared pieces
 
 
-class FileMachine(HostMachine, EditorMachine, Protocol):
-    """What these routes need of a machine: host-mapped files, owners and a name (local, sandbox)."""
+#: What these routes need of a machine: the `HostFiles` capability (local, sandbox).
+FileMachine = HostFiles
 
 
 def host_machine(sandbox: Sandbox) -> FileMachine:
     """The sandbox's machine as the file operations need it, or a clear 400 for other kinds."""
     machine = sandbox.machine
-    if not isinstance(machine, HostMapped) or not hasattr(machine, "owner_of"):
+    if not isinstance(machine, HostFiles):
         raise bad_request("files", f"machine {machine.name!r} ({machine.kind}) does not serve the file API")
-    return machine  # type: ignore[return-value]
+    return machine
 
 
 def check_user(machine: HostMachine, user: str | None, op: str, path: str) -> None:
@@ -317,7 +315,7 @@ async def offload(size: int | None, fn: Callable[..., T], *args: Any, **kwargs: 
 def size_of(machine: Any, path: str) -> int | None:
     """The file's size if it is cheap to tell; None sends the real operation (and its errors) to a thread."""
     try:
-        return int(os.stat(machine.host_path(path)).st_size)
+        return int(machine.view.stat(path).st_size)
     except Exception:
         return None
 

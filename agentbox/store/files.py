@@ -115,9 +115,28 @@ class FileStore:
         tool_use_id: str | None = None,
         max_bytes: int = MAX_FILE_BYTES,
     ) -> dict[str, Any]:
-        """Store a copy of the regular file at `host_path` (a final symlink is refused, not followed)."""
+        """Store a copy of the regular file at `host_path` (a final symlink is refused, not followed).
+
+        For files the server itself trusts the path of; a machine's files go through `put_fd`.
+        """
         _check_name(filename, source)
         blob = await asyncio.to_thread(self._copy_file, Path(host_path), max_bytes)
+        return await self._commit(blob, filename, session_id, source, turn_id, tool_use_id)
+
+    async def put_fd(
+        self,
+        fd: int,
+        filename: str,
+        *,
+        session_id: str | None,
+        source: str,
+        turn_id: str | None = None,
+        tool_use_id: str | None = None,
+        max_bytes: int = MAX_FILE_BYTES,
+    ) -> dict[str, Any]:
+        """Store a copy of the regular file open as `fd` (the caller keeps and closes it)."""
+        _check_name(filename, source)
+        blob = await asyncio.to_thread(self._copy_fd, fd, filename, max_bytes)
         return await self._commit(blob, filename, session_id, source, turn_id, tool_use_id)
 
     async def put_stream(
@@ -167,29 +186,33 @@ class FileStore:
         except OSError as exc:
             raise InvalidFile(f"cannot open {source.name!r}: {exc.strerror}") from exc
         try:
-            info = os.fstat(src)
-            if not stat_mod.S_ISREG(info.st_mode):
-                raise InvalidFile(f"{source.name!r} is not a regular file")
-            if info.st_size > max_bytes:
-                raise FileTooLarge(max_bytes, info.st_size)
-            fd, partial = self._new_partial()
-            try:
-                digest, size = hashlib.sha256(), 0
-                while chunk := os.read(src, COPY_CHUNK_BYTES):
-                    size += len(chunk)
-                    if size > max_bytes:  # it grew while we copied
-                        raise FileTooLarge(max_bytes)
-                    digest.update(chunk)
-                    _write_all(fd, chunk)
-                _finish(fd, b"")
-            except BaseException:
-                _unlink_quietly(partial)
-                raise
-            finally:
-                os.close(fd)
-            return _Blob(partial, digest.hexdigest(), size)
+            return self._copy_fd(src, source.name, max_bytes)
         finally:
             os.close(src)
+
+    def _copy_fd(self, src: int, name: str, max_bytes: int) -> _Blob:
+        """Copy and hash the file open as `src` into a partial blob (runs in a worker thread)."""
+        info = os.fstat(src)
+        if not stat_mod.S_ISREG(info.st_mode):
+            raise InvalidFile(f"{name!r} is not a regular file")
+        if info.st_size > max_bytes:
+            raise FileTooLarge(max_bytes, info.st_size)
+        fd, partial = self._new_partial()
+        try:
+            digest, size = hashlib.sha256(), 0
+            while chunk := os.read(src, COPY_CHUNK_BYTES):
+                size += len(chunk)
+                if size > max_bytes:  # it grew while we copied
+                    raise FileTooLarge(max_bytes)
+                digest.update(chunk)
+                _write_all(fd, chunk)
+            _finish(fd, b"")
+        except BaseException:
+            _unlink_quietly(partial)
+            raise
+        finally:
+            os.close(fd)
+        return _Blob(partial, digest.hexdigest(), size)
 
     async def _commit(
         self,

@@ -130,11 +130,24 @@ class FileStore(Protocol):
         """Store a copy of a host file; returns its record ({id, filename, bytes, sha256, created_at})."""
         ...
 
+    async def put_fd(
+        self,
+        fd: int,
+        filename: str,
+        *,
+        session_id: str | None,
+        source: str,
+        turn_id: str | None = None,
+        tool_use_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Store a copy of a file open as `fd` (a machine's file, opened by descriptor)."""
+        ...
+
 
 class ToolContext(Protocol):
     """What a tool may use. Built by the runner; tests build real ones."""
 
-    machine: Any  # a Machine that is also HostMapped (agentbox.machines.base)
+    machine: Any  # a Machine with the HostFiles capability (agentbox.machines.hostfs)
     session_id: str
     turn_id: str | None
     config: ToolConfig

@@ -35,7 +35,6 @@ by one.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import difflib
 import errno
 import os
@@ -46,12 +45,10 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
-from agentbox.machines.base import HostMapped
 from agentbox.machines.errors import MachineError
-from agentbox.machines.pathmap import PathMap, open_nofollow
+from agentbox.machines.hostfs import HostFiles
 from agentbox.store.changes import (
     ChangeSet,
     ChangesRepo,
@@ -62,7 +59,7 @@ from agentbox.store.changes import (
 from agentbox.tools.base import Operation
 from agentbox.tools.fingerprint import ABSENT, fingerprint
 from agentbox.workspace import files as ws_files
-from agentbox.workspace.editor import give, write_in_place
+from agentbox.workspace.editor import write_in_place
 from agentbox.workspace.errors import WorkspaceError, translate
 
 #: The trash folder, directly under the machine's root.
@@ -79,22 +76,13 @@ SKIPPED = "not applied: an earlier operation of the same call failed"
 KINDS = ("write", "edit", "mkdir", "move", "rename", "delete")
 AppliedStatus = Literal["applied", "failed", "skipped"]
 
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
-_libc = ctypes.CDLL(None, use_errno=True)
 #: Applies are serialized so a stale check and the write after it never interleave with
 #: another apply (they run in a worker thread).
 _apply_lock = threading.Lock()
 
 
-class GovernedMachine(HostMapped, Protocol):
-    """What applying needs of a machine: host paths, its root and its path map."""
-
-    name: str
-    root: str
-    paths: PathMap
-
-    def owner_of(self, user: str) -> tuple[int, int]: ...
+#: What applying needs of a machine: its descriptor view of its files, its root and its owner.
+GovernedMachine = HostFiles
 
 
 class Refused(Exception):
@@ -177,7 +165,7 @@ def check(machine: GovernedMachine, op: Operation) -> None:
     _not_root(machine, source, op.kind)
     follow = op.kind in ("write", "edit")
     real = _real(machine, source, follow=follow)
-    if machine.paths.within_root(source) and not machine.paths.within_root(real):
+    if machine.view.within_root(source) and not machine.view.within_root(real):
         raise Refused(f"refused: {source} leads outside the workspace through a link ({real})")
     if op.kind in ("move", "rename", "delete") and real in _mount_points(machine):
         raise Refused(
@@ -193,7 +181,7 @@ def check(machine: GovernedMachine, op: Operation) -> None:
         dest = _inside(machine, op.dest)
         _not_root(machine, dest, op.kind)
         real_dest = _real(machine, dest, follow=False)
-        if machine.paths.within_root(dest) and not machine.paths.within_root(real_dest):
+        if machine.view.within_root(dest) and not machine.view.within_root(real_dest):
             raise Refused(f"refused: {dest} leads outside the workspace through a link ({real_dest})")
         if _overlaps(real, real_dest):
             raise Refused(
@@ -203,7 +191,7 @@ def check(machine: GovernedMachine, op: Operation) -> None:
 
 def _inside(machine: GovernedMachine, path: str) -> str:
     try:
-        return machine.paths.absolute(path)
+        return machine.view.absolute(path)
     except MachineError as exc:
         raise Refused(f"refused: {exc.message}") from exc
 
@@ -212,13 +200,13 @@ def _real(machine: GovernedMachine, inside: str, *, follow: bool) -> str:
     """The inside path `inside` really names once links are followed (all but a final one
     when not `follow`)."""
     try:
-        return machine.inside_path(machine.host_path(inside, follow=follow))
+        return machine.view.resolve(inside, follow=follow, missing_ok=True)
     except MachineError as exc:
         raise Refused(f"refused: {exc.message}") from exc
 
 
 def _mount_points(machine: GovernedMachine) -> set[str]:
-    return {mount.inside for mount in machine.paths.mounts}
+    return {mount.inside for mount in machine.view.mounts}
 
 
 def _past(kind: str) -> str:
@@ -234,23 +222,23 @@ def _overlaps(a: str, b: str) -> bool:
     return a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/")
 
 
-def _stale_check(host: Path, op: Operation) -> None:
+def _stale_check(machine: GovernedMachine, inside: str, op: Operation) -> None:
     """Refuse when the file is no longer what the operation was planned against."""
     if op.expect is not None:
-        if fingerprint(host) != op.expect:
+        if fingerprint(machine, inside) != op.expect:
             raise Refused(f"{STALE}: {op.path} is not what it was when this {op.kind} was planned; "
                           "read it again and plan the change anew (nothing was changed)")  # fmt: skip
     elif op.before is not None and op.kind in ("write", "edit"):
-        current = _current_text(host)
+        current = _current_text(machine, inside)
         if current != op.before:
             raise Refused(f"{STALE}: {op.path} no longer has the text this {op.kind} was planned against; "
                           "read it again and plan the change anew (nothing was changed)")  # fmt: skip
 
 
-def _current_text(host: Path) -> str | None:
+def _current_text(machine: GovernedMachine, inside: str) -> str | None:
     try:
-        fd = open_nofollow(host, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
+        fd = machine.view.open(inside, os.O_RDONLY)
+    except (OSError, MachineError):
         return None
     with os.fdopen(fd, "rb") as f:
         if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -272,29 +260,31 @@ def _encoded(op: Operation) -> bytes:
 
 
 def _write(machine: GovernedMachine, op: Operation) -> None:
-    host = machine.host_path(op.path, write=True)
+    inside = _inside(machine, op.path)
     data = _encoded(op)
     if is_overwrite(op):
-        if ws_files.lstat_or_none(host) is None:
+        if ws_files.lstat_or_none(machine, inside) is None:
             raise Refused(
                 f"{STALE}: {op.path} was to be overwritten but no longer exists (nothing was written)"
             )
-        _stale_check(host, op)
-        _require_file(host, op.path)
-        write_in_place(machine, host, data)
+        _stale_check(machine, inside, op)
+        _require_file(machine, inside, op.path)
+        write_in_place(machine, inside, data)
         return
     try:
-        fd = open_nofollow(host, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = machine.view.open(inside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError as exc:
         raise Refused(f"refused: {op.path} already exists and write never replaces a file; "
                       "edit it, or read it and plan an overwrite") from exc  # fmt: skip
     except FileNotFoundError as exc:
         raise Refused(f"refused: the folder of {op.path} does not exist; create it first") from exc
     try:
+        owner = machine.default_owner()
+        if owner is not None:
+            os.fchown(fd, *owner)
         ws_files.write_all(fd, data)
     finally:
         os.close(fd)
-    give(machine, host)
 
 
 def is_overwrite(op: Operation) -> bool:
@@ -304,30 +294,30 @@ def is_overwrite(op: Operation) -> bool:
 
 
 def _edit(machine: GovernedMachine, op: Operation) -> None:
-    host = machine.host_path(op.path, write=True)
+    inside = _inside(machine, op.path)
     data = _encoded(op)
-    if ws_files.lstat_or_none(host) is None:
+    if ws_files.lstat_or_none(machine, inside) is None:
         raise Refused(f"{STALE}: {op.path} no longer exists (nothing was changed)")
-    _require_file(host, op.path)
-    _stale_check(host, op)
-    write_in_place(machine, host, data)
+    _require_file(machine, inside, op.path)
+    _stale_check(machine, inside, op)
+    write_in_place(machine, inside, data)
 
 
-def _require_file(host: Path, path: str) -> None:
-    if not stat_mod.S_ISREG(host.stat().st_mode):
+def _require_file(machine: GovernedMachine, inside: str, path: str) -> None:
+    if not stat_mod.S_ISREG(machine.view.stat(inside).st_mode):
         raise Refused(f"refused: {path} is not a regular file")
 
 
 def _move(machine: GovernedMachine, op: Operation) -> None:
     assert op.dest is not None
-    src = machine.host_path(op.path, write=True, follow=False)
-    dst = machine.host_path(op.dest, write=True, follow=False)
-    if ws_files.lstat_or_none(src) is None:
+    src = _inside(machine, op.path)
+    dst = _inside(machine, op.dest)
+    if ws_files.lstat_or_none(machine, src) is None:
         raise Refused(f"{STALE}: {op.path} no longer exists (nothing was moved)")
     if op.expect is not None:
-        _stale_check(src, op)
+        _stale_check(machine, src, op)
     try:
-        rename_noreplace(src, dst)
+        machine.view.rename(src, dst, replace=False)
     except FileExistsError as exc:
         raise Refused(f"refused: {op.dest} already exists and a {op.kind} never replaces anything") from exc
     except FileNotFoundError as exc:
@@ -353,17 +343,16 @@ def trash_path_for(machine: GovernedMachine, inside: str, moment: datetime | Non
 
 def _delete(machine: GovernedMachine, op: Operation) -> str:
     inside = _inside(machine, op.path)
-    src = machine.host_path(inside, write=True, follow=False)
-    if ws_files.lstat_or_none(src) is None:
+    src = inside
+    if ws_files.lstat_or_none(machine, src) is None:
         raise Refused(f"{STALE}: {op.path} no longer exists (nothing was deleted)")
     if op.expect is not None:
-        _stale_check(src, op)
+        _stale_check(machine, src, op)
     target = trash_path_for(machine, inside)
     folder = posixpath.dirname(target)
     ws_files.mkdir(machine, folder, parents=True)
-    dst = machine.host_path(target, write=True, follow=False)
     try:
-        rename_noreplace(src, dst)
+        machine.view.rename(src, target, replace=False)
     except OSError as exc:
         _remove_empty_dirs(machine, folder)
         if exc.errno == errno.EXDEV:
@@ -379,27 +368,10 @@ def _remove_empty_dirs(machine: GovernedMachine, folder: str) -> None:
     stop = _trash_root(machine)
     while folder.startswith(stop + "/"):
         try:
-            machine.host_path(folder, write=True, follow=False).rmdir()
-        except OSError:
+            machine.view.rmdir(folder)
+        except (OSError, MachineError):
             return
         folder = posixpath.dirname(folder)
-
-
-def rename_noreplace(src: Path, dst: Path) -> None:
-    """`rename(2)` that fails with EEXIST instead of replacing `dst`, atomically.
-
-    Uses `renameat2(RENAME_NOREPLACE)`; where the file system does not support the flag
-    (EINVAL) it checks and renames, which is only racy against a concurrent creator.
-    """
-    result = _libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
-    if result == 0:
-        return
-    code = ctypes.get_errno()
-    if code not in (errno.EINVAL, errno.ENOSYS):
-        raise OSError(code, os.strerror(code), str(src), None, str(dst))
-    if os.path.lexists(dst):
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
-    os.rename(src, dst)
 
 
 # ---------------------------------------------------------------- review records
@@ -422,25 +394,18 @@ def unified_diff(path: str, before: str | None, after: str | None) -> str:
     return "".join(out)
 
 
-def count_files(host: Path, limit: int = MAX_COUNTED_FILES) -> tuple[int, int, bool]:
+def count_files(
+    machine: GovernedMachine, inside: str, limit: int = MAX_COUNTED_FILES
+) -> tuple[int, int, bool]:
     """(files, hidden files, capped) under a folder, links not followed; stops past `limit`."""
     files = hidden = 0
-    stack: list[tuple[Path, bool]] = [(host, False)]
-    while stack:
-        folder, in_hidden = stack.pop()
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
+    for node in machine.view.walk(inside):
+        if node.is_dir:
             continue
-        for entry in entries:
-            is_hidden = in_hidden or entry.name.startswith(".")
-            if entry.is_dir(follow_symlinks=False):
-                stack.append((Path(entry.path), is_hidden))
-                continue
-            if files == limit:
-                return files, hidden, True
-            files += 1
-            hidden += is_hidden
+        if files == limit:
+            return files, hidden, True
+        files += 1
+        hidden += any(part.startswith(".") for part in node.rel.split("/"))
     return files, hidden, False
 
 
@@ -457,25 +422,23 @@ def review(
     files = 0
     if op.kind in ("write", "edit"):
         files = 1
-        host = machine.host_path(inside)
-        if op.expect is not None and fingerprint(host) != op.expect:
+        if op.expect is not None and fingerprint(machine, inside) != op.expect:
             warnings.append(f"{STALE}: {inside} differs from the version this change was planned against")
         if is_overwrite(op):
             warnings.append(f"overwrites the existing file {inside}")
     elif op.kind in ("move", "rename", "delete"):
-        host = machine.host_path(inside, follow=False)
-        st = ws_files.lstat_or_none(host)
+        st = ws_files.lstat_or_none(machine, inside)
         files = 1
         if st is not None and stat_mod.S_ISDIR(st.st_mode):
-            files, hidden, capped = count_files(host)
+            files, hidden, capped = count_files(machine, inside)
             warnings.append(
                 f"folder {inside} holds {'more than ' if capped else ''}{files} file(s)"
                 + (f", {hidden} of them hidden" if hidden else "")
             )
-        if op.expect is not None and fingerprint(host) != op.expect:
+        if op.expect is not None and fingerprint(machine, inside) != op.expect:
             warnings.append(f"{STALE}: {inside} differs from the version this change was planned against")
     for other in (op.path, op.dest):
-        if other is not None and not machine.paths.within_root(other):
+        if other is not None and not machine.view.within_root(other):
             warnings.append(f"{_inside(machine, other)} is outside the workspace root {machine.root}")
     for earlier in pending:
         if earlier.status == "pending" and inside in (earlier.path, earlier.dest):

@@ -17,15 +17,18 @@ location is outside the machine's workspace root is an external read: it is auth
 
 from __future__ import annotations
 
+import os
 import posixpath
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, Field
 
+from agentbox.machines.errors import MachineError
+from agentbox.machines.hostfs import HostFiles
 from agentbox.store.files import MAX_FILE_BYTES, FileStoreError
 from agentbox.workspace import files as ws_files
-from agentbox.workspace.errors import WorkspaceError
+from agentbox.workspace.errors import WorkspaceError, translate
 
 from .base import Action, Tool, ToolContext, ToolResult
 
@@ -92,11 +95,11 @@ async def deliver_one(ctx: ToolContext, path: str) -> dict[str, Any]:
     """Copy one file of the machine into the file store; its record."""
     machine = ctx.machine
     assert ctx.files is not None
-    if not hasattr(machine, "host_path"):
-        raise DeliveryFailed("this machine's files cannot be delivered yet (it is not host-mapped)")
+    if not isinstance(machine, HostFiles):
+        raise DeliveryFailed("this machine's files cannot be delivered yet (its files are not host files)")
     try:
         target = ws_files.download(machine, path)
-        real = machine.inside_path(target.host_path)
+        real = target.path
     except WorkspaceError as exc:
         raise DeliveryFailed(_reason(exc)) from exc
     if not _within_root(machine.root, real):
@@ -108,8 +111,12 @@ async def deliver_one(ctx: ToolContext, path: str) -> dict[str, Any]:
             f"it is {target.size} bytes, more than the {MAX_DELIVERY_BYTES // (1024 * 1024)} MiB a file may be"
         )
     try:
-        return await ctx.files.put_path(
-            target.host_path,
+        fd = machine.view.open(target.path, os.O_RDONLY, follow=False)
+    except (OSError, MachineError) as exc:
+        raise DeliveryFailed(_reason(translate(exc, "download", path))) from exc
+    try:
+        return await ctx.files.put_fd(
+            fd,
             posixpath.basename(target.path),
             session_id=ctx.session_id,
             source="delivery",
@@ -117,6 +124,8 @@ async def deliver_one(ctx: ToolContext, path: str) -> dict[str, Any]:
         )
     except (FileStoreError, OSError) as exc:
         raise DeliveryFailed(f"the file store refused it: {exc}") from exc
+    finally:
+        os.close(fd)
 
 
 def _within_root(root: str, inside: str) -> bool:

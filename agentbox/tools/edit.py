@@ -25,18 +25,25 @@ after texts and the fingerprint it was planned against; `move`/`rename` with `de
 
 from __future__ import annotations
 
-import os
 import posixpath
 import stat as stat_mod
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from agentbox.machines.errors import MachineError
 from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolResult
 from agentbox.tools.fingerprint import fingerprint
-from agentbox.tools.read import FAILURES, Resolved, escape_message, escapes, problem, remember, resolve
+from agentbox.tools.read import (
+    FAILURES,
+    Resolved,
+    escape_message,
+    escapes,
+    is_dir,
+    lstat_or_none,
+    problem,
+    remember,
+    resolve,
+)
 from agentbox.workspace.editor import TextFile, checked_encode, occurrence_lines, read_capped
 
 Mode = Literal["replace", "append", "multi_replace", "move", "rename", "delete"]
@@ -156,10 +163,10 @@ def plan_text_edit(machine: Any, p: EditParams) -> Operation:
     target = resolve(machine, p.path, write=True)
     if escapes(machine, target):
         raise Refused(escape_message(target))
-    if target.host.is_dir():
+    if is_dir(machine, target.inside):
         raise Refused(f"{target.requested} is a folder; {p.mode} works on text files.")
-    expect = fingerprint(target.host)  # before reading: a change in between fails the apply
-    raw = read_capped(target.host, target.requested, "edit")
+    expect = fingerprint(machine, target.inside)  # before reading: a change in between fails the apply
+    raw = read_capped(machine, target.inside, target.requested, "edit")
     if raw is None:
         raise Refused(f"{target.requested} does not exist; use write to create it.")
     try:
@@ -182,15 +189,9 @@ def plan_text_edit(machine: Any, p: EditParams) -> Operation:
 # --- files and folders ------------------------------------------------------------------------
 
 
-def is_mount_point(machine: Any, host: Path) -> bool:
-    """True for a host directory whose parent the machine does not expose (/workspace, /tmp)."""
-    if host.parent == host:
-        return True
-    try:
-        machine.inside_path(host.parent)
-    except MachineError:
-        return True
-    return False
+def is_mount_point(machine: Any, inside: str) -> bool:
+    """True for the directory where the machine mounts a folder (/workspace, /tmp)."""
+    return inside == "/" or any(inside == m.inside for m in machine.view.mounts)
 
 
 def source(machine: Any, path: str, mode: str) -> Resolved:
@@ -198,9 +199,9 @@ def source(machine: Any, path: str, mode: str) -> Resolved:
     src = resolve(machine, path, write=True, follow=False)
     if escapes(machine, src):
         raise Refused(escape_message(src))
-    if src.inside in ("/", machine.root) or is_mount_point(machine, src.host):
+    if src.inside in ("/", machine.root) or is_mount_point(machine, src.inside):
         raise Refused(f"{src.inside} is the workspace root or a mount point; it cannot be {mode}d.")
-    if not os.path.lexists(src.host):
+    if lstat_or_none(machine, src.inside) is None:
         raise Refused(f"{src.requested} does not exist.")
     return src
 
@@ -223,7 +224,7 @@ def destination_of(machine: Any, src: Resolved, p: EditParams) -> Resolved:
             machine, posixpath.join(posixpath.dirname(src.inside), name.rstrip("/")), write=True, follow=False
         )
     into = resolve(machine, p.destination, write=True)
-    if p.destination.endswith("/") or into.host.is_dir():
+    if p.destination.endswith("/") or is_dir(machine, into.inside):
         return resolve(
             machine, posixpath.join(into.inside, posixpath.basename(src.inside)), write=True, follow=False
         )
@@ -235,39 +236,39 @@ def check_destination(machine: Any, src: Resolved, dest: Resolved) -> None:
         raise Refused(escape_message(dest))
     if dest.inside == src.inside:
         raise Refused(f"{src.inside} is already there.")
-    if dest.inside.startswith(src.inside.rstrip("/") + "/") or src.host in dest.host.parents:
+    if dest.inside.startswith(src.inside.rstrip("/") + "/"):
         raise Refused(f"{src.inside} cannot be moved into itself ({dest.inside}).")
-    if os.path.lexists(dest.host):
+    if lstat_or_none(machine, dest.inside) is not None:
         raise Refused(f"{dest.inside} already exists; move and rename never replace anything.")
-    parent = dest.host.parent
-    if not parent.is_dir():
+    parent = posixpath.dirname(dest.inside)
+    if not is_dir(machine, parent):
         raise Refused(
             f"The folder {posixpath.dirname(dest.inside)} does not exist. Create it first with write kind=folder."
         )
-    if os.stat(parent).st_dev != os.lstat(src.host).st_dev:
+    if machine.view.mount_for(parent) != machine.view.mount_for(src.inside):
         raise Refused(
             f"{src.inside} and {posixpath.dirname(dest.inside)} are on different filesystems; a move between "
             "them is refused and the source is kept. Copy it with bash instead."
         )
 
 
-def file_expect(host: Path) -> str | None:
+def file_expect(machine: Any, inside: str) -> str | None:
     """The fingerprint a move/delete of a regular file is planned against; None for folders and links."""
-    return fingerprint(host) if stat_mod.S_ISREG(os.lstat(host).st_mode) else None
+    return fingerprint(machine, inside) if stat_mod.S_ISREG(machine.view.lstat(inside).st_mode) else None
 
 
-def describe(host: Path, inside: str) -> str:
-    if not stat_mod.S_ISDIR(os.lstat(host).st_mode):
+def describe(machine: Any, inside: str) -> str:
+    if not stat_mod.S_ISDIR(machine.view.lstat(inside).st_mode):
         return inside
-    files = sum(len(names) for _, _, names in os.walk(host))
+    files = sum(not node.is_dir for node in machine.view.walk(inside))
     return f"folder {inside} ({files} file(s))"
 
 
 def plan_path_change(machine: Any, p: EditParams) -> Operation:
     verb = "delete" if p.mode == "delete" else "move"
     src = source(machine, p.path, verb)
-    expect = file_expect(src.host)
-    what = describe(src.host, src.inside)
+    expect = file_expect(machine, src.inside)
+    what = describe(machine, src.inside)
     if p.mode == "delete":
         return Operation("delete", src.inside, expect=expect, summary=f"delete {what} (to the trash)")
     dest = destination_of(machine, src, p)

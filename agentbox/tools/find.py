@@ -21,15 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import posixpath
+import stat as stat_mod
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 from wcmatch import fnmatch as wc_fnmatch
 from wcmatch import glob as wc_glob
 
+from agentbox.machines.base import ExecRequest
+from agentbox.machines.errors import MachineError
 from agentbox.tools.base import Action, Tool, ToolContext, ToolResult
 from agentbox.tools.documents import IMAGE_EXTENSIONS
 from agentbox.tools.read import FAILURES, MAX_TEXT_BYTES, Resolved, external_refusal, problem, resolve
@@ -129,29 +131,21 @@ def glob_matcher(pattern: str) -> Callable[[str], bool]:
 
 
 async def rg_files(
-    machine: Any, folder: Path, *, hidden: bool, keep: int, accept: Callable[[str], bool]
+    machine: Any, folder: str, *, hidden: bool, keep: int, accept: Callable[[str], bool]
 ) -> FileScan:
-    """Files under a host folder as rg lists them (.gitignore respected), as inside paths, sorted.
+    """Files under a folder as rg lists them (.gitignore respected), as inside paths, sorted.
 
-    `accept` sees each path relative to the folder. rg is stopped once MAX_FILES_COUNTED
-    files were accepted; it never outlives this call.
+    rg runs on the machine (as `agentbox.workspace.grep` does), in the folder's resolved
+    inside path. `accept` sees each path relative to the folder. rg is stopped once
+    MAX_FILES_COUNTED files were accepted; it never outlives this call.
     """
     args = ["--files", "--null", "--no-config", "--no-messages", "--no-ignore-global", "--no-require-git"]
-    args += ["--sort", "path"]
+    args += ["--sort", "path", "--one-file-system"]
     if hidden:
         args.append("--hidden")
-    proc = await asyncio.create_subprocess_exec(
-        workspace_grep.rg_binary(),
-        *args,
-        "--",
-        ".",
-        cwd=folder,
-        env=workspace_grep.RG_ENV,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
+    request = ExecRequest(argv=(machine.ripgrep, *args, "--", "."), cwd=folder, env=workspace_grep.RG_ENV)
+    proc = await machine.spawn(request)
+    done = False
     stderr = asyncio.ensure_future(workspace_grep.read_capped_stream(proc.stderr, MAX_RG_STDERR_BYTES))
     kept: list[str] = []
     total = 0
@@ -166,34 +160,37 @@ async def rg_files(
                         continue
                     total += 1
                     if len(kept) < keep:
-                        kept.append(machine.inside_path(folder / rel))
+                        kept.append(posixpath.join(folder, rel))
                     if total >= MAX_FILES_COUNTED:
                         return FileScan(kept, total, complete=False)
             code = await proc.wait()
+            done = True
         message = (await stderr).decode("utf-8", "replace").strip()
         if code == 2 and message:
-            raise WorkspaceError("bad_request", workspace_grep.rg_message(message), "search", str(folder))
+            raise WorkspaceError("bad_request", workspace_grep.rg_message(message), "search", folder)
         return FileScan(kept, total, complete=True)
     finally:
-        if proc.returncode is None:
+        if not done:
             proc.kill()
+            while await proc.stdout.read(workspace_grep.PIPE_DRAIN_CHUNK):
+                pass
             await proc.wait()
         stderr.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await stderr
 
 
-def size_note(host: Path) -> str:
+def size_note(machine: Any, inside: str) -> str:
     try:
-        return f"{host.stat().st_size} bytes"
-    except OSError:
+        return f"{machine.view.stat(inside).st_size} bytes"
+    except (OSError, MachineError):
         return "unreadable"
 
 
-def file_line(name: str, host: Path) -> str:
+def file_line(machine: Any, name: str, inside: str) -> str:
     kind = type_of(name)
     note = f", {TYPE_NOTES[kind]}" if kind else ""
-    return f"{name}  ({size_note(host)}{note})"
+    return f"{name}  ({size_note(machine, inside)}{note})"
 
 
 # --- list -----------------------------------------------------------------------------------------
@@ -231,7 +228,7 @@ def folder_lines(
         if e.is_directory:
             lines.append(f"{e.name}/" + (" (link)" if e.is_symlink else ""))
         else:
-            lines.append(file_line(e.name, target.host / e.name) + (" (link)" if e.is_symlink else ""))
+            lines.append(file_line(ctx.machine, e.name, e.path) + (" (link)" if e.is_symlink else ""))
     return lines, len(entries), not listing.truncated
 
 
@@ -242,8 +239,7 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
     target = found
     exts = extensions(p.fileType)
     try:
-        if not target.host.is_dir():
-            target.host.stat()  # a missing folder says so
+        if not stat_mod.S_ISDIR(ctx.machine.view.stat(target.inside).st_mode):  # a missing folder says so
             return ToolResult.error(f"{target.requested} is not a folder; use read to open a file.")
         if p.query:
             query = p.query.casefold()
@@ -255,12 +251,12 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
 
             scan = await rg_files(
                 ctx.machine,
-                target.host,
+                target.inside,
                 hidden=p.query.startswith("."),
                 keep=MAX_LIST_ENTRIES,
                 accept=accept,
             )
-            lines = [file_line(path, ctx.machine.host_path(path)) for path in scan.kept]
+            lines = [file_line(ctx.machine, path, path) for path in scan.kept]
             total, complete = scan.total, scan.complete
         else:
             lines, total, complete = await asyncio.to_thread(folder_lines, ctx, target, exts)
@@ -301,11 +297,10 @@ async def run_glob(ctx: ToolContext, p: GlobParams) -> ToolResult:
     target = found
     hidden = any(part.startswith(".") for part in p.pattern.split("/"))
     try:
-        if not target.host.is_dir():
-            target.host.stat()  # a missing folder says so
+        if not stat_mod.S_ISDIR(ctx.machine.view.stat(target.inside).st_mode):  # a missing folder says so
             return ToolResult.error(f"{target.requested} is not a folder.")
         scan = await rg_files(
-            ctx.machine, target.host, hidden=hidden, keep=MAX_GLOB_PATHS, accept=glob_matcher(p.pattern)
+            ctx.machine, target.inside, hidden=hidden, keep=MAX_GLOB_PATHS, accept=glob_matcher(p.pattern)
         )
     except FAILURES as exc:
         return ToolResult.error(problem(exc, p.path))

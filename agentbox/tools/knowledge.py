@@ -62,12 +62,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from agentbox.config import default_home
-from agentbox.machines.base import HostMapped
 from agentbox.machines.errors import MachineError
-from agentbox.machines.pathmap import open_nofollow
+from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.hostview import Node
 from agentbox.tools.base import Action, Tool, ToolContext, ToolResult
 from agentbox.workspace.errors import WorkspaceError
-from agentbox.workspace.files import walk
 from agentbox.workspace.watch import (
     DEFAULT_EXCLUDES,
     MAX_POLL_LIMIT,
@@ -664,13 +663,14 @@ def _connect(db_path: Path) -> sqlite3.Connection:
     raise AssertionError("unreachable")
 
 
-def _read_capped(host: Path) -> tuple[os.stat_result, bytes | None]:
-    """A regular file's stat and bytes (None when over MAX_INDEXED_FILE_BYTES), never via a final symlink."""
-    fd = open_nofollow(host, os.O_RDONLY | os.O_NONBLOCK)
+def _read_capped(machine: HostFiles, inside: str) -> tuple[os.stat_result, bytes | None]:
+    """A regular file's stat and bytes (None when over MAX_INDEXED_FILE_BYTES), never via a final
+    symlink: opened through the machine's descriptor view (a FIFO or device is refused, not opened)."""
+    fd = machine.view.open(inside, os.O_RDONLY, follow=False)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat_mod.S_ISREG(st.st_mode):
-            raise IsADirectoryError(f"{host} is not a regular file")
+            raise IsADirectoryError(f"{inside} is not a regular file")
         if st.st_size > MAX_INDEXED_FILE_BYTES:
             return st, None
         data = f.read(MAX_INDEXED_FILE_BYTES + 1)
@@ -684,7 +684,7 @@ def _too_large(size: int) -> str:
 class KnowledgeIndex:
     """The FTS5 index of one machine's root. Blocking work runs in threads under one lock."""
 
-    def __init__(self, db_path: Path, machine: HostMapped, root: str | None = None) -> None:
+    def __init__(self, db_path: Path, machine: HostFiles, root: str | None = None) -> None:
         self.db_path = db_path
         self.machine = machine
         self.root = root if root is not None else str(getattr(machine, "root", "/workspace"))
@@ -817,19 +817,15 @@ class KnowledgeIndex:
         seen: set[str] = set()
         batch: list[_Prepared] = []
         chars = 0
-        for inside, host, kind in self._candidates(top):
+        for inside, st, kind in self._candidates(top):
             if self.closed:
                 return stats
-            try:
-                st = host.lstat()
-            except OSError:
-                continue
             row = known.get(inside)
             if row is not None and row[:2] == (st.st_mtime_ns, st.st_size) and row[2] != OVER_CAP:
                 seen.add(inside)
                 stats.unchanged += 1
                 continue
-            prepared = self._prepare(inside, host, kind, indexed=row is not None and row[2] is None)
+            prepared = self._prepare(inside, kind, indexed=row is not None and row[2] is None)
             if prepared is None:
                 continue  # gone meanwhile: dropped below if it was indexed
             seen.add(inside)
@@ -855,40 +851,33 @@ class KnowledgeIndex:
         )
         batch: list[_Prepared] = []
         for inside, kind in waiting:
-            try:
-                host = self.machine.host_path(inside, follow=False)
-            except (OSError, MachineError):
-                continue
-            prepared = self._prepare(inside, host, kind, indexed=False)
+            prepared = self._prepare(inside, kind, indexed=False)
             if prepared is not None:
                 batch.append(prepared)
         self._store(batch, stats)
 
-    def _candidates(self, top: str) -> Iterator[tuple[str, Path, FileType]]:
-        """Indexable regular files under inside directory `top`, in name order, outside the excludes."""
+    def _candidates(self, top: str) -> Iterator[tuple[str, os.stat_result, FileType]]:
+        """Indexable regular files under inside directory `top` (inside path, lstat, type), in name
+        order, outside the excludes; walked by descriptor, never through a link."""
+        view = self.machine.view
         try:
-            top_host = self.machine.host_path(top)
-            root_host = self.machine.host_path(self.root)
+            top_real, root_real = view.resolve(top), view.resolve(self.root)
         except (OSError, MachineError):
             return
-        base = top_host.relative_to(root_host).parts if top_host.is_relative_to(root_host) else ()
+        inner = top_real.startswith(root_real.rstrip("/") + "/")
+        base = tuple(top_real[len(root_real.rstrip("/")) + 1 :].split("/")) if inner else ()
 
-        def descend(rel: str, entry: os.DirEntry[str]) -> bool:
-            return not is_excluded((*base, *rel.split("/")), DEFAULT_EXCLUDES)
+        def descend(node: Node) -> bool:
+            return not is_excluded((*base, *node.rel.split("/")), DEFAULT_EXCLUDES)
 
         try:
-            for rel, _depth, entry in walk(top_host, descend=descend):
-                kind = file_type(entry.name)
-                if kind is None or is_excluded((*base, *rel.split("/")), DEFAULT_EXCLUDES):
+            for node in view.walk(top_real, descend=descend):
+                kind = file_type(node.name)
+                if kind is None or is_excluded((*base, *node.rel.split("/")), DEFAULT_EXCLUDES):
                     continue
-                try:
-                    if not entry.is_file(follow_symlinks=False):
-                        continue
-                    inside = self.machine.inside_path(Path(entry.path))
-                except (OSError, MachineError):
-                    continue
-                yield inside, Path(entry.path), kind
-        except OSError:
+                if stat_mod.S_ISREG(node.st.st_mode):
+                    yield node.inside, node.st, kind
+        except (OSError, MachineError):
             return  # the directory itself went away or cannot be read
 
     def _sync_dir(self, inside: str) -> None:
@@ -900,8 +889,7 @@ class KnowledgeIndex:
         if kind is None or not self._in_scope(inside):
             return
         try:
-            host = self.machine.host_path(inside, follow=False)
-            st = host.lstat()
+            st = self.machine.view.lstat(inside)
         except (OSError, MachineError):
             self._drop([inside])
             return
@@ -912,7 +900,7 @@ class KnowledgeIndex:
         row = rows[0] if rows else None
         if row is not None and tuple(row[:2]) == (st.st_mtime_ns, st.st_size) and row[2] != OVER_CAP:
             return
-        prepared = self._prepare(inside, host, kind, indexed=row is not None and row[2] is None)
+        prepared = self._prepare(inside, kind, indexed=row is not None and row[2] is None)
         if prepared is None:
             self._drop([inside])
         else:
@@ -926,12 +914,12 @@ class KnowledgeIndex:
 
     # -- writing the index ---------------------------------------------------------------
 
-    def _prepare(self, inside: str, host: Path, kind: FileType, *, indexed: bool) -> _Prepared | None:
+    def _prepare(self, inside: str, kind: FileType, *, indexed: bool) -> _Prepared | None:
         """Read and extract one file, no database work; None when it is gone. A file that cannot be
         indexed gets the reason, so it is not retried until it changes."""
         try:
-            st, data = _read_capped(host)
-        except OSError:
+            st, data = _read_capped(self.machine, inside)
+        except (OSError, MachineError):
             return None
         if data is None:
             return _Prepared(inside, kind, st, _too_large(st.st_size))
@@ -1079,10 +1067,9 @@ _OPENING: dict[int, asyncio.Future[KnowledgeIndex]] = {}
 def index_path(machine: Any) -> Path:
     """Where `index_for` keeps a machine's index: beside an isolated machine's workspace
     directory (its session directory), else under `$AGENTBOX_HOME/knowledge/` by machine and root."""
-    workspace = machine.host_path(machine.root)
     if getattr(machine, "isolated", False):
-        return workspace.parent / INDEX_FILENAME
-    digest = hashlib.sha256(str(workspace).encode()).hexdigest()[:16]
+        return Path(machine.workspace).parent / INDEX_FILENAME
+    digest = hashlib.sha256(str(machine.root).encode()).hexdigest()[:16]
     return default_home() / "knowledge" / f"{machine.name}-{digest}.sqlite"
 
 

@@ -9,7 +9,7 @@ in every toolset, so one name never means two things. PDFs are read by `page` /
 by `offset` too. Images come back as image blocks. Binary files get a short descriptor.
 
 Every file tool shares the path rules defined here (`resolve`, `escapes`, `external_refusal`,
-`problem`): paths go through `machine.host_path` once; a path whose links lead out of
+`problem`): paths go through the machine's descriptor view (`machine.view`); a path whose links lead out of
 the workspace root is reported as such; a read outside the root asks first
 (Action.READ_EXTERNAL); failures become messages a model can act on. A successful read
 records the file's fingerprint in `ctx.reads` (the stale-write check of `write`), keyed by
@@ -26,13 +26,11 @@ import os
 import posixpath
 import stat as stat_mod
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from agentbox.machines.errors import MachineError, PathEscape
-from agentbox.machines.pathmap import open_nofollow
 from agentbox.tools.base import Action, ImageBlock, Operation, TextBlock, Tool, ToolContext, ToolResult
 from agentbox.tools.documents import (
     IMAGE_EXTENSIONS,
@@ -69,22 +67,41 @@ FileKind = Literal["text", "pdf", "docx", "image", "svg", "binary"]
 
 @dataclass(frozen=True)
 class Resolved:
-    """A path as asked (absolute inside path) and where it leads (host path, inside path)."""
+    """A path as asked (absolute inside path) and where it leads (inside path, links resolved)."""
 
     requested: str
-    host: Path
     inside: str
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.inside)
 
 
 def resolve(machine: Any, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
-    """Map `path` through the machine's one path mapper; raises what the mapper raises."""
-    requested = machine.paths.absolute(path)
-    host = machine.host_path(path, write=write, follow=follow)
-    return Resolved(requested, host, machine.inside_path(host))
+    """Resolve `path` through the machine's descriptor view; raises what the view raises."""
+    requested = machine.view.absolute(path)
+    inside = machine.view.resolve(path, follow=follow, missing_ok=True)
+    mount = machine.view.mount_for(inside)
+    if write and mount is not None and not mount.writable:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    return Resolved(requested, inside)
+
+
+def lstat_or_none(machine: Any, inside: str, *, follow: bool = False) -> os.stat_result | None:
+    """The file at `inside` (with `follow`, what a final link leads to), None when missing."""
+    try:
+        return machine.view.stat(inside) if follow else machine.view.lstat(inside)
+    except FileNotFoundError:
+        return None
+
+
+def is_dir(machine: Any, inside: str) -> bool:
+    st = lstat_or_none(machine, inside, follow=True)
+    return st is not None and stat_mod.S_ISDIR(st.st_mode)
 
 
 def within_root(machine: Any, inside: str) -> bool:
-    return bool(machine.paths.within_root(inside))
+    return bool(machine.view.within_root(inside))
 
 
 def escapes(machine: Any, target: Resolved) -> bool:
@@ -145,25 +162,29 @@ def remember(ctx: ToolContext, op: Operation) -> None:
         return
     data = op.after.encode("utf-8")
     try:
-        host = ctx.machine.host_path(op.path)
-        if host.is_file() and host.stat().st_size == len(data) and host.read_bytes() == data:
-            ctx.reads[op.path] = fingerprint(host)
+        st = ctx.machine.view.stat(op.path)
+        if (
+            stat_mod.S_ISREG(st.st_mode)
+            and st.st_size == len(data)
+            and read_capped(ctx.machine, op.path, len(data)) == data
+        ):
+            ctx.reads[op.path] = fingerprint(ctx.machine, op.path)
     except FAILURES:
         return
 
 
-def read_capped(host: Path, limit: int) -> bytes:
-    """All bytes of a regular file (opened without following a swapped-in link), at most `limit`."""
-    fd = open_nofollow(host, os.O_RDONLY | os.O_NONBLOCK)
+def read_capped(machine: Any, inside: str, limit: int) -> bytes:
+    """All bytes of a regular file (opened by descriptor, never through a swapped-in link), at most `limit`."""
+    fd = machine.view.open(inside, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise OSError(errno.EFBIG, f"the file grew past {limit} bytes while being read", str(host))
+        raise OSError(errno.EFBIG, f"the file grew past {limit} bytes while being read", inside)
     return data
 
 
-def sniff(host: Path) -> bytes:
-    fd = open_nofollow(host, os.O_RDONLY | os.O_NONBLOCK)
+def sniff(machine: Any, inside: str) -> bytes:
+    fd = machine.view.open(inside, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
         return f.read(SNIFF_BYTES)
 
@@ -444,9 +465,9 @@ def refusal_for(kind: FileKind, shown: str, size: int, head: bytes) -> str | Non
     return None
 
 
-def load(host: Path, kind: FileKind, p: ReadParams, shown: str) -> ToolResult:
+def load(machine: Any, inside: str, kind: FileKind, p: ReadParams, shown: str) -> ToolResult:
     """Read and render one file (blocking: parsing runs in a thread)."""
-    data = read_capped(host, SIZE_LIMITS[kind])
+    data = read_capped(machine, inside, SIZE_LIMITS[kind])
     if kind == "image":
         return read_image_file(data, shown)
     if kind == "pdf":
@@ -460,17 +481,17 @@ async def read_any(ctx: ToolContext, p: ReadParams, tool: str, *, images_only: b
     try:
         target = resolve(ctx.machine, p.path)
         outside = not within_root(ctx.machine, target.inside)
-        ext = posixpath.splitext(target.host.name)[1].lower()
+        ext = posixpath.splitext(target.name)[1].lower()
         if outside and (images_only or ext in IMAGE_EXTENSIONS):
             return ToolResult.error(images_outside(target))
         refusal = await external_refusal(ctx, tool, target)  # before anything about the file is told
         if refusal is not None:
             return ToolResult.error(refusal)
-        st = target.host.stat()
+        st = ctx.machine.view.stat(target.inside)
         if stat_mod.S_ISDIR(st.st_mode):
             return ToolResult.error(f"{target.requested} is a folder; use list to see what it holds.")
-        head = sniff(target.host)
-        kind = classify(target.host.name, head)
+        head = await asyncio.to_thread(sniff, ctx.machine, target.inside)
+        kind = classify(target.name, head)
         if outside and kind == "image":
             return ToolResult.error(images_outside(target))
         if images_only and kind not in ("image", "svg"):
@@ -480,8 +501,8 @@ async def read_any(ctx: ToolContext, p: ReadParams, tool: str, *, images_only: b
         reason = refusal_for(kind, target.requested, st.st_size, head)
         if reason is not None:
             return ToolResult.error(reason)
-        seen = await asyncio.to_thread(fingerprint, target.host)
-        result = await asyncio.to_thread(load, target.host, kind, p, target.requested)
+        seen = await asyncio.to_thread(fingerprint, ctx.machine, target.inside)
+        result = await asyncio.to_thread(load, ctx.machine, target.inside, kind, p, target.requested)
     except FAILURES as exc:
         return ToolResult.error(problem(exc, p.path))
     if not result.is_error:

@@ -230,7 +230,7 @@ class SessionTools:
     def _outside_root(self, operations: Sequence[Operation]) -> list[str]:
         machine: GovernedMachine = self.machine
         paths = [p for op in operations for p in (op.path, op.dest) if p is not None]
-        return [machine.paths.absolute(p) for p in paths if not machine.paths.within_root(p)]
+        return [machine.view.absolute(p) for p in paths if not machine.view.within_root(p)]
 
     async def _outside_root_gate(
         self, tool: str, operations: Sequence[Operation], outside: list[str]
@@ -266,10 +266,10 @@ class SessionTools:
         true after our own change: the model knows what it wrote, and what it moved is gone."""
         machine: GovernedMachine = self.machine
         if op.kind in ("write", "edit"):
-            host = machine.host_path(op.path)
-            self.reads[machine.inside_path(host)] = fingerprint(host)
+            inside = machine.view.resolve(op.path)
+            self.reads[inside] = fingerprint(machine, inside)
         elif op.kind in ("move", "rename", "delete"):
-            gone = machine.paths.absolute(op.path)
+            gone = machine.view.absolute(op.path)
             for key in [k for k in self.reads if k == gone or k.startswith(gone.rstrip("/") + "/")]:
                 del self.reads[key]
 

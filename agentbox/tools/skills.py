@@ -3,11 +3,16 @@
 A skill is a folder holding `SKILL.md` (YAML frontmatter + markdown instructions) and any
 supporting files, in the open Agent Skills format. Skills are found in two places:
 
-- the workspace: `<root>/.agents/skills/<name>/SKILL.md`, through the machine's path map
-  (`machine.host_path`), so a link can never lead out of the machine; their files are ordinary
-  workspace files the model can also read or run;
+- the workspace: `<root>/.agents/skills/<name>/SKILL.md`, through the machine's descriptor
+  view (`machine.view`), so a link can never lead out of the machine and a FIFO or device
+  swapped in is refused rather than opened; their files are ordinary workspace files the
+  model can also read or run;
 - folders the server is configured with (`ToolConfig.skill_dirs`), host folders the machine
-  cannot see: their files are read only through `read_skill_resource`.
+  cannot see: their files are read only through `read_skill_resource`, through a view of
+  that one folder (so their links cannot lead out of it either).
+
+Every skill carries the view its files are read through (`Skill.view`) and its folder in
+that view (`Skill.dir`, links resolved).
 
 Frontmatter rules (Flue a.11): `name` is lowercase letters, digits and single hyphens, at most
 `MAX_NAME_CHARS`, and equals the folder name; `description` is non-empty, at most
@@ -26,6 +31,7 @@ resources" are readable at the base level).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import posixpath
@@ -39,6 +45,9 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field
+
+from agentbox.machines.errors import MachineError
+from agentbox.machines.hostview import HostView, Mount
 
 from .base import Action, Tool, ToolConfig, ToolContext, ToolResult
 
@@ -74,8 +83,10 @@ Source = Literal["workspace", "configured"]
 class Skill:
     name: str
     description: str
-    host_dir: Path
-    """The skill's folder on the host, links resolved."""
+    view: HostView = field(compare=False, repr=False)
+    """What the skill's files are read through: the machine's view, or one of its configured folder."""
+    dir: str
+    """The skill's folder in `view`, links resolved."""
     base_dir: str
     """The folder as the model can name it: an inside path for workspace skills, else the host path."""
     source: Source
@@ -145,24 +156,25 @@ Loader = tuple[str, Callable[[], Skill]]
 def _configured(config: ToolConfig, warnings: list[str]) -> list[Loader]:
     loaders: list[Loader] = []
     for folder in config.skill_dirs:
-        root = Path(folder)
+        root = Path(folder).resolve()  # operator configuration: a host folder, trusted
         try:
             entries = sorted(e.name for e in os.scandir(root) if not e.name.startswith("."))
         except OSError as exc:
             warnings.append(f"skill folder {folder} cannot be read: {exc.strerror or exc}")
             continue
+        view = HostView([Mount(str(root), root, writable=False)], str(root))
         for name in entries:
             directory = root / name
             if directory.is_dir():
-                loaders.append((str(directory), partial(_load_configured, directory, name)))
+                loaders.append((str(directory), partial(_load, view, str(directory), name, "configured")))
     return loaders
 
 
 def _in_workspace(machine: Any, warnings: list[str]) -> list[Loader]:
     inside = posixpath.join(machine.root, WORKSPACE_SKILLS_DIR)
+    view: HostView = machine.view
     try:
-        host = machine.host_path(inside)
-        entries = sorted(e.name for e in os.scandir(host) if _maybe_folder(e))
+        entries = [name for name, st in view.listdir(inside) if _maybe_folder(name, st)]
     except FileNotFoundError:
         return []
     except Exception as exc:  # not a folder, a link out of the machine, unreadable
@@ -171,48 +183,49 @@ def _in_workspace(machine: Any, warnings: list[str]) -> list[Loader]:
     loaders: list[Loader] = []
     for name in entries:
         path = f"{inside}/{name}"
-        loaders.append((path, partial(_load_workspace, machine, path, name)))
+        loaders.append((path, partial(_load, view, path, name, "workspace")))
     return loaders
 
 
-def _maybe_folder(entry: os.DirEntry[str]) -> bool:
-    """A skill candidate: a visible folder, or a link (followed later through the path map)."""
-    return not entry.name.startswith(".") and (entry.is_dir(follow_symlinks=False) or entry.is_symlink())
+def _maybe_folder(name: str, st: os.stat_result) -> bool:
+    """A skill candidate: a visible folder, or a link (followed later through the view)."""
+    return not name.startswith(".") and (stat_mod.S_ISDIR(st.st_mode) or stat_mod.S_ISLNK(st.st_mode))
 
 
-def _load_configured(directory: Path, name: str) -> Skill:
-    real = directory.resolve()
-    skill_md = real / SKILL_FILE
-    if not skill_md.resolve().is_relative_to(real):
-        raise SkillError(f"{SKILL_FILE} is a link out of the skill's folder")
-    return _parse(_read_skill_file(skill_md), name, real, str(directory), "configured")
-
-
-def _load_workspace(machine: Any, path: str, name: str) -> Skill:
-    """A workspace skill; paths come resolved (links followed inside the machine) from its path map."""
+def _load(view: HostView, path: str, name: str, source: Source) -> Skill:
+    """The skill in folder `path` of `view`; links are followed inside the view, never out of it."""
     try:
-        host_dir: Path = machine.host_path(path)
-        skill_md: Path = machine.host_path(f"{path}/{SKILL_FILE}")
-    except Exception as exc:  # PathEscape and friends: the machine refused the path
-        raise SkillError(str(exc)) from exc
-    if not host_dir.is_dir():
-        raise SkillError("not a folder")
-    if not skill_md.is_relative_to(host_dir):
-        raise SkillError(f"{SKILL_FILE} is a link out of the skill's folder")
-    return _parse(_read_skill_file(skill_md), name, host_dir, machine.inside_path(host_dir), "workspace")
-
-
-def _read_skill_file(path: Path) -> str:
-    try:
-        info = path.stat()
+        directory = view.resolve(path)
+        if not stat_mod.S_ISDIR(view.stat(directory).st_mode):
+            raise SkillError("not a folder")
+        skill_md = view.resolve(f"{directory}/{SKILL_FILE}")
     except FileNotFoundError:
         raise SkillError(f"no {SKILL_FILE}") from None
-    if not stat_mod.S_ISREG(info.st_mode):
-        raise SkillError(f"{SKILL_FILE} is not a regular file")
-    if info.st_size > MAX_SKILL_FILE_BYTES:
-        raise SkillError(f"{SKILL_FILE} is larger than {MAX_SKILL_FILE_BYTES} bytes")
+    except (OSError, MachineError) as exc:  # PathEscape and friends: the view refused the path
+        raise SkillError(str(exc)) from exc
+    if not _below(skill_md, directory):
+        raise SkillError(f"{SKILL_FILE} is a link out of the skill's folder")
+    base_dir = directory if source == "workspace" else path
+    return _parse(_read_skill_file(view, skill_md), name, view, directory, base_dir, source)
+
+
+def _below(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip("/") + "/")
+
+
+def _read_skill_file(view: HostView, path: str) -> str:
     try:
-        return path.read_bytes().decode("utf-8-sig")
+        data = view.read_bytes(path, MAX_SKILL_FILE_BYTES)
+    except FileNotFoundError:
+        raise SkillError(f"no {SKILL_FILE}") from None
+    except (OSError, MachineError) as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+            raise SkillError(f"{SKILL_FILE} is larger than {MAX_SKILL_FILE_BYTES} bytes") from None
+        if isinstance(exc, IsADirectoryError | MachineError):
+            raise SkillError(f"{SKILL_FILE} is not a regular file") from None
+        raise SkillError(f"{SKILL_FILE} cannot be read: {exc}") from None
+    try:
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise SkillError(f"{SKILL_FILE} is not UTF-8 text") from exc
 
@@ -234,7 +247,7 @@ def split_frontmatter(text: str) -> tuple[dict[str, Any], str]:
     return data, "".join(lines[end + 1 :]).strip("\n")
 
 
-def _parse(text: str, folder: str, host_dir: Path, base_dir: str, source: Source) -> Skill:
+def _parse(text: str, folder: str, view: HostView, directory: str, base_dir: str, source: Source) -> Skill:
     data, body = split_frontmatter(text)
     name = data.get("name")
     if not isinstance(name, str) or not name:
@@ -259,7 +272,8 @@ def _parse(text: str, folder: str, host_dir: Path, base_dir: str, source: Source
     return Skill(
         name=name,
         description=description.strip(),
-        host_dir=host_dir,
+        view=view,
+        dir=directory,
         base_dir=base_dir,
         source=source,
         body=body,
@@ -282,17 +296,17 @@ def _optional_text(data: dict[str, Any], key: str) -> str | None:
 def resources(machine: Any, skill: Skill) -> list[str]:
     """The skill's files other than SKILL.md, relative and sorted; links out of the folder left out."""
     found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(skill.host_dir):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
-        for name in filenames:
-            rel = (Path(dirpath) / name).relative_to(skill.host_dir).as_posix()
-            if rel == SKILL_FILE:
-                continue
-            try:
-                locate(machine, skill, rel)
-            except SkillError:
-                continue
-            found.append(rel)
+    for node in skill.view.walk(skill.dir, descend=lambda n: n.name not in SKIPPED_DIRS):
+        if node.is_dir:
+            continue
+        rel = node.rel
+        if rel == SKILL_FILE:
+            continue
+        try:
+            locate(machine, skill, rel)
+        except SkillError:
+            continue
+        found.append(rel)
     return sorted(found)
 
 
@@ -374,8 +388,8 @@ async def run_read_resource(ctx: ToolContext, params: ReadResourceParams) -> Too
     if params.offset < 0:
         return ToolResult.error(f"offset must be 0 or more, got {params.offset}.")
     try:
-        host = locate(ctx.machine, skill, params.path)
-        data = _read_resource(host, params.path)
+        inside = locate(ctx.machine, skill, params.path)
+        data = _read_resource(skill.view, inside, params.path)
     except SkillError as exc:
         return ToolResult.error(str(exc))
     text = data.decode("utf-8")
@@ -394,40 +408,39 @@ async def run_read_resource(ctx: ToolContext, params: ReadResourceParams) -> Too
     )
 
 
-def locate(machine: Any, skill: Skill, rel: str) -> Path:
-    """The host path of a skill's file, links followed; `SkillError` for anything leaving the skill's folder.
-
-    A workspace skill's path goes through the machine's path map (links are followed as the
-    machine sees them, never out of it); a configured skill's through the host's.
-    """
+def locate(machine: Any, skill: Skill, rel: str) -> str:
+    """The path of a skill's file in its view, links followed; `SkillError` for anything leaving
+    the skill's folder (links are followed as the skill's view sees them, never out of it)."""
     clean = posixpath.normpath(rel.strip()) if rel.strip() else ""
     if not clean or clean == "." or clean.startswith("/") or clean == ".." or clean.startswith("../"):
         raise SkillError(
             f"{rel!r} is not a path inside the skill {skill.name!r}: give a relative path like `scripts/run.py`."
         )
     try:
-        if skill.source == "workspace":
-            real: Path = machine.host_path(f"{skill.base_dir}/{clean}")
-        else:
-            real = (skill.host_dir / clean).resolve()
-    except Exception as exc:  # the machine refused the path (a link out of it)
+        real = skill.view.resolve(f"{skill.dir}/{clean}")
+    except FileNotFoundError:
+        raise SkillError(f"The skill {skill.name!r} has no file {clean}.") from None
+    except Exception as exc:  # the view refused the path (a link out of it)
         raise SkillError(f"{rel!r} cannot be read: {exc}") from exc
-    if not real.is_relative_to(skill.host_dir):
+    if not _below(real, skill.dir):
         raise SkillError(f"{rel!r} leads out of the skill {skill.name!r}; only its own files can be read.")
-    if not real.exists():
+    if not skill.view.exists(real):
         raise SkillError(f"The skill {skill.name!r} has no file {clean}.")
     return real
 
 
-def _read_resource(host: Path, rel: str) -> bytes:
-    info = host.stat()
+def _read_resource(view: HostView, inside: str, rel: str) -> bytes:
+    info = view.stat(inside)
     if stat_mod.S_ISDIR(info.st_mode):
         raise SkillError(f"{rel} is a folder; use_skill lists the skill's files.")
     if not stat_mod.S_ISREG(info.st_mode):
         raise SkillError(f"{rel} is not a regular file.")
     if info.st_size > MAX_RESOURCE_BYTES:
         raise SkillError(f"{rel} is larger than {MAX_RESOURCE_BYTES} bytes.")
-    data = host.read_bytes()
+    try:
+        data = view.read_bytes(inside, MAX_RESOURCE_BYTES)
+    except (OSError, MachineError) as exc:
+        raise SkillError(f"{rel} cannot be read: {exc}") from None
     try:
         data.decode("utf-8")
     except UnicodeDecodeError:

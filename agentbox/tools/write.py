@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import posixpath
 import stat as stat_mod
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -28,6 +28,7 @@ from agentbox.tools.read import (
     Resolved,
     escape_message,
     escapes,
+    lstat_or_none,
     problem,
     read_capped,
     remember,
@@ -51,15 +52,15 @@ class WriteParams(BaseModel):
     )
 
 
-def parent_problem(target: Resolved) -> str | None:
-    parent = target.host.parent
+def parent_problem(machine: Any, target: Resolved) -> str | None:
     folder = posixpath.dirname(target.inside)
-    if not parent.exists():
+    parent = lstat_or_none(machine, folder, follow=True)
+    if parent is None:
         return (
             f"The folder {folder} does not exist. Create it first with write kind=folder "
             "(one folder per call, outermost first), then write again."
         )
-    if not parent.is_dir():
+    if not stat_mod.S_ISDIR(parent.st_mode):
         return f"{folder} is a file, not a folder; {target.requested} cannot be created inside it."
     return None
 
@@ -103,10 +104,10 @@ def make_write(overwrite_if_read: bool) -> Tool:
         target = resolve(ctx.machine, p.path, write=True)
         if escapes(ctx.machine, target):
             return escape_message(target)
-        missing_parent = parent_problem(target)
+        missing_parent = parent_problem(ctx.machine, target)
         if missing_parent is not None:
             return missing_parent
-        existing = target.host.lstat() if target.host.exists() else None
+        existing = lstat_or_none(ctx.machine, target.inside)
         if p.kind == "folder":
             if p.content:
                 return "content is not used with kind=folder; create the folder, then write files into it."
@@ -127,13 +128,13 @@ def make_write(overwrite_if_read: bool) -> Tool:
             )
         if stat_mod.S_ISDIR(existing.st_mode):
             return f"{target.requested} is a folder; choose a file path inside it."
-        current = fingerprint(target.host)
+        current = fingerprint(ctx.machine, target.inside)
         refusal = overwrite_problem(ctx, target, current, overwrite_if_read)
         if refusal is not None:
             return refusal
         before = None  # too large to show in a diff; `expect` still guards the overwrite
         if existing.st_size <= MAX_WRITE_BYTES:
-            before = read_capped(target.host, MAX_WRITE_BYTES).decode("utf-8", "replace")
+            before = read_capped(ctx.machine, target.inside, MAX_WRITE_BYTES).decode("utf-8", "replace")
         was = f"{len(before)} characters" if before is not None else f"{existing.st_size} bytes"
         return Operation(
             "write",
