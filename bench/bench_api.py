@@ -39,7 +39,7 @@ from figures import (
     write_json,
 )
 
-from agentbox.workspace.grep import rg_binary
+from agentbox.machines.binaries import ripgrep_binary as rg_binary
 
 #: Issue targets this script reports against.
 EXEC_TARGET_MS = 2.5

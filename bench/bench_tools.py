@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import posixpath
 import secrets
 import statistics
 import subprocess
@@ -28,6 +29,7 @@ from typing import Any
 from figures import Figure, arg_parser, footer, latency_figure, scratch_dir, table, write_json
 
 from agentbox.machines.base import ExecRequest
+from agentbox.machines.binaries import ripgrep_binary
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
 from agentbox.store.approvals import ApprovalsRepo
 from agentbox.store.changes import ChangesRepo
@@ -212,7 +214,7 @@ def rg_argv(host: Path) -> list[str]:
     options = workspace_grep.GrepOptions(
         pattern=NEEDLE, max_results=MAX_GREP_COUNTED, max_file_size=str(MAX_TEXT_BYTES)
     )
-    return [workspace_grep.rg_binary(), *options.rg_args(host)]
+    return [ripgrep_binary(), *options.rg_args(str(host))]
 
 
 async def grep_figures(tools: SessionTools, host: Path, counts: Counts) -> list[Figure]:
@@ -360,9 +362,9 @@ async def run(counts: Counts, root: Path) -> tuple[list[Figure], dict[str, objec
     }
     try:
         await machine.start()
-        workspace = Path(machine.host_path("/workspace"))
-        make_read_file(Path(machine.host_path(READ_FILE, write=True)))
-        make_tree(Path(machine.host_path(TREE_DIR, write=True)))
+        workspace = machine.workspace  # the host folder behind /workspace: the bench's own setup
+        make_read_file(workspace / posixpath.relpath(READ_FILE, "/workspace"))
+        make_tree(workspace / posixpath.relpath(TREE_DIR, "/workspace"))
         give_tree(workspace, machine.default_owner())
         async with Database.in_home(root) as db:
             tools = SessionTools(
@@ -375,8 +377,8 @@ async def run(counts: Counts, root: Path) -> tuple[list[Figure], dict[str, objec
                 todos=TodoRepo(db),
                 files=FileStore(db, root),
             )
-            figures = await read_figures(tools, Path(machine.host_path(READ_FILE)), counts)
-            figures += await grep_figures(tools, Path(machine.host_path(TREE_DIR)), counts)
+            figures = await read_figures(tools, workspace / posixpath.relpath(READ_FILE, "/workspace"), counts)
+            figures += await grep_figures(tools, workspace / posixpath.relpath(TREE_DIR, "/workspace"), counts)
             figures += await bash_figures(tools, counts)
     finally:
         await machine.stop()

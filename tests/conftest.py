@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.hostview import HostView, Mount
 from agentbox.machines.local import LocalMachine
-from agentbox.machines.pathmap import Mount, PathMap
 from agentbox.store.db import Database
 
 #: Where a root test run keeps its temp dirs: below /var/tmp (sticky, world-searchable), so
@@ -290,7 +290,8 @@ class Mounted(HostFiles):
 
     def __init__(self, name: str, workspace: Path) -> None:
         self.name = name
-        self.paths = PathMap([Mount("/workspace", workspace)], "/workspace")
+        self.root = "/workspace"
+        self.view = HostView([Mount("/workspace", workspace)], "/workspace")
 
 
 # --- a SQLite file and a local machine on a plain folder (store and tools tests) -------------
@@ -309,6 +310,13 @@ def ws(tmp_path: Path) -> Path:
     root = tmp_path / "ws"
     root.mkdir()
     return root
+
+
+def host_fingerprint(path: Path | str) -> str:
+    """`tools.fingerprint` of a host file the test made (through a local machine's view of /)."""
+    from agentbox.tools.fingerprint import fingerprint
+
+    return fingerprint(LocalMachine("fingerprint", Path(path).parent), str(path))
 
 
 @pytest.fixture

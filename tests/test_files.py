@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.machines.hostview import HostView, Mount
 from agentbox.machines.local import LocalMachine
-from agentbox.machines.pathmap import Mount, PathMap
 from agentbox.workspace import files
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.files import RangeNotSatisfiable
@@ -38,7 +38,7 @@ class Box(LocalMachine):
             directory.mkdir(parents=True, exist_ok=True)
         super().__init__("box", self.host["ws"])
         self.root = "/workspace"
-        self.paths = PathMap(
+        self.view = HostView(
             [
                 Mount("/workspace", self.host["ws"]),
                 Mount("/tmp", self.host["t"]),
@@ -541,9 +541,9 @@ def test_download_target_and_ranges(box: Box) -> None:
     host = ws(box, "app.py")
     host.write_text(APP)
     target = files.download(box, "app.py")
-    assert (target.path, target.host_path, target.size, target.inode) == (
+    assert (target.path, target.machine, target.size, target.inode) == (
         "/workspace/app.py",
-        host,
+        box,
         len(APP),
         host.stat().st_ino,
     )

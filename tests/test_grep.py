@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import APP, Mounted
+from conftest import APP, SandboxFactory
 
+from agentbox.machines.binaries import ripgrep_binary as rg_binary
 from agentbox.machines.local import LocalMachine
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.grep import (
@@ -21,7 +22,6 @@ from agentbox.workspace.grep import (
     MAX_LINE_CHARS,
     MAX_RECORD_BYTES,
     grep,
-    rg_binary,
     search_in_file,
 )
 
@@ -86,11 +86,11 @@ async def test_seed_todo_in_one_file(machine: LocalMachine, root: Path) -> None:
     assert not result.truncated
 
 
-async def test_tree_paths_map_back_to_inside_paths(tmp_path: Path) -> None:
-    workspace = tmp_path / "ws"
+async def test_tree_paths_map_back_to_inside_paths(make_sandbox: SandboxFactory) -> None:
+    machine = await make_sandbox()
+    workspace = machine.workspace
     write(workspace / "src/app.py", APP)
     write(workspace / "README.md", "# demo\nTODO: docs\n")
-    machine = Mounted("sandbox", workspace)
     result = await grep(machine, "/workspace", "TODO")
     assert result.path == "/workspace"
     assert [(m.file, m.line_number) for m in result.matches] == [
@@ -185,13 +185,15 @@ async def test_hidden_and_gitignore(machine: LocalMachine, root: Path) -> None:
     assert await files(respect_gitignore=False) == {"kept.txt", "ignored.log"}
 
 
-async def test_symlink_out_of_the_tree_is_not_followed(tmp_path: Path) -> None:
-    workspace = tmp_path / "ws"
+async def test_symlink_out_of_the_tree_is_not_followed(make_sandbox: SandboxFactory, tmp_path: Path) -> None:
+    machine = await make_sandbox()
+    workspace = machine.workspace
     write(tmp_path / "outside/secret.txt", "needle\n")
     write(workspace / "inside.txt", "needle\n")
     (workspace / "link.txt").symlink_to(tmp_path / "outside/secret.txt")
     (workspace / "linkdir").symlink_to(tmp_path / "outside")
-    result = await grep(Mounted("sandbox", workspace), "/workspace", "needle")
+    (workspace / "up").symlink_to("/workspace/..")
+    result = await grep(machine, "/workspace", "needle")
     assert [m.file for m in result.matches] == ["/workspace/inside.txt"]
 
 

@@ -72,8 +72,7 @@ async def wait_for_file(m: SandboxMachine, path: str) -> str:
     """The content of a file a command inside writes, once it is there."""
     deadline = time.monotonic() + SANDBOX_DEADLINE
     while True:
-        host = m.host_path(path)
-        if host.exists() and (text := host.read_text().strip()):
+        if m.view.exists(path) and (text := m.view.read_bytes(path, 1 << 20).decode().strip()):
             return text
         assert time.monotonic() < deadline, f"{path} never appeared"
         await asyncio.sleep(0.01)
@@ -156,7 +155,7 @@ async def test_open_racing_a_suspend_gets_a_working_sandbox(make_registry: Regis
     assert entry.state == "running" and m.state == "running"
     result = await sh(m, "echo fresh > /tmp/probe && cat /tmp/probe")
     assert result.stdout == b"fresh\n", result
-    assert m.host_path("/tmp/probe").read_text() == "fresh\n"
+    assert m.view.read_bytes("/tmp/probe", 100) == b"fresh\n"
 
 
 async def test_markers_survive_a_restart(make_registry: RegistryFactory) -> None:

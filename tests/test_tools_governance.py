@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import host_fingerprint
 from pydantic import BaseModel, Field
 
 from agentbox.machines.local import LocalMachine
@@ -45,7 +47,7 @@ from agentbox.tools.changes import (
     review,
     unified_diff,
 )
-from agentbox.tools.fingerprint import ABSENT, CHUNK, fingerprint
+from agentbox.tools.fingerprint import ABSENT, CHUNK
 from agentbox.tools.runner import SessionTools
 from agentbox.tools.tiers import Decision, Tier, decide
 from agentbox.tools.toolsets import canonical_tools
@@ -165,18 +167,18 @@ def test_fingerprint_is_sha256_and_size_across_chunk_boundaries(tmp_path: Path, 
     data = os.urandom(size)
     path = tmp_path / "f"
     path.write_bytes(data)
-    assert fingerprint(path) == f"sha256:{hashlib.sha256(data).hexdigest()}:{size}"
+    assert host_fingerprint(path) == f"sha256:{hashlib.sha256(data).hexdigest()}:{size}"
 
 
 def test_fingerprint_of_missing_or_folder_is_absent(tmp_path: Path) -> None:
-    assert fingerprint(tmp_path / "missing") == ABSENT
-    assert fingerprint(tmp_path) == ABSENT
+    assert host_fingerprint(tmp_path / "missing") == ABSENT
+    assert host_fingerprint(tmp_path) == ABSENT
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_text("same")
     b.write_text("same")
-    assert fingerprint(a) == fingerprint(b)
+    assert host_fingerprint(a) == host_fingerprint(b)
     b.write_text("Same")
-    assert fingerprint(a) != fingerprint(b)
+    assert host_fingerprint(a) != host_fingerprint(b)
 
 
 # ---------------------------------------------------------------- apply_operations
@@ -200,7 +202,7 @@ async def test_planned_overwrite_keeps_the_inode_and_refuses_when_stale(
     target = ws / "a.txt"
     target.write_text("old\n")
     before_inode = inode(target)
-    op = Operation("write", "a.txt", before="old\n", after="new\n", expect=fingerprint(target))
+    op = Operation("write", "a.txt", before="old\n", after="new\n", expect=host_fingerprint(target))
     [done] = await apply_operations(machine, [op])
     assert done.ok and target.read_text() == "new\n" and inode(target) == before_inode
     # The same plan again is stale now: the file is no longer "old\n".
@@ -212,7 +214,7 @@ async def test_planned_overwrite_keeps_the_inode_and_refuses_when_stale(
     assert by_text.status == "failed" and STALE in (by_text.reason or "")
     # Planned with a fingerprint only (a file too big to diff) is an overwrite too.
     [by_print] = await apply_operations(
-        machine, [Operation("write", "a.txt", after="y", expect=fingerprint(target))]
+        machine, [Operation("write", "a.txt", after="y", expect=host_fingerprint(target))]
     )
     assert by_print.ok and target.read_text() == "y"
 
@@ -225,7 +227,7 @@ async def test_edit_writes_in_place_and_keeps_bom_and_crlf(machine: LocalMachine
     after = before.replace("two", "TWO")
     before_inode = inode(target)
     [done] = await apply_operations(
-        machine, [Operation("edit", "win.txt", before=before, after=after, expect=fingerprint(target))]
+        machine, [Operation("edit", "win.txt", before=before, after=after, expect=host_fingerprint(target))]
     )
     assert done.ok
     assert target.read_bytes() == b"\xef\xbb\xbfone\r\nTWO\r\n"
@@ -236,7 +238,7 @@ async def test_stale_edit_fails_and_clobbers_nothing(machine: LocalMachine, ws: 
     target = ws / "a.txt"
     target.write_text("planned against this\n")
     op = Operation(
-        "edit", "a.txt", before="planned against this\n", after="edited\n", expect=fingerprint(target)
+        "edit", "a.txt", before="planned against this\n", after="edited\n", expect=host_fingerprint(target)
     )
     target.write_text("someone else's newer text\n")
     [stale] = await apply_operations(machine, [op])
@@ -419,9 +421,10 @@ def test_folder_file_counts_stop_at_the_limit(tmp_path: Path) -> None:
         (folder / f"f{i}").touch()
     (folder / ".hidden/a").touch()
     (folder / ".dot").touch()
-    assert count_files(folder) == (MAX_COUNTED_FILES, 2, False)
+    local = LocalMachine("count", folder)
+    assert count_files(local, str(folder)) == (MAX_COUNTED_FILES, 2, False)
     (folder / "one-more").touch()
-    files, _, capped = count_files(folder)
+    files, _, capped = count_files(local, str(folder))
     assert (files, capped) == (MAX_COUNTED_FILES, True)
 
 
@@ -452,9 +455,9 @@ async def test_partial_apply_of_a_change_set(machine: LocalMachine, ws: Path, db
     (ws / "a.txt").write_text("alpha\n")
     (ws / "c.txt").write_text("gamma\n")
     ops = [
-        Operation("edit", "a.txt", before="alpha\n", after="ALPHA\n", expect=fingerprint(ws / "a.txt")),
+        Operation("edit", "a.txt", before="alpha\n", after="ALPHA\n", expect=host_fingerprint(ws / "a.txt")),
         Operation("write", "b.txt", after="beta\n", expect=ABSENT),
-        Operation("delete", "c.txt", expect=fingerprint(ws / "c.txt")),
+        Operation("delete", "c.txt", expect=host_fingerprint(ws / "c.txt")),
     ]
     change_set, staged = await sets.stage(machine, SESSION, TURN, "edit", ops)
     assert [op.status for op in staged] == ["pending"] * 3
@@ -480,7 +483,7 @@ async def test_stale_operation_is_refused_at_apply(machine: LocalMachine, ws: Pa
     (ws / "a.txt").write_text("v1\n")
     change_set, [op] = await sets.stage(
         machine, SESSION, TURN, "edit",
-        [Operation("edit", "a.txt", before="v1\n", after="v2\n", expect=fingerprint(ws / "a.txt"))],
+        [Operation("edit", "a.txt", before="v1\n", after="v2\n", expect=host_fingerprint(ws / "a.txt"))],
     )  # fmt: skip
     (ws / "a.txt").write_text("changed by the user\n")
     [failed] = await sets.apply(machine, [op.id])
@@ -1036,7 +1039,7 @@ async def test_turns_have_their_own_change_sets_and_delivery_counts(
 
 async def test_governance_in_a_real_sandbox(make_sandbox: Any, db: Database) -> None:
     m = await make_sandbox()
-    workspace = Path(m.host_path("/workspace"))
+    workspace = m.workspace
     (workspace / "a.txt").write_text("alpha\n")
     tools = tools_for(m, db, Tier.FULL_ASK, real("exec", "edit"))
     answerer = Answerer(tools.approvals)
@@ -1054,7 +1057,7 @@ async def test_governance_in_a_real_sandbox(make_sandbox: Any, db: Database) -> 
         assert refused.status == "failed" and (
             "mount" in (refused.reason or "") or "root" in (refused.reason or "")
         )
-    assert Path(m.host_path("/tmp")).is_dir()
+    assert stat.S_ISDIR(m.view.stat("/tmp").st_mode)
     # Files the server creates in the workspace belong to the sandbox's user.
     tools.tier = Tier.FULL_AUTO
     written = await tools.call(

@@ -400,7 +400,7 @@ async def test_tool_filters_take_relative_paths_iso_dates_and_refuse_what_widens
 
 
 async def test_images_are_ignored_with_a_note(corpus: KnowledgeIndex, machine: LocalMachine) -> None:
-    (corpus.machine.host_path(corpus.root) / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (Path(corpus.machine.root) / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     only_images = await search_tool(machine, query="zephyr", fileTypes=["image"], limit=MAX_RESULTS)
     assert not only_images.is_error
     assert len(only_images.data["results"]) == 5  # ignored: as if no fileTypes were given

@@ -25,7 +25,7 @@ from typing import Any
 import docx
 import pytest
 import pytest_asyncio
-from conftest import traversable
+from conftest import host_fingerprint, traversable
 from fpdf import FPDF
 
 from agentbox.ids import SANDBOX, new_id
@@ -35,7 +35,7 @@ from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
 from agentbox.tools.base import Action, ImageBlock, Operation, TextBlock, ToolConfig, ToolResult
 from agentbox.tools.changes import Applied, apply_operations
 from agentbox.tools.documents import MAX_DOCUMENT_BYTES, MAX_IMAGE_BYTES
-from agentbox.tools.fingerprint import ABSENT, fingerprint
+from agentbox.tools.fingerprint import ABSENT
 from agentbox.tools.read import (
     MAX_TEXT_BYTES,
     READ,
@@ -129,7 +129,7 @@ def sandbox_box(sandbox: SandboxMachine, tmp_path: Path) -> Box:
     name = f"t-{uuid.uuid4().hex[:12]}"
     host = sandbox.workspace / name
     host.mkdir()
-    sandbox.give(host)
+    os.lchown(host, sandbox.host.uid, sandbox.host.gid)
     return Box(sandbox, f"/workspace/{name}", host)
 
 
@@ -526,7 +526,7 @@ async def test_a_read_records_the_fingerprint_of_what_was_read(box: Box) -> None
     path = box.write("seen.txt", "version 1")
     ctx = box.ctx()
     await read(ctx, box.p("seen.txt"))
-    assert ctx.reads == {box.p("seen.txt"): fingerprint(path)}
+    assert ctx.reads == {box.p("seen.txt"): host_fingerprint(path)}
     assert ctx.reads[box.p("seen.txt")] != ABSENT
 
 

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import host_fingerprint
 from test_tools_read import Box, Ctx, box, local, read, sandbox, sandbox_box, text_of
 
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.sandbox import SandboxMachine
 from agentbox.tools.base import Operation, ToolResult
 from agentbox.tools.edit import EDIT, EditParams
-from agentbox.tools.fingerprint import ABSENT, fingerprint
+from agentbox.tools.fingerprint import ABSENT
 from agentbox.tools.write import MAX_WRITE_BYTES, WRITE, WriteParams, make_write
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -233,7 +234,7 @@ async def test_crlf_and_bom_are_kept(box: Box) -> None:
 
 async def test_the_planned_edit_expects_the_file_as_it_was(box: Box) -> None:
     path = box.write("f.txt", "alpha")
-    before = fingerprint(path)
+    before = host_fingerprint(path)
     ctx = box.ctx()
     await edit(ctx, box.p("f.txt"), oldText="alpha", newText="beta")
     assert ctx.committed[0].expect == before
@@ -322,7 +323,7 @@ async def test_move_a_file(box: Box) -> None:
         "move",
         box.p("draft.md"),
         box.p("archive/2024.md"),
-        fingerprint(box.h("archive/2024.md")),
+        host_fingerprint(box.h("archive/2024.md")),
     )
     assert not path.exists() and box.h("archive/2024.md").read_text() == "text"
 
@@ -380,7 +381,7 @@ async def test_rename_keeps_the_folder(box: Box) -> None:
 
 async def test_delete_goes_to_the_trash(box: Box) -> None:
     path = box.write("junk.txt", "junk")
-    planned_against = fingerprint(path)
+    planned_against = host_fingerprint(path)
     box.write("old/a.txt", "a")
     ctx = box.ctx()
     assert not (await edit(ctx, box.p("junk.txt"), mode="delete")).is_error
@@ -388,12 +389,12 @@ async def test_delete_goes_to_the_trash(box: Box) -> None:
     assert (op.kind, op.path, op.expect) == ("delete", box.p("junk.txt"), planned_against)
     trashed = ctx.applied[0].trash_path
     assert trashed is not None and not path.exists()
-    assert box.machine.host_path(trashed).read_text() == "junk"
+    assert box.machine.view.read_bytes(trashed, 100) == b"junk"
     assert not (await edit(ctx, box.p("old"), mode="delete")).is_error
     assert ctx.committed[1].expect is None and "folder" in ctx.committed[1].summary
     folder = ctx.applied[1].trash_path
     assert folder is not None and not box.h("old").exists()
-    assert box.machine.host_path(folder + "/a.txt").read_text() == "a"
+    assert box.machine.view.read_bytes(folder + "/a.txt", 100) == b"a"
 
 
 async def test_the_root_and_mounts_cannot_be_moved_or_deleted(box: Box) -> None:

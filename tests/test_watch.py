@@ -12,8 +12,8 @@ import pytest
 
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.hostview import HostView, Mount
 from agentbox.machines.local import LocalMachine
-from agentbox.machines.pathmap import Mount, PathMap
 from agentbox.workspace import watch
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.watch import (
@@ -39,7 +39,7 @@ class DemoMachine(HostFiles):
 
     def __init__(self, host: Path) -> None:
         host.mkdir(parents=True, exist_ok=True)
-        self.paths = PathMap([Mount("/tmp/demo", host)], "/tmp/demo")
+        self.view = HostView([Mount("/tmp/demo", host)], "/tmp/demo")
         self.owner = None
         self.users = {}
 
@@ -303,8 +303,8 @@ async def test_default_excludes_hide_and_do_not_watch(hub: WatchHub, demo: Path)
     (demo / "node_modules" / "pkg").mkdir(parents=True)
     watcher = hub.create("/tmp/demo")
     assert watcher.scope.exclude == DEFAULT_EXCLUDES
-    watched = {d.host for d in hub._dirs.values()}
-    assert watched == {demo, demo / "src"}
+    watched = {d.host for d in hub._dirs.values()}  # inside paths: watches never name host paths
+    assert watched == {Path("/tmp/demo"), Path("/tmp/demo/src")}
     (demo / "node_modules" / "x.js").touch()
     (demo / "mod.pyc").touch()
     (demo / "ok.py").touch()
@@ -501,7 +501,7 @@ async def test_get_list_and_delete(hub: WatchHub, demo: Path) -> None:
     assert info.value.error_type == "not_found"
     with pytest.raises(WatcherNotFound):
         hub.delete(first.id)
-    assert {d.host for d in hub._dirs.values()} == {demo / "src"}  # the shared watch stayed
+    assert {d.host for d in hub._dirs.values()} == {Path("/tmp/demo/src")}  # the shared watch stayed
     (demo / "src" / "x").touch()
     assert summary(await take(second, 1)) == [(1, "create", "x")]
     assert first.last_seq == 0
