@@ -145,6 +145,23 @@ class Cgroups:
     def report(self) -> dict[str, object]:
         return {"cgroups": self.version, "detail": self.reason}
 
+    def groups(self) -> dict[str, SandboxGroup]:
+        """Every sandbox group under this server's cgroup, by name (any server's, live or not)."""
+        own = own_cgroups()
+        if self.version == "v1":
+            parents = [self.root / c / own[c].lstrip("/") / "agentbox" for c in V1_CONTROLLERS if c in own]
+        elif self.version == "v2":
+            parents = [self.root / own.get("", "/").lstrip("/") / "agentbox"]
+        else:
+            return {}
+        found: dict[str, list[Path]] = {}
+        for parent in parents:
+            with contextlib.suppress(OSError):
+                for d in parent.iterdir():
+                    if d.is_dir():
+                        found.setdefault(d.name, []).append(d)
+        return {name: SandboxGroup(dirs) for name, dirs in found.items()}
+
     def create(self, name: str, limits: Limits) -> SandboxGroup | None:
         if self.version == "v1":
             return self._create_v1(name, limits)

@@ -1,0 +1,119 @@
+"""What a sandbox command can reach of the processes that run its sandbox.
+
+pid 1 and the exec agent live inside the sandbox's pid namespace, so a command sees them
+in /proc. Nothing of the server may be reachable through them: not their descriptors
+(the server's log, the launcher log, the control socket) by /proc/<pid>/fd or by
+`pidfd_getfd`, and not their memory or environment. A command's own descriptors are its
+pipes and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import Server
+
+#: Runs inside the sandbox with its python3: every process not of this command's own
+#: session, what of it can be listed, opened, written or taken by pidfd_getfd.
+PROBE = r"""
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438
+mine = os.getsid(0)
+report = {"own": {}, "foreign": {}}
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        report["own"][fd] = os.readlink("/proc/self/fd/" + fd)
+    except OSError:
+        pass
+for name in os.listdir("/proc"):
+    if not name.isdigit():
+        continue
+    pid = int(name)
+    try:
+        if os.getsid(pid) == mine:
+            continue
+    except OSError:
+        continue
+    entry = {"listed": [], "opened": [], "written": [], "taken": [], "environ": None}
+    try:
+        entry["listed"] = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError as exc:
+        entry["list_errno"] = exc.errno
+    for fd in range(64):
+        for flags, key in ((os.O_RDONLY, "opened"), (os.O_WRONLY | os.O_APPEND, "written")):
+            try:
+                os.close(os.open(f"/proc/{pid}/fd/{fd}", flags))
+                entry[key].append(fd)
+            except OSError:
+                pass
+    try:
+        entry["environ"] = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
+    except OSError:
+        pass
+    pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
+    entry["pidfd_open_errno"] = ctypes.get_errno() if pidfd < 0 else 0
+    if pidfd >= 0:
+        for fd in range(64):
+            got = libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+            if got >= 0:
+                entry["taken"].append([fd, os.readlink(f"/proc/self/fd/{got}")])
+                os.close(got)
+            else:
+                entry.setdefault("getfd_errnos", []).append(ctypes.get_errno())
+        os.close(pidfd)
+    try:
+        entry["cmdline"] = open(f"/proc/{pid}/cmdline", "rb").read()[:80].decode(errors="replace")
+    except OSError:
+        pass
+    report["foreign"][pid] = entry
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture
+def sandbox(server: Server) -> Iterator[httpx.Client]:
+    import uuid
+
+    with server.client() as http:
+        http.base_url = httpx.URL(f"{server.url}/sandboxes/t-{uuid.uuid4().hex[:12]}")
+        yield http
+
+
+def run(http: httpx.Client, command: str) -> dict[str, Any]:
+    reply = http.post("/v2/commands", json={"command": command, "timeout": 60}).json()
+    assert reply["success"], reply
+    data: dict[str, Any] = reply["data"]
+    assert data["exit_code"] == 0, data
+    return data
+
+
+def probe(http: httpx.Client) -> dict[str, Any]:
+    write = http.post("/v2/fs/write", json={"path": "/tmp/probe.py", "content": PROBE}).json()
+    assert write["success"], write
+    return dict(json.loads(run(http, "python3 /tmp/probe.py")["stdout"]))
+
+
+def test_pid_1_and_the_agent_hold_nothing_a_command_can_reach(server: Server, sandbox: httpx.Client) -> None:
+    report = probe(sandbox)
+    foreign = report["foreign"]
+    assert "1" in foreign, f"pid 1 is not visible to the probe: {report}"
+    for pid, entry in foreign.items():
+        assert entry["listed"] == [], f"pid {pid} lists its descriptors: {entry}"
+        assert entry["opened"] == [] and entry["written"] == [], f"pid {pid} reopens: {entry}"
+        assert entry["taken"] == [], f"pidfd_getfd took descriptors of pid {pid}: {entry}"
+        assert entry["environ"] is None, f"pid {pid} shows its environment: {entry}"
+        assert set(entry.get("getfd_errnos", [1])) == {1}, entry  # EPERM, not EBADF: nothing to probe
+
+
+def test_a_command_holds_only_its_own_pipes(server: Server, sandbox: httpx.Client) -> None:
+    report = probe(sandbox)
+    for fd, target in report["own"].items():
+        assert target.startswith(("pipe:", "/dev/null", "/proc/")), f"fd {fd} is {target}: {report['own']}"
+    text = json.dumps(report)
+    assert str(server.home) not in text and "server-" not in text and "launcher.log" not in text
