@@ -145,17 +145,19 @@ class Cgroups:
     def report(self) -> dict[str, object]:
         return {"cgroups": self.version, "detail": self.reason}
 
-    def groups(self) -> dict[str, SandboxGroup]:
-        """Every sandbox group under this server's cgroup, by name (any server's, live or not)."""
+    def parents(self) -> list[Path]:
+        """The directories sandbox groups are made in, one per controller (v1) or one (v2)."""
         own = own_cgroups()
         if self.version == "v1":
-            parents = [self.root / c / own[c].lstrip("/") / "agentbox" for c in V1_CONTROLLERS if c in own]
-        elif self.version == "v2":
-            parents = [self.root / own.get("", "/").lstrip("/") / "agentbox"]
-        else:
-            return {}
+            return [self.root / c / own[c].lstrip("/") / "agentbox" for c in V1_CONTROLLERS if c in own]
+        if self.version == "v2":
+            return [self.root / own.get("", "/").lstrip("/") / "agentbox"]
+        return []
+
+    def groups(self) -> dict[str, SandboxGroup]:
+        """Every sandbox group under this server's cgroup, by name (any server's, live or not)."""
         found: dict[str, list[Path]] = {}
-        for parent in parents:
+        for parent in self.parents():
             with contextlib.suppress(OSError):
                 for d in parent.iterdir():
                     if d.is_dir():

@@ -69,14 +69,35 @@ OWNER_FILE = "owner"
 DIAGNOSTICS_TAIL = 4096
 #: Reads of the diagnostics pipe when a start error is reported (each up to PIPE_CHUNK).
 DIAGNOSTICS_DRAIN_READS = 16
-#: Lazily unmounts, once its stdin reaches EOF (the server is gone, however it died), every
-#: system layer whose owner file holds the token $2, under the mount root $1. A fuse daemon
-#: whose mount is detached and unused exits by itself.
-LAYER_WATCH = """read -r _
-for d in "$1"/*/; do
-  [ "$(cat "$d/owner" 2>/dev/null)" = "$2" ] || continue
+#: Runs once its stdin reaches EOF, i.e. once the server is gone however it died: kills and
+#: thaws (a teardown cut short leaves a group frozen) every sandbox cgroup named with the
+#: owner token $2 under the cgroup parents $3..., lazily unmounts every system layer whose
+#: owner file holds $2 under the mount root $1 (a fuse daemon whose mount is detached and
+#: unused exits by itself), then removes the emptied groups.
+DEATH_WATCH = """read -r _
+root=$1 token=$2
+shift 2
+for parent in "$@"; do
+  for g in "$parent"/*-"$token"; do
+    [ -d "$g" ] || continue
+    kill -9 $(cat "$g/cgroup.procs" 2>/dev/null) 2>/dev/null
+    echo THAWED > "$g/freezer.state" 2>/dev/null; echo 0 > "$g/cgroup.freeze" 2>/dev/null
+  done
+done
+for d in "$root"/*/; do
+  [ "$(cat "$d/owner" 2>/dev/null)" = "$token" ] || continue
   umount -l "$d/usr" 2>/dev/null; umount -l "$d/sys" 2>/dev/null
   rmdir "$d/usr" "$d/sys" 2>/dev/null; rm -f "$d/owner"; rmdir "$d" 2>/dev/null
+done
+for attempt in $(seq 100); do
+  left=0
+  for parent in "$@"; do
+    for g in "$parent"/*-"$token"; do
+      [ -d "$g" ] && ! rmdir "$g" 2>/dev/null && left=1
+    done
+  done
+  [ "$left" = 0 ] && break
+  sleep 0.05
 done
 """
 
@@ -120,7 +141,7 @@ class SandboxHost:
             os.chmod(self.merged_root, 0o711)
             release_orphaned_layers(self.merged_root, self.libc)
             release_orphaned_groups(self.cgroups)
-            self._layer_watch = watch_layers(self.merged_root)
+            self._death_watch = watch_death(self.merged_root, self.cgroups.parents())
 
     def check_reachable(self, path: Path) -> None:
         """bwrap resolves bind sources by path as the sandbox uid, even for --bind-fd.
@@ -828,12 +849,13 @@ def owner_alive(token: str) -> bool:
     return Path(f"/proc/{pid}").exists() if not start else owner_token(int(pid)) == token.strip()
 
 
-def watch_layers(root: Path) -> int:
-    """Start the LAYER_WATCH of this server; it acts when the returned fd closes (at our exit)."""
+def watch_death(root: Path, cgroup_parents: list[Path]) -> int:
+    """Start this server's DEATH_WATCH; it acts when the returned fd closes (at our exit)."""
     read_end, write_end = os.pipe()  # both close-on-exec: no other child inherits the write end
     try:
         subprocess.Popen(
-            ["/bin/sh", "-c", LAYER_WATCH, "agentbox-layer-watch", str(root), owner_token()],
+            ["/bin/sh", "-c", DEATH_WATCH, "agentbox-death-watch", str(root), owner_token(),
+             *map(str, cgroup_parents)],
             stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env=LAUNCH_ENV, start_new_session=True,  # a ^C to the server's group must not stop it
         )  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -117,3 +118,19 @@ def test_a_command_holds_only_its_own_pipes(server: Server, sandbox: httpx.Clien
         assert target.startswith(("pipe:", "/dev/null", "/proc/")), f"fd {fd} is {target}: {report['own']}"
     text = json.dumps(report)
     assert str(server.home) not in text and "server-" not in text and "launcher.log" not in text
+
+
+async def test_a_failed_start_still_reports_bwraps_own_diagnostics(sandbox_tmp: Path) -> None:
+    """bwrap's stderr is a pipe the server reads, no longer a file: its words still reach the error."""
+    from agentbox.ids import SANDBOX, new_id
+    from agentbox.machines.errors import MachineUnavailable
+    from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
+
+    host = SandboxHost(sandbox_tmp / "home")
+    host.python = "/nonexistent/python3"  # bwrap itself fails to exec the agent, and says why
+    sandbox_id = new_id(SANDBOX)
+    d = sandbox_tmp / sandbox_id
+    m = SandboxMachine("sandbox", sandbox_id, host, SandboxConfig(network=False), d / "workspace", d / "run")
+    with pytest.raises(MachineUnavailable, match=r"exited during start: .*/nonexistent/python3"):
+        await m.start()
+    assert m.state == "stopped"
