@@ -17,8 +17,21 @@ Launch, as root (a non-root server skips the uid switch and the system layer):
     fuse-overlayfs (squash to the sandbox uid) over it] ─ drop to the sandbox uid ─ bwrap
     ─ python3 exec_agent.py          + slirp4netns on the sandbox's netns when network is on
 
+Nothing of the server crosses into the sandbox: bwrap and the agent get /dev/null for
+stdin and stdout and a pipe of their own for stderr (the server keeps its last
+DIAGNOSTICS_TAIL bytes for the "exited during start" error), no other descriptor, and
+the agent is the sandbox's pid 1 (`--as-pid-1`), non-dumpable, so a command cannot
+reopen, `pidfd_getfd` or ptrace what it holds. Host-side helpers (fuse-overlayfs,
+slirp4netns) write to the lifetime's `launcher.log`, out of the sandbox's reach.
+
 Teardown kills every process of the sandbox (cgroup, or the launcher's mount namespace
 when there are no cgroups) and removes this lifetime's directories; `/workspace` stays.
+A server that dies without a teardown (SIGKILL) takes bwrap and slirp4netns with it
+(`--die-with-parent`, the exit fd); its DEATH_WATCH, a shell waiting for the server's
+end of a pipe to close, then kills and thaws its cgroups and detaches its fuse mounts
+(the daemons exit). What a crash still leaves is released when any root server starts
+(`release_orphans`): a layer or cgroup belongs to a server named by pid and start time
+(`owner_token`), so a reused pid does not keep it alive.
 """
 
 from __future__ import annotations
