@@ -134,3 +134,23 @@ async def test_a_failed_start_still_reports_bwraps_own_diagnostics(sandbox_tmp: 
     with pytest.raises(MachineUnavailable, match=r"exited during start: .*/nonexistent/python3"):
         await m.start()
     assert m.state == "stopped"
+
+
+#: Lists the zombies of the sandbox: what pid 1 (the agent) has not reaped.
+ZOMBIES = (
+    "for s in /proc/[0-9]*/stat; do read -r l < $s 2>/dev/null && case ${l##*) } in Z*) echo $s;; esac; done"
+)
+
+
+def test_the_agent_as_pid_1_reaps_orphans_and_shrugs_off_signals(sandbox: httpx.Client) -> None:
+    import time
+
+    from tests.conftest import SANDBOX_DEADLINE
+
+    run(sandbox, "for i in 1 2 3 4 5; do sleep 0.01 & done; exit 0")  # orphans: their parent exits first
+    deadline = time.monotonic() + SANDBOX_DEADLINE
+    while zombies := run(sandbox, ZOMBIES)["stdout"]:
+        assert time.monotonic() < deadline, f"unreaped orphans: {zombies}"
+        time.sleep(0.05)
+    run(sandbox, "kill -INT 1; kill -TERM 1; kill -HUP 1; kill -KILL 1; true")
+    assert run(sandbox, "echo alive")["stdout"] == "alive\n"
