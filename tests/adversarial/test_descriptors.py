@@ -10,6 +10,7 @@ pipes and nothing else.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import SandboxFactory, Server
 
 #: Runs inside the sandbox with its python3: every process not of this command's own
 #: session, what of it can be listed, opened, written or taken by pidfd_getfd.
@@ -154,3 +155,18 @@ def test_the_agent_as_pid_1_reaps_orphans_and_shrugs_off_signals(sandbox: httpx.
         time.sleep(0.05)
     run(sandbox, "kill -INT 1; kill -TERM 1; kill -HUP 1; kill -KILL 1; true")
     assert run(sandbox, "echo alive")["stdout"] == "alive\n"
+
+
+async def test_seen_from_the_host_the_agent_holds_only_null_its_pipe_and_its_socket(
+    make_sandbox: SandboxFactory,
+) -> None:
+    """The same from outside (as root): what the agent, the sandbox's pid 1, has open."""
+    m = await make_sandbox()
+    agent = m._child_pid
+    assert agent and f"NSpid:\t{agent}\t1" in Path(f"/proc/{agent}/status").read_text()  # it is pid 1
+    held = {int(fd): os.readlink(f"/proc/{agent}/fd/{fd}") for fd in os.listdir(f"/proc/{agent}/fd")}
+    assert held[0] == held[1] == "/dev/null" and held[2].startswith("pipe:"), held
+    others = {fd: target for fd, target in held.items() if fd > 2}
+    kinds = sorted(target.split(":")[0] for target in others.values())
+    # the control socket, /dev/null for commands' stdin, epoll, the SIGCHLD wake-up pipe
+    assert kinds == ["/dev/null", "anon_inode", "pipe", "pipe", "socket"], held
