@@ -145,6 +145,25 @@ class Cgroups:
     def report(self) -> dict[str, object]:
         return {"cgroups": self.version, "detail": self.reason}
 
+    def parents(self) -> list[Path]:
+        """The directories sandbox groups are made in, one per controller (v1) or one (v2)."""
+        own = own_cgroups()
+        if self.version == "v1":
+            return [self.root / c / own[c].lstrip("/") / "agentbox" for c in V1_CONTROLLERS if c in own]
+        if self.version == "v2":
+            return [self.root / own.get("", "/").lstrip("/") / "agentbox"]
+        return []
+
+    def groups(self) -> dict[str, SandboxGroup]:
+        """Every sandbox group under this server's cgroup, by name (any server's, live or not)."""
+        found: dict[str, list[Path]] = {}
+        for parent in self.parents():
+            with contextlib.suppress(OSError):
+                for d in parent.iterdir():
+                    if d.is_dir():
+                        found.setdefault(d.name, []).append(d)
+        return {name: SandboxGroup(dirs) for name, dirs in found.items()}
+
     def create(self, name: str, limits: Limits) -> SandboxGroup | None:
         if self.version == "v1":
             return self._create_v1(name, limits)

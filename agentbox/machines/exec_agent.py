@@ -18,10 +18,19 @@ The server creates each command's pipes and reads them itself, so output never p
 through this process. Each command leads its own session and process group. When the
 socket closes, the agent kills every command and exits, and the sandbox ends with it.
 
+The agent is the sandbox's pid 1 (bwrap `--as-pid-1`), so it also reaps what commands
+leave behind: every child, its own commands and orphans alike, is collected with
+`waitpid(-1, WNOHANG)` on SIGCHLD, and only its commands are reported. Before it says
+ready it makes itself non-dumpable and closes every descriptor but stdin/out/err and the
+socket, so a command can neither reopen nor `pidfd_getfd` what it holds, nor ptrace it.
+As pid 1 it gets only the signals it handles: a command cannot kill it.
+
 The socket's descriptor number is the first argument. This file runs with the sandbox's
 `python3 -I -S`: standard library only, nothing from agentbox, old Python 3 versions too.
 """
 
+import _ctypes
+import _signal
 import _socket
 import os
 import select
@@ -31,15 +40,54 @@ MAX_MESSAGE = 1 << 20
 #: Received descriptors arrive close-on-exec: a command gets only its own stdin/out/err.
 MSG_CMSG_CLOEXEC = 0x40000000
 FD_SIZE = 4
+PR_SET_DUMPABLE = 4
+
+
+class _Int(_ctypes._SimpleCData):
+    _type_ = "i"
+
+
+class _Function(_ctypes.CFuncPtr):
+    """A libc function through _ctypes alone: importing ctypes costs milliseconds of start."""
+
+    _flags_ = _ctypes.FUNCFLAG_CDECL
+    _restype_ = _Int
+
+
+class _Libc:
+    _handle = _ctypes.dlopen(None, os.RTLD_NOW)  # type: ignore[arg-type]  # None: the process itself
+
+
+def seal(keep):
+    """Non-dumpable (no /proc/self/fd, environ, mem or pidfd_getfd for commands), no stray fds."""
+    if _Function(("prctl", _Libc()))(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:  # type: ignore[arg-type]
+        raise OSError("prctl(PR_SET_DUMPABLE, 0) failed")
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 1 << 16)
+
+
+def drain(fd):
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def main():
-    ctl = _socket.socket(fileno=int(sys.argv[1]))
+    ctl_fd = int(sys.argv[1])
+    seal(ctl_fd)
+    ctl = _socket.socket(fileno=ctl_fd)
     os.set_inheritable(ctl.fileno(), False)  # commands must never reach the control channel
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # as pid 1: ignored, not a KeyboardInterrupt
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    _signal.set_wakeup_fd(wake_w)  # SIGCHLD wakes the poll below
+    _signal.signal(_signal.SIGCHLD, lambda *_: None)
     poller = select.epoll()
     poller.register(ctl.fileno(), select.EPOLLIN)
-    devnull = os.open("/dev/null", os.O_RDWR)
-    children = {}  # pidfd -> (command id, pid)
+    poller.register(wake_r, select.EPOLLIN)
+    devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    by_pid = {}  # pid -> command id
     by_id = {}  # command id -> pid
 
     def send(*fields):
@@ -64,20 +112,24 @@ def main():
         finally:
             for fd in fds:
                 os.close(fd)
-        pidfd = os.pidfd_open(pid)
-        children[pidfd] = (cid, pid)
+        by_pid[pid] = cid
         by_id[cid] = pid
-        poller.register(pidfd, select.EPOLLIN)
         send(b"P", cid, pid)
 
-    def reap(pidfd):
-        cid, pid = children.pop(pidfd)
-        poller.unregister(pidfd)
-        os.close(pidfd)
-        _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        by_id.pop(cid, None)
-        send(b"X", cid, 128 - code if code < 0 else code)
+    def reap():
+        """Collect every exited child; report the commands, drop the orphans."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            cid = by_pid.pop(pid, None)
+            if cid is not None:
+                by_id.pop(cid, None)
+                code = os.waitstatus_to_exitcode(status)
+                send(b"X", cid, 128 - code if code < 0 else code)
 
     def receive():
         data, ancdata, _flags, _addr = ctl.recvmsg(MAX_MESSAGE, 64, MSG_CMSG_CLOEXEC)
@@ -93,12 +145,13 @@ def main():
     send(b"R")
     while True:
         for fd, _ in poller.poll():
-            if fd in children:
-                reap(fd)
+            if fd == wake_r:
+                drain(wake_r)
+                reap()
                 continue
             data, fds = receive()
             if not data:
-                for _cid, pid in children.values():
+                for pid in by_pid:
                     try:
                         os.killpg(pid, 9)
                     except OSError:

@@ -36,7 +36,7 @@ from agentbox.machines.base import Machine
 from agentbox.machines.cgroups import Limits
 from agentbox.machines.errors import MachineDenied, MachineNotFound
 from agentbox.machines.local import LocalMachine
-from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
+from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine, release_orphans
 from agentbox.secrets import SecretBox, redact
 
 #: Seconds between janitor sweeps (idle reclaim and workspace purge).
@@ -292,6 +292,7 @@ class Registry:
 
     async def recover(self) -> list[str]:
         """After a restart: clean up what dead sandboxes left; they rebuild lazily."""
+        release_orphans()  # mounts and cgroups of dead servers, whatever their home
         recovered: list[str] = []
         if self.markers is None:
             return recovered

@@ -17,8 +17,21 @@ Launch, as root (a non-root server skips the uid switch and the system layer):
     fuse-overlayfs (squash to the sandbox uid) over it] ─ drop to the sandbox uid ─ bwrap
     ─ python3 exec_agent.py          + slirp4netns on the sandbox's netns when network is on
 
+Nothing of the server crosses into the sandbox: bwrap and the agent get /dev/null for
+stdin and stdout and a pipe of their own for stderr (the server keeps its last
+DIAGNOSTICS_TAIL bytes for the "exited during start" error), no other descriptor, and
+the agent is the sandbox's pid 1 (`--as-pid-1`), non-dumpable, so a command cannot
+reopen, `pidfd_getfd` or ptrace what it holds. Host-side helpers (fuse-overlayfs,
+slirp4netns) write to the lifetime's `launcher.log`, out of the sandbox's reach.
+
 Teardown kills every process of the sandbox (cgroup, or the launcher's mount namespace
 when there are no cgroups) and removes this lifetime's directories; `/workspace` stays.
+A server that dies without a teardown (SIGKILL) takes bwrap and slirp4netns with it
+(`--die-with-parent`, the exit fd); its DEATH_WATCH, a shell waiting for the server's
+end of a pipe to close, then kills and thaws its cgroups and detaches its fuse mounts
+(the daemons exit). What a crash still leaves is released when any root server starts
+(`release_orphans`): a layer or cgroup belongs to a server named by pid and start time
+(`owner_token`), so a reused pid does not keep it alive.
 """
 
 from __future__ import annotations
@@ -66,8 +79,43 @@ AGENT_SOURCE = (Path(__file__).parent / "exec_agent.py").read_text()
 PIPE_CHUNK = 65536
 
 MNT_DETACH = 2
-#: File in a system layer's mount directory naming the server pid that owns it.
+#: File in a system layer's mount directory naming the server that owns it (`owner_token`).
 OWNER_FILE = "owner"
+#: Bytes of bwrap's and the agent's own stderr kept for the "exited during start" error.
+DIAGNOSTICS_TAIL = 4096
+#: Reads of the diagnostics pipe when a start error is reported (each up to PIPE_CHUNK).
+DIAGNOSTICS_DRAIN_READS = 16
+#: Runs once its stdin reaches EOF, i.e. once the server is gone however it died: kills and
+#: thaws (a teardown cut short leaves a group frozen) every sandbox cgroup named with the
+#: owner token $2 under the cgroup parents $3..., lazily unmounts every system layer whose
+#: owner file holds $2 under the mount root $1 (a fuse daemon whose mount is detached and
+#: unused exits by itself), then removes the emptied groups.
+DEATH_WATCH = """read -r _
+root=$1 token=$2
+shift 2
+for parent in "$@"; do
+  for g in "$parent"/*-"$token"; do
+    [ -d "$g" ] || continue
+    kill -9 $(cat "$g/cgroup.procs" 2>/dev/null) 2>/dev/null
+    echo THAWED > "$g/freezer.state" 2>/dev/null; echo 0 > "$g/cgroup.freeze" 2>/dev/null
+  done
+done
+for d in "$root"/*/; do
+  [ "$(cat "$d/owner" 2>/dev/null)" = "$token" ] || continue
+  umount -l "$d/usr" 2>/dev/null; umount -l "$d/sys" 2>/dev/null
+  rmdir "$d/usr" "$d/sys" 2>/dev/null; rm -f "$d/owner"; rmdir "$d" 2>/dev/null
+done
+for attempt in $(seq 100); do
+  left=0
+  for parent in "$@"; do
+    for g in "$parent"/*-"$token"; do
+      [ -d "$g" ] && ! rmdir "$g" 2>/dev/null && left=1
+    done
+  done
+  [ "$left" = 0 ] && break
+  sleep 0.05
+done
+"""
 
 
 @dataclass(frozen=True)
@@ -110,6 +158,8 @@ class SandboxHost:
             self.merged_root.mkdir(exist_ok=True)
             os.chmod(self.merged_root, 0o711)
             release_orphaned_layers(self.merged_root, self.libc)
+            release_orphaned_groups(self.cgroups)
+            self._death_watch = watch_death(self.merged_root, self.cgroups.parents())
 
     def check_reachable(self, path: Path) -> None:
         """bwrap resolves bind sources by path as the sandbox uid, even for --bind-fd.
@@ -183,6 +233,47 @@ class _Pipe:
             os.close(self.fd)
             self.fd = -1
             self.reader.feed_eof()
+
+
+class _Tail:
+    """The last DIAGNOSTICS_TAIL bytes written to a pipe: bwrap's and the agent's stderr.
+
+    bwrap and the agent get this pipe, never a file of the server's, so nothing in the
+    sandbox holds the server's log or a path of its home.
+    """
+
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.fd = fd
+        self.loop = loop
+        self.data = b""
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, self.read)
+
+    def read(self, reads: int = 1) -> None:
+        for _ in range(reads):
+            if self.fd < 0:
+                return
+            try:
+                chunk = os.read(self.fd, PIPE_CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.close()
+                return
+            self.data = (self.data + chunk)[-DIAGNOSTICS_TAIL:]
+
+    def text(self) -> str:
+        """What was written so far, including what is still in the pipe."""
+        self.read(DIAGNOSTICS_DRAIN_READS)
+        return self.data.decode(errors="replace")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SandboxProcess:
@@ -263,6 +354,7 @@ class SandboxMachine(HostFiles):
         self._fuse: list[subprocess.Popen[bytes]] = []
         self._mounts: list[Path] = []
         self._log_fds: list[int] = []
+        self._diagnostics: _Tail | None = None
         self._next = 0
         self._pending: dict[int, asyncio.Future[int]] = {}
         self._procs: dict[int, SandboxProcess] = {}
@@ -372,6 +464,7 @@ class SandboxMachine(HostFiles):
             "--unshare-cgroup-try",
             "--uid", "0", "--gid", "0",
             "--hostname", self.hostname,
+            "--as-pid-1",  # the agent is pid 1: no bwrap init inside holding bwrap's descriptors
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
             "--proc", "/proc", "--dev", "/dev",
@@ -411,20 +504,27 @@ class SandboxMachine(HostFiles):
                 "--inh-caps=-all",
                 *args,
             ]
-        self._group = host.cgroups.create(f"{self.sandbox_id}-{os.getpid()}", config.limits)
+        self._group = host.cgroups.create(f"{self.sandbox_id}-{owner_token()}", config.limits)
+        diag_r, diag_w = os.pipe2(os.O_CLOEXEC)
         try:
             self._proc = subprocess.Popen(
                 args,
                 pass_fds=opened,
                 stdin=subprocess.DEVNULL,
-                stderr=self._log(),
+                stdout=subprocess.DEVNULL,
+                stderr=diag_w,  # a pipe of its own: never the server's log or a file of its home
                 close_fds=True,
-                env=LAUNCH_ENV,  # bwrap is pid 1 inside: its environ is readable there
+                env=LAUNCH_ENV,
             )
+        except BaseException:
+            os.close(diag_r)
+            raise
         finally:
+            os.close(diag_w)
             for fd in opened[1:]:
                 os.close(fd)
             child.close()
+        self._diagnostics = _Tail(diag_r, self.loop)
         self._ctl = parent
         parent.setblocking(False)
         self._ready = self.loop.create_future()
@@ -447,15 +547,17 @@ class SandboxMachine(HostFiles):
         return [f"{AGENT_USR}{loader}", "--library-path", f"{AGENT_USR}{libdir}", f"{AGENT_USR}{python}"]
 
     def _log_tail(self, limit: int = 500) -> str:
-        try:
-            return (self.run / "launcher.log").read_text(errors="replace").strip()[
-                -limit:
-            ] or "no diagnostics"
-        except OSError:
-            return "no diagnostics"
+        """bwrap's and the agent's stderr, then the host helpers' launcher.log, last `limit` chars."""
+        parts = [self._diagnostics.text() if self._diagnostics is not None else ""]
+        with contextlib.suppress(OSError):
+            parts.append((self.run / "launcher.log").read_text(errors="replace"))
+        return "\n".join(p.strip() for p in parts if p.strip())[-limit:] or "no diagnostics"
 
     def _log(self) -> int:
-        """The launcher's stderr (bwrap and fuse diagnostics) goes to run/launcher.log."""
+        """The host helpers' stderr (fuse-overlayfs, slirp4netns) goes to run/launcher.log.
+
+        They run outside the sandbox's pid namespace, so nothing inside can reach it.
+        """
         fd = os.open(self.run / "launcher.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self._log_fds.append(fd)
         return fd
@@ -471,7 +573,7 @@ class SandboxMachine(HostFiles):
         assert host.merged_root is not None and host.fuse is not None
         merged = host.merged_root / self.sandbox_id
         merged.mkdir(parents=True, exist_ok=True)
-        (merged / OWNER_FILE).write_text(str(os.getpid()))
+        (merged / OWNER_FILE).write_text(owner_token())
         for name, lower in (("usr", Path("/usr")), ("sys", host.base.root)):
             upper, work, point = self.run / "upper" / name, self.run / "work" / name, merged / name
             for d in (upper, work, point):
@@ -595,6 +697,9 @@ class SandboxMachine(HostFiles):
         for fd in self._log_fds:
             os.close(fd)
         self._log_fds.clear()
+        if self._diagnostics is not None:
+            self.loop.call_soon_threadsafe(self._diagnostics.close)
+            self._diagnostics = None
 
     async def close(self) -> None:
         await self.stop()
@@ -746,14 +851,72 @@ def _read_info(fd: int) -> dict[str, Any]:
     return {}
 
 
+def owner_token(pid: int | None = None) -> str:
+    """`<pid>-<start time>`: names a process for good, also once its pid is reused."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}-{_start_time(pid)}"
+
+
+def _start_time(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def owner_alive(token: str) -> bool:
+    """Whether the server a token names still runs (a bare pid, as older servers wrote: it exists)."""
+    pid, _, start = token.strip().partition("-")
+    if not pid.isdigit():
+        return False
+    return Path(f"/proc/{pid}").exists() if not start else owner_token(int(pid)) == token.strip()
+
+
+def watch_death(root: Path, cgroup_parents: list[Path]) -> int:
+    """Start this server's DEATH_WATCH; it acts when the returned fd closes (at our exit)."""
+    read_end, write_end = os.pipe()  # both close-on-exec: no other child inherits the write end
+    try:
+        subprocess.Popen(
+            ["/bin/sh", "-c", DEATH_WATCH, "agentbox-death-watch", str(root), owner_token(),
+             *map(str, cgroup_parents)],
+            stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=LAUNCH_ENV, start_new_session=True,  # a ^C to the server's group must not stop it
+        )  # fmt: skip
+    finally:
+        os.close(read_end)
+    return write_end
+
+
+def release_orphans() -> None:
+    """At a root server's start: what dead servers (of any home) left in the runtime dir and cgroups."""
+    if os.geteuid() != 0:
+        return
+    root = bwrap_mod.runtime_dir() / "mnt"
+    if root.is_dir():
+        release_orphaned_layers(root, ctypes.CDLL(None, use_errno=True))
+    release_orphaned_groups(Cgroups())
+
+
+def release_orphaned_groups(cgroups: Cgroups) -> None:
+    """Kill and remove sandbox cgroups (`<sandbox id>-<owner token>`) whose server is gone."""
+    for name, group in cgroups.groups().items():
+        _, sep, token = name.partition("-")
+        if sep and not owner_alive(token):
+            group.destroy()
+
+
 def release_orphaned_layers(root: Path, libc: Any) -> None:
-    """Unmount system layers left by a server that died (its pid in OWNER_FILE is gone)."""
+    """Unmount system layers left by a server that died (the owner in OWNER_FILE is gone).
+
+    An owner whose pid now names another process is gone too (`owner_token`). A fuse
+    daemon still serving such a mount exits once it is detached.
+    """
     for d in root.iterdir():
         try:
-            owner = int((d / OWNER_FILE).read_text())
-        except (OSError, ValueError):
+            owner = (d / OWNER_FILE).read_text()
+        except OSError:
             continue
-        if Path(f"/proc/{owner}").exists():
+        if owner_alive(owner):
             continue
         for point in (d / "usr", d / "sys"):
             libc.umount2(bytes(point), MNT_DETACH)
