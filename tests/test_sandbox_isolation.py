@@ -27,11 +27,12 @@ ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the server runs as roo
 
 #: What `/` inside a sandbox may hold: its system dirs and binds, nothing else of the host.
 #: (`bin`, `sbin`, `lib`, `lib64` only where the host has them, as symlinks into /usr.)
-EXPECTED_ROOT = {"dev", "etc", "proc", "root", "tmp", "usr", "var", "workspace"} | {
+#: `.agentbox` holds what the server binds read-only for its own use (ripgrep, and with the
+#: system layer the host's /usr for the agent).
+EXPECTED_ROOT = {"dev", "etc", "proc", "root", "tmp", "usr", "var", "workspace", AGENT_USR.strip("/")} | {
     d for d in ("bin", "sbin", "lib", "lib64") if os.path.lexists(f"/{d}")
 }
-#: With the system layer the agent also sees the host's /usr read-only under this directory.
-LAYER_EXTRA = {AGENT_USR.strip("/")}
+LAYER_EXTRA: set[str] = set()
 #: Processes a sandbox shows while one probe runs: bwrap's init, the exec agent, the probe's
 #: shell and the commands of its pipeline. Anything beyond is a host process.
 MAX_INSIDE_PROCESSES = 6

@@ -12,7 +12,9 @@ every sandbox's cold start):
                       X id code       exited (128+N for signal N)
     server -> agent   K id signal     signal the command's process group
                       G pgid signal   signal a group whose leader has already exited
-    agent -> server   R               ready, once at start
+    agent -> server   R               ready, once at start     + fds: the directories named
+                                                                 after the socket on the command
+                                                                 line, opened here (O_PATH)
 
 The server creates each command's pipes and reads them itself, so output never passes
 through this process. Each command leads its own session and process group. When the
@@ -25,7 +27,9 @@ ready it makes itself non-dumpable and closes every descriptor but stdin/out/err
 socket, so a command can neither reopen nor `pidfd_getfd` what it holds, nor ptrace it.
 As pid 1 it gets only the signals it handles: a command cannot kill it.
 
-The socket's descriptor number is the first argument. This file runs with the sandbox's
+The socket's descriptor number is the first argument; the rest are directories that exist
+only inside the sandbox (its tmpfs `/tmp` and `$HOME`), which the agent opens in its own view
+and hands to the server with `R`, so the server reaches them by descriptor too. This file runs with the sandbox's
 `python3 -I -S`: standard library only, nothing from agentbox, old Python 3 versions too.
 """
 
@@ -142,7 +146,13 @@ def main():
                 ]
         return data, fds
 
-    send(b"R")
+    shared = [
+        os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC) for path in sys.argv[2:]
+    ]
+    rights = b"".join(fd.to_bytes(FD_SIZE, sys.byteorder) for fd in shared)
+    ctl.sendmsg([b"R"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)] if shared else [])
+    for fd in shared:
+        os.close(fd)
     while True:
         for fd, _ in poller.poll():
             if fd == wake_r:

@@ -36,7 +36,14 @@ from agentbox.machines.base import Machine
 from agentbox.machines.cgroups import Limits
 from agentbox.machines.errors import MachineDenied, MachineNotFound
 from agentbox.machines.local import LocalMachine
-from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine, release_orphans
+from agentbox.machines.sandbox import (
+    DEFAULT_HOME_MB,
+    DEFAULT_TMP_MB,
+    SandboxConfig,
+    SandboxHost,
+    SandboxMachine,
+    release_orphans,
+)
 from agentbox.secrets import SecretBox, redact
 
 #: Seconds between janitor sweeps (idle reclaim and workspace purge).
@@ -364,4 +371,6 @@ def sandbox_config(config: MachineConfig, env: dict[str, str]) -> SandboxConfig:
         ),
         system_layer=bool(o.get("system_layer", True)),
         env=env,
+        tmp_mb=int(o.get("tmp_mb", DEFAULT_TMP_MB)),
+        home_mb=int(o.get("home_mb", DEFAULT_HOME_MB)),
     )

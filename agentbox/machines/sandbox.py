@@ -67,6 +67,17 @@ START_TIMEOUT = 20.0
 #: Host uid/gid sandbox processes run as when the server is root.
 DEFAULT_SANDBOX_UID = 64999
 SANDBOX_HOME = "/root"
+#: Directories that live only as long as a sandbox, as size-limited tmpfs (charged to the memory
+#: cgroup of whoever writes): never on the host disk, never reachable by another host user. A
+#: root server mounts them itself under its root-only runtime directory (in the host's user
+#: namespace, so it can create files there for the sandbox) and binds them in; an ordinary
+#: server lets bwrap mount them inside. Either way the agent hands their descriptors to the
+#: server (`HostView.attach`), which reaches them like every other mount.
+PRIVATE_DIRS = ("/tmp", SANDBOX_HOME)
+MS_NOSUID, MS_NODEV = 2, 4
+#: Default size limits of those tmpfs, in MiB (`tmp_mb` / `home_mb` in a machine's config).
+DEFAULT_TMP_MB = 1024
+DEFAULT_HOME_MB = 512
 #: Where the exec agent sees the host's /usr read-only when /usr itself is the fuse layer.
 AGENT_USR = "/.agentbox"
 #: Where the server's ripgrep is bound read-only inside every sandbox (searches run it there).
@@ -102,8 +113,8 @@ for parent in "$@"; do
 done
 for d in "$root"/*/; do
   [ "$(cat "$d/owner" 2>/dev/null)" = "$token" ] || continue
-  umount -l "$d/usr" 2>/dev/null; umount -l "$d/sys" 2>/dev/null
-  rmdir "$d/usr" "$d/sys" 2>/dev/null; rm -f "$d/owner"; rmdir "$d" 2>/dev/null
+  for m in usr sys tmp home; do umount -l "$d/$m" 2>/dev/null; rmdir "$d/$m" 2>/dev/null; done
+  rm -f "$d/owner"; rmdir "$d" 2>/dev/null
 done
 for attempt in $(seq 100); do
   left=0
@@ -130,6 +141,10 @@ class SandboxConfig:
     """Give a discardable overlay over /usr, /etc, /var when the host can (root + fuse-overlayfs)."""
     env: dict[str, str] = field(default_factory=dict)
     """Variables injected into every command (env providers)."""
+    tmp_mb: int = DEFAULT_TMP_MB
+    """Size of the sandbox's `/tmp` (a tmpfs inside it, counted in its memory limit)."""
+    home_mb: int = DEFAULT_HOME_MB
+    """Size of the sandbox's `$HOME` (`/root`, a tmpfs like `/tmp`)."""
 
 
 class SandboxHost:
@@ -369,8 +384,8 @@ class SandboxMachine(HostFiles):
         base = self.host.base
         mounts = [
             Mount("/workspace", self.workspace),
-            Mount("/tmp", self.run / "tmp"),
-            Mount(SANDBOX_HOME, self.run / "home"),
+            Mount("/tmp", None),
+            Mount(SANDBOX_HOME, None),
             Mount("/usr", Path("/usr"), writable=False, foreign=True),
             Mount("/etc", base.etc, writable=False, foreign=True),
         ]
@@ -427,12 +442,11 @@ class SandboxMachine(HostFiles):
         return self._ready
 
     def _prepare_dirs(self) -> None:
-        for d in (self.workspace, self.run / "tmp", self.run / "home", self.run / "var"):
+        for d in (self.workspace, self.run / "var"):
             d.mkdir(parents=True, exist_ok=True)
             if self.host.root:
                 os.lchown(d, self.host.uid, self.host.gid)
         self.view.forget()
-        os.chmod(self.run / "tmp", 0o1777)
         os.chmod(self.run, 0o711)
 
     async def _launch(self) -> None:
@@ -469,6 +483,7 @@ class SandboxMachine(HostFiles):
             "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
             "--proc", "/proc", "--dev", "/dev",
         ]  # fmt: skip
+        private = self._mount_private() if host.root else None
         if self.layer_on:
             merged = await self._mount_layer()
             args += ["--bind-fd", str(fd_of(merged / "usr")), "/usr"]
@@ -488,12 +503,11 @@ class SandboxMachine(HostFiles):
             "--ro-bind-data", str(data_fd(hosts_file(self.hostname))), "/etc/hosts",
             "--ro-bind-data", str(data_fd(self.hostname + "\n")), "/etc/hostname",
             "--bind-fd", str(fd_of(self.workspace)), "/workspace",
-            "--bind-fd", str(fd_of(self.run / "tmp")), "/tmp",
-            "--bind-fd", str(fd_of(self.run / "home")), SANDBOX_HOME,
+            *self._private_args(private, fd_of),
             "--ro-bind", host.rg, SANDBOX_RG,
             "--chdir", "/workspace",
             "--info-fd", str(info_w),
-            *self._agent_command(), "-I", "-S", "-c", AGENT_SOURCE, str(child.fileno()),
+            *self._agent_command(), "-I", "-S", "-c", AGENT_SOURCE, str(child.fileno()), *PRIVATE_DIRS,
         ]  # fmt: skip
         if host.root:  # drop to the sandbox uid by exec, so Popen can vfork (no preexec_fn)
             args = [
@@ -562,6 +576,43 @@ class SandboxMachine(HostFiles):
         self._log_fds.append(fd)
         return fd
 
+    def _private_args(self, private: dict[str, Path] | None, fd_of: Any) -> list[str]:
+        """bwrap arguments for /tmp and $HOME: bind the host tmpfs (root) or mount one inside."""
+        if private is not None:
+            return [a for inside, point in private.items() for a in ("--bind-fd", str(fd_of(point)), inside)]
+        sizes = {"/tmp": (self.config.tmp_mb, "1777"), SANDBOX_HOME: (self.config.home_mb, "0700")}
+        return [
+            a
+            for inside, (mb, mode) in sizes.items()
+            for a in ("--size", str(mb * 1024 * 1024), "--perms", mode, "--tmpfs", inside)
+        ]
+
+    def _layer_dir(self) -> Path:
+        """This lifetime's directory under the root-only mount root, named with its owner."""
+        assert self.host.merged_root is not None
+        merged = self.host.merged_root / self.sandbox_id
+        merged.mkdir(parents=True, exist_ok=True)
+        (merged / OWNER_FILE).write_text(owner_token())
+        return merged
+
+    def _mount_private(self) -> dict[str, Path]:
+        """Mount the size-limited tmpfs of /tmp and $HOME on the host (root only), nosuid, nodev."""
+        merged, host = self._layer_dir(), self.host
+        points: dict[str, Path] = {}
+        for inside, name, mb, mode in (
+            ("/tmp", "tmp", self.config.tmp_mb, 0o1777),
+            (SANDBOX_HOME, "home", self.config.home_mb, 0o700),
+        ):
+            point = merged / name
+            point.mkdir(exist_ok=True)
+            options = f"size={mb}m,mode={mode:o},uid={host.uid},gid={host.gid}".encode()
+            if host.libc.mount(b"tmpfs", bytes(point), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+                err = ctypes.get_errno()
+                raise MachineUnavailable(f"cannot mount the sandbox's {inside}: {os.strerror(err)}")
+            self._mounts.append(point)
+            points[inside] = point
+        return points
+
     async def _mount_layer(self) -> Path:
         """Mount the discardable system layer: fuse-overlayfs over /usr and over the base.
 
@@ -571,9 +622,7 @@ class SandboxMachine(HostFiles):
         """
         host = self.host
         assert host.merged_root is not None and host.fuse is not None
-        merged = host.merged_root / self.sandbox_id
-        merged.mkdir(parents=True, exist_ok=True)
-        (merged / OWNER_FILE).write_text(owner_token())
+        merged = self._layer_dir()
         for name, lower in (("usr", Path("/usr")), ("sys", host.base.root)):
             upper, work, point = self.run / "upper" / name, self.run / "work" / name, merged / name
             for d in (upper, work, point):
@@ -720,8 +769,9 @@ class SandboxMachine(HostFiles):
 
     def _on_control(self) -> None:
         assert self._ctl is not None
+        fds: list[int] = []
         try:
-            data = self._ctl.recv(1 << 20)
+            data, fds, _flags, _addr = socket.recv_fds(self._ctl, 1 << 20, len(PRIVATE_DIRS))
         except BlockingIOError:
             return
         except OSError:
@@ -736,7 +786,12 @@ class SandboxMachine(HostFiles):
             self.loop.create_task(self._agent_gone())
             return
         op, *rest = data.split(b"\0")
+        if op != b"R":
+            for fd in fds:  # only `R` carries descriptors
+                os.close(fd)
         if op == b"R":
+            for inside, fd in zip(PRIVATE_DIRS, fds, strict=False):
+                self.view.attach(inside, fd)
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
         elif op == b"P":
@@ -918,7 +973,7 @@ def release_orphaned_layers(root: Path, libc: Any) -> None:
             continue
         if owner_alive(owner):
             continue
-        for point in (d / "usr", d / "sys"):
+        for point in (d / "usr", d / "sys", d / "tmp", d / "home"):
             libc.umount2(bytes(point), MNT_DETACH)
             with contextlib.suppress(OSError):
                 point.rmdir()

@@ -125,7 +125,7 @@ def test_a_killed_server_leaves_no_process_or_mount(
     alive = {p: start_time(p) for p in tree}
     groups = set().union(*(cgroups_of(p) for p in tree if comm(p) == "bwrap"))
     assert groups, "sandboxes run in cgroups on this host"
-    assert len(mounts_under(runtime)) == 4  # /usr and the base, for each sandbox
+    assert len(mounts_under(runtime)) == 8  # /usr, the base, /tmp and $HOME, for each sandbox
 
     supervisor_stop(server, term)
 
