@@ -74,7 +74,7 @@ POLL_TIMEOUT = 10
 #: Seconds between two files written for the watch figure (a poll is parked again well before).
 WATCH_SPACING = 0.02
 #: The watched directory, inside the sandbox.
-WATCH_DIR = "/tmp/bench-watch"
+WATCH_DIR = "/workspace/bench-watch"
 #: The grep tree, inside the sandbox, and the needle a few of its files hold.
 GREP_DIR = "/workspace/bench-grep"
 NEEDLE = "agentbox-bench-needle-7f3a"
@@ -344,11 +344,11 @@ def watch_latencies(
 
 
 def watch_host_dir(server: Server) -> Path:
-    """The sandbox's /tmp is this lifetime's run/<machine>/tmp under the session directory."""
-    found = sorted(server.session_dir.glob("run/*/tmp" + WATCH_DIR.removeprefix("/tmp")))
-    if not found:
-        raise ApiError(f"no host directory for the sandbox's {WATCH_DIR} under {server.session_dir}/run")
-    return found[0]
+    """The sandbox's /workspace is the session directory's workspace folder on the host."""
+    found = server.session_dir / "workspace" / WATCH_DIR.removeprefix("/workspace/")
+    if not found.is_dir():
+        raise ApiError(f"no host directory for the sandbox's {WATCH_DIR} under {server.session_dir}")
+    return found
 
 
 def inotify_latencies(directory: Path, count: int) -> list[float]:
