@@ -8,13 +8,20 @@ v2 sends failures with the HTTP status of their `error_type`; v1 sends them with
 (upstream AIO), except downloads and unknown watchers. A malformed JSON body is 422 with a
 top-level `errors` list (`location`, `message`, `type`) and, for the AIO SDK, `detail` as a
 list (never a string); a malformed query string is 400 plain text.
+
+Bodies are read within bounds, as they arrive: a JSON body must be sent as JSON
+(`application/json` or `application/*+json`; a non-empty body in a CORS "simple request"
+type such as `text/plain`, or with no type, is 415: a web page could send it without a
+preflight), and one past `MAX_JSON_BODY` is 413, refused on its `Content-Length` before a
+byte is read and otherwise as soon as the count passes the limit. Both are failure
+envelopes with that status (v1 too), `error_type` `bad_request` / `too_large`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -43,6 +50,35 @@ M = TypeVar("M", bound=BaseModel)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+class BodyRefused(Exception):
+    """A body refused before it is parsed, answered with its own status (v1 included)."""
+
+    def __init__(self, status: int, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.error_type, self.message = status, error_type, message
+
+    def response(self) -> JSONResponse:
+        return refused(self.status, self.error_type, self.message, "request", type(self).__name__)
+
+
+class UnsupportedBody(BodyRefused):
+    """A JSON route's body not sent as JSON (415)."""
+
+    def __init__(self, content_type: str | None) -> None:
+        shown = repr(content_type) if content_type is not None else "no content type"
+        super().__init__(
+            415, "bad_request", f"send the body as application/json (or application/*+json), not {shown}"
+        )
+
+
+class BodyTooLarge(BodyRefused):
+    """A body past the limit of its route (413), declared or counted while it arrives."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, "too_large", f"request body is larger than the limit of {limit} bytes")
+        self.limit = limit
+
+
 def ok(data: Any = None, message: str = "Operation successful", **extra: Any) -> JSONResponse:
     return JSONResponse({"success": True, "message": message, "data": data, "hint": None, **extra})
 
@@ -51,6 +87,14 @@ def failure(error: WorkspaceError, *, v1: bool = False) -> JSONResponse:
     status = 200 if v1 else STATUS_BY_TYPE.get(error.error_type, 500)
     body = {"success": False, "message": error.message, "data": error.to_dict(), "hint": None}
     return JSONResponse(body, status_code=status)
+
+
+def refused(status: int, error_type: str, message: str, operation: str, exception_type: str) -> JSONResponse:
+    """The failure envelope with an explicit `status`: a refusal of the request itself."""
+    error = WorkspaceError(error_type, message, operation, exception_type=exception_type)
+    response = failure(error)
+    response.status_code = status
+    return response
 
 
 def body_errors(errors: Sequence[Any], location_prefix: str = "body") -> JSONResponse:
@@ -82,11 +126,42 @@ class BodyError(Exception):
         self.errors = errors
 
 
+def is_json_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def refuse_declared(request: Request, limit: int) -> None:
+    """`BodyTooLarge` at once for a `Content-Length` past `limit` (nothing of it is read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+
+
+async def capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncGenerator[bytes, None]:
+    """The body as it arrives; `BodyTooLarge` as soon as it passes `limit` bytes."""
+    seen = 0
+    async for chunk in chunks:
+        seen += len(chunk)
+        if seen > limit:
+            raise BodyTooLarge(limit)
+        yield chunk
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, never holding more than `limit` bytes of it."""
+    refuse_declared(request, limit)
+    return b"".join([chunk async for chunk in capped(request.stream(), limit)])
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     """Parse a JSON body into `model`; an empty body is `{}` (the AIO SDK sends none)."""
-    raw = await request.body()
-    if len(raw) > MAX_JSON_BODY:
-        raise BodyError([{"loc": [], "msg": f"body larger than {MAX_JSON_BODY} bytes", "type": "too_large"}])
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not is_json_type(content_type):
+        raise UnsupportedBody(content_type)
+    raw = await read_body(request, MAX_JSON_BODY)
+    if content_type is None and raw.strip():
+        raise UnsupportedBody(None)
     try:
         payload = json.loads(raw) if raw.strip() else {}
     except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
