@@ -108,7 +108,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(BodyRefused)
     async def refused_body(request: Request, exc: BodyRefused) -> Response:
-        return exc.response()
+        return exc.response(request)
 
     @app.exception_handler(BodyError)
     async def bad_body(request: Request, exc: BodyError) -> Response:

@@ -12,9 +12,9 @@ list (never a string); a malformed query string is 400 plain text.
 Bodies are read within bounds, as they arrive: a JSON body must be sent as JSON
 (`application/json` or `application/*+json`; a non-empty body in a CORS "simple request"
 type such as `text/plain`, or with no type, is 415: a web page could send it without a
-preflight), and one past `MAX_JSON_BODY` is 413, refused on its `Content-Length` before a
-byte is read and otherwise as soon as the count passes the limit. Both are failure
-envelopes with that status (v1 too), `error_type` `bad_request` / `too_large`.
+preflight), and one past `MAX_JSON_BODY` is refused on its `Content-Length` before a byte is
+read and otherwise as soon as the count passes the limit (`BodyTooLarge`: EFBIG, 413, v1
+200, and the connection closed). Multipart uploads are bounded the same way (`read_form`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from agentbox.workspace.errors import WorkspaceError
+from agentbox.workspace.files import limit_exceeded
 
 STATUS_BY_TYPE = {
     "bad_request": 400,
@@ -44,6 +47,8 @@ STATUS_BY_TYPE = {
 }
 #: Bytes of JSON body a route reads before refusing it (uploads and tar bodies stream instead).
 MAX_JSON_BODY = 16 * 1024 * 1024
+#: Most bytes one non-file field of a multipart form may hold (Starlette's default).
+MAX_FORM_FIELD_BYTES = 1024 * 1024
 
 M = TypeVar("M", bound=BaseModel)
 #: A `\\uD800`-`\\uDFFF` escape in raw JSON: the cheap test before looking for lone surrogates.
@@ -51,32 +56,39 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class BodyRefused(Exception):
-    """A body refused before it is parsed, answered with its own status (v1 included)."""
+    """A body refused before it is parsed; `response` gives its envelope."""
 
-    def __init__(self, status: int, error_type: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.error_type, self.message = status, error_type, message
-
-    def response(self) -> JSONResponse:
-        return refused(self.status, self.error_type, self.message, "request", type(self).__name__)
+    def response(self, request: Request) -> JSONResponse:
+        raise NotImplementedError
 
 
 class UnsupportedBody(BodyRefused):
-    """A JSON route's body not sent as JSON (415)."""
+    """A JSON route's body not sent as JSON: 415 (v1 too; a web page's simple request)."""
 
     def __init__(self, content_type: str | None) -> None:
         shown = repr(content_type) if content_type is not None else "no content type"
-        super().__init__(
-            415, "bad_request", f"send the body as application/json (or application/*+json), not {shown}"
-        )
+        super().__init__(f"send the body as application/json (or application/*+json), not {shown}")
+
+    def response(self, request: Request) -> JSONResponse:
+        return refused(415, "bad_request", str(self), "request", "UnsupportedMediaType")
 
 
 class BodyTooLarge(BodyRefused):
-    """A body past the limit of its route (413), declared or counted while it arrives."""
+    """A body past the limit of its route, declared or counted while it arrives.
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, "too_large", f"request body is larger than the limit of {limit} bytes")
-        self.limit = limit
+    The envelope is `limit_exceeded`'s (EFBIG), with 413 (v1: 200, the AIO convention), and
+    the connection is closed after it: the server would otherwise drain the rest of the body.
+    """
+
+    def __init__(self, limit: int, operation: str = "request") -> None:
+        super().__init__(f"the request body is larger than the limit of {limit} bytes")
+        self.limit, self.operation = limit, operation
+
+    def response(self, request: Request) -> JSONResponse:
+        response = failure(limit_exceeded(self.operation, None, str(self)), v1=is_v1(request))
+        response.status_code = 200 if is_v1(request) else 413
+        response.headers["connection"] = "close"
+        return response
 
 
 def ok(data: Any = None, message: str = "Operation successful", **extra: Any) -> JSONResponse:
@@ -131,20 +143,22 @@ def is_json_type(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def refuse_declared(request: Request, limit: int) -> None:
+def refuse_declared(request: Request, limit: int, operation: str = "request") -> None:
     """`BodyTooLarge` at once for a `Content-Length` past `limit` (nothing of it is read)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(limit)
+        raise BodyTooLarge(limit, operation)
 
 
-async def capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncGenerator[bytes, None]:
+async def capped(
+    chunks: AsyncIterator[bytes], limit: int, operation: str = "request"
+) -> AsyncGenerator[bytes, None]:
     """The body as it arrives; `BodyTooLarge` as soon as it passes `limit` bytes."""
     seen = 0
     async for chunk in chunks:
         seen += len(chunk)
         if seen > limit:
-            raise BodyTooLarge(limit)
+            raise BodyTooLarge(limit, operation)
         yield chunk
 
 
@@ -152,6 +166,32 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, never holding more than `limit` bytes of it."""
     refuse_declared(request, limit)
     return b"".join([chunk async for chunk in capped(request.stream(), limit)])
+
+
+async def read_form(
+    request: Request, limit: int, *, max_files: int, max_fields: int, operation: str
+) -> FormData:
+    """A multipart form (file parts spooled by Starlette to temp files), within `limit` bytes.
+
+    `BodyTooLarge` on a `Content-Length` past the limit before anything is read, and as soon
+    as the count passes it otherwise, so a chunked body is never spooled beyond it. A body
+    that is not multipart is an empty form (the route then reports its missing `file`).
+    """
+    refuse_declared(request, limit, operation)
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "multipart/form-data":
+        return FormData()
+    parser = MultiPartParser(
+        request.headers,
+        capped(request.stream(), limit, operation),
+        max_files=max_files,
+        max_fields=max_fields,
+        max_part_size=MAX_FORM_FIELD_BYTES,
+    )
+    try:
+        return await parser.parse()
+    except MultiPartException as exc:
+        raise BodyError([{"loc": [], "msg": exc.message, "type": "multipart"}]) from exc
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
