@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from agentbox.workspace.errors import WorkspaceError
@@ -190,8 +191,8 @@ async def read_form(
     )
     try:
         return await parser.parse()
-    except MultiPartException as exc:
-        raise BodyError([{"loc": [], "msg": exc.message, "type": "multipart"}]) from exc
+    except MultiPartException as exc:  # too many parts, a malformed one: 400, as `Request.form` does
+        raise HTTPException(400, exc.message) from exc
 
 
 async def parse_body(request: Request, model: type[M]) -> M:

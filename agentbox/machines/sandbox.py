@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
 from agentbox.machines.errors import MachineUnavailable
+from agentbox.machines.exec_agent import MAX_MESSAGE
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.pathmap import Alias, Mount, PathMap
 from agentbox.machines.sysroot import Base, ensure_base, hosts_file, resolv_conf
@@ -595,6 +597,10 @@ class SandboxMachine(HostFiles):
         if self._ctl is None:
             raise MachineUnavailable("the sandbox is not running")
         data = b"\0".join(f if isinstance(f, bytes) else str(f).encode() for f in fields)
+        if len(data) > MAX_MESSAGE:  # the agent would read it cut short: refuse it here, as the kernel would
+            raise OSError(
+                errno.E2BIG, f"a command of {len(data)} bytes exceeds the exec agent's {MAX_MESSAGE}"
+            )
         try:
             if fds:
                 socket.send_fds(self._ctl, [data], fds)
@@ -683,16 +689,17 @@ class SandboxMachine(HostFiles):
         self._procs[cid] = proc
         self.running += 1
         try:
-            argv = request.args()
-            env = [f"{k}={v}" for k, v in self.command_env(request).items()]
-            self._send([b"S", cid, cwd, len(argv), *argv, *env], fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        try:
+            try:
+                argv = request.args()
+                env = [f"{k}={v}" for k, v in self.command_env(request).items()]
+                self._send([b"S", cid, cwd, len(argv), *argv, *env], fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
             proc.pid = await fut
-        except BaseException:
+        except BaseException:  # a failed send as much as a failed spawn: nothing stays counted
             self._procs.pop(cid, None)
+            self._pending.pop(cid, None)
             self.running -= 1
             proc._out.close()
             proc._err.close()

@@ -46,6 +46,7 @@ from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import to_stat
 from agentbox.machines.pathmap import open_nofollow
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
+from agentbox.workspace.patterns import check_patterns
 
 #: Largest file `read_text` returns (it decodes the whole file in memory); use download beyond.
 MAX_READ_BYTES = 64 * 1024 * 1024
@@ -655,6 +656,7 @@ def _glob(
         raise bad_request(op, f"max_results must be between 1 and {MAX_SEARCH_RESULTS}", path)
     if not pattern or pattern.startswith("/"):
         raise bad_request(op, "pattern must be a non-empty glob relative to path", path)
+    check_patterns(op, [pattern, *(exclude or [])], path)
     host = machine.host_path(path)
     require_dir(host)
     base = shown_path(machine, path)

@@ -79,6 +79,7 @@ from asyncinotify import Inotify, Mask, Watch
 from agentbox.machines.base import HostMapped
 from agentbox.machines.errors import MachineError
 from agentbox.workspace.errors import WorkspaceError, bad_request, operation
+from agentbox.workspace.patterns import check_patterns
 
 log = logging.getLogger(__name__)
 
@@ -593,6 +594,7 @@ class WatchHub:
             st = host.stat()
         if stat_mod.S_ISDIR(st.st_mode):
             excludes = DEFAULT_EXCLUDES if exclude is None else tuple(exclude)
+            check_patterns("watch", excludes, path)
             scope = Scope(host, recursive, excludes)
         else:
             scope = Scope(host.parent, recursive, (), target=(host.name,))
