@@ -13,8 +13,8 @@ Bodies are read within bounds, as they arrive: a JSON body must be sent as JSON
 (`application/json` or `application/*+json`; a non-empty body in a CORS "simple request"
 type such as `text/plain`, or with no type, is 415: a web page could send it without a
 preflight), and one past `MAX_JSON_BODY` is refused on its `Content-Length` before a byte is
-read and otherwise as soon as the count passes the limit (`BodyTooLarge`: EFBIG, 413, v1
-200, and the connection closed). Multipart uploads are bounded the same way (`read_form`).
+read and otherwise as soon as the count passes the limit (`BodyTooLarge`: EFBIG, 413 on v1
+too, and the connection closed). Multipart uploads are bounded the same way (`read_form`).
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ class UnsupportedBody(BodyRefused):
 class BodyTooLarge(BodyRefused):
     """A body past the limit of its route, declared or counted while it arrives.
 
-    The envelope is `limit_exceeded`'s (EFBIG), with 413 (v1: 200, the AIO convention), and
-    the connection is closed after it: the server would otherwise drain the rest of the body.
+    The envelope is `limit_exceeded`'s (EFBIG) with 413 on every route (v1 too: the request
+    itself is refused), and the connection is closed after it: uvicorn would otherwise read
+    and discard the rest of the body, however long the client keeps sending.
     """
 
     def __init__(self, limit: int, operation: str = "request") -> None:
@@ -86,8 +87,8 @@ class BodyTooLarge(BodyRefused):
         self.limit, self.operation = limit, operation
 
     def response(self, request: Request) -> JSONResponse:
-        response = failure(limit_exceeded(self.operation, None, str(self)), v1=is_v1(request))
-        response.status_code = 200 if is_v1(request) else 413
+        response = failure(limit_exceeded(self.operation, None, str(self)))
+        response.status_code = 413
         response.headers["connection"] = "close"
         return response
 

@@ -40,7 +40,9 @@ class Guard:
     check_hosts: bool
     """Whether `Host` is checked: a loopback bind, or any bind with `allowed_hosts`."""
     hosts: frozenset[str]
+    """`allowed_hosts`, lowercased."""
     origins: frozenset[str]
+    """`allowed_origins`, lowercased, without a trailing `/`."""
 
     @classmethod
     def of(cls, settings: Settings) -> Guard:

@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body
+from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body, refuse_declared
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
 from agentbox.api.v1_file import upload_form
 from agentbox.machines.base import HostMapped
@@ -440,5 +440,6 @@ async def put_tree(
     request: Request, sandbox: CurrentSandbox, path: PathQuery, user: UserQuery = None
 ) -> JSONResponse:
     machine = host_machine(sandbox)
+    refuse_declared(request, tree.MAX_TREE_BYTES, "tree")  # a larger body is refused unread
     result = await tree.untar(machine, path, request.stream(), user=user)
     return ok(data_of(result))

@@ -20,7 +20,9 @@ Lifecycle of a `Command` and how its status reads in the v1 APIs:
 
 v1 bash's `pending` is never reported: the record exists only once the process does. A
 command that could not be spawned (missing cwd, machine down) raises `WorkspaceError` and
-leaves no record. `exit_code` is what the process reported: 128+N when signal N ended it
+leaves no record; neither does one refused before any spawn, `bad_request`, for a command
+line past `MAX_COMMAND_BYTES` (one argv string, as the kernel caps it) or a command with its
+environment past `MAX_EXEC_BYTES`. `exit_code` is what the process reported: 128+N when signal N ended it
 (137 after our SIGKILL), None when it never came back (see `KILL_GRACE_SECONDS`).
 
 When a command's main process ends, what is left of its process group is SIGKILLed (seed

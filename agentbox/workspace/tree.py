@@ -16,7 +16,9 @@ every member is checked before anything is written, and only then extracted:
                                symlinks where the archive needs a directory
     refused as invalid_target  a file member where the disk has a directory, or the reverse
     refused as bad_request     not a tar, more than `MAX_TREE_MEMBERS` members, more than
-                               `MAX_TREE_BYTES` of content (so a gzip bomb stops too)
+                               `MAX_TREE_BYTES` of content (so a gzip bomb stops too), a pax
+                               or GNU long-name record past `MAX_TAR_HEADER_BYTES` (before it
+                               is read), sparse members
 
 Extraction walks directories by file descriptor with `O_NOFOLLOW` at every step, so a
 symlink swapped in during extraction is an error, never a way out. Each file is written to a

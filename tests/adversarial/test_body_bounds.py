@@ -16,6 +16,7 @@ import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -26,7 +27,7 @@ from agentbox.api.envelope import MAX_JSON_BODY
 from agentbox.api.files import MAX_UPLOAD_BODY_BYTES
 from agentbox.api.v1_file import MULTIPART_SLACK_BYTES
 from agentbox.workspace.files import MAX_UPLOAD_BYTES
-from agentbox.workspace.tree import MAX_TAR_HEADER_BYTES
+from agentbox.workspace.tree import MAX_TAR_HEADER_BYTES, MAX_TREE_BYTES
 
 #: Growth of the server's peak RSS a refused body may cause (the bombs below claim GiBs).
 RSS_SLACK_BYTES = 100 * 1024 * 1024
@@ -183,12 +184,14 @@ def test_chunked_json_body_is_refused_while_reading(server: Server, sandbox_url:
     assert grown < RSS_SLACK_BYTES, f"peak RSS grew by {grown >> 20} MiB"
 
 
-def declared(url: str, path: str, length: int, content_type: str) -> tuple[int, dict[str, object]]:
+def declared(
+    url: str, path: str, length: int, content_type: str, method: str = "POST"
+) -> tuple[int, dict[str, Any]]:
     """Send only headers declaring `length` bytes; the answer must come without any body."""
     parts = urlsplit(url)
     conn = http_client.HTTPConnection(parts.hostname or "", parts.port, timeout=20)
     try:
-        conn.putrequest("POST", parts.path + path)
+        conn.putrequest(method, parts.path + path)
         conn.putheader("Content-Type", content_type)
         conn.putheader("Content-Length", str(length))
         conn.endheaders()
@@ -202,6 +205,13 @@ def declared(url: str, path: str, length: int, content_type: str) -> tuple[int, 
 def test_declared_json_length_past_the_limit_is_413_at_once(sandbox_url: str, length: int) -> None:
     status, reply = declared(sandbox_url, "/v2/fs/write", length, "application/json")
     assert status == 413 and reply["success"] is False, reply
+
+
+def test_declared_tar_length_past_the_limit_is_413_at_once(sandbox_url: str) -> None:
+    status, reply = declared(
+        sandbox_url, "/v2/fs/tree?path=/tmp/in/t", MAX_TREE_BYTES + 1, "application/x-tar", "PUT"
+    )
+    assert status == 413 and reply["data"]["errno_name"] == "EFBIG", reply
 
 
 def test_json_body_at_the_limit_is_read(sandbox_url: str) -> None:
@@ -255,6 +265,6 @@ def test_chunked_multipart_upload_is_refused_while_receiving(
         f"the server took {body.sent >> 20} MiB (limit {limit >> 20} MiB)"
     )
     assert reply.json()["success"] is False, reply.text
-    assert reply.status_code in (200, 400, 413), reply.text
+    assert reply.status_code == 413, reply.text
     listing = httpx.get(f"{sandbox_url}/v2/fs/list", params={"path": "/tmp/in"}, timeout=60).json()["data"]
     assert all(".part" not in e["name"] and e["name"] != "up.bin" for e in listing["files"]), listing
