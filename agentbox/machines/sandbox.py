@@ -607,6 +607,10 @@ class SandboxMachine(HostFiles):
             else:
                 self._ctl.send(data)
         except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:  # past the socket's buffer: the agent is still there
+                raise OSError(
+                    errno.E2BIG, f"a message of {len(data)} bytes does not fit the agent's socket"
+                ) from exc
             raise MachineUnavailable(f"the sandbox's exec agent is gone: {exc}") from exc
 
     def _on_control(self) -> None:

@@ -19,8 +19,9 @@ from conftest import SandboxFactory, Server
 
 from agentbox.api.sessions import HEARTBEAT_MIN_S
 from agentbox.machines.base import ExecRequest
+from agentbox.machines.errors import MachineError
 from agentbox.store.sessions import MAX_SEQ
-from agentbox.workspace.commands import MAX_COMMAND_BYTES
+from agentbox.workspace.commands import MAX_COMMAND_BYTES, MAX_ENV_BYTES
 from agentbox.workspace.patterns import MAX_PATTERN_CHARS
 
 BOMB = "{a,b}" * 20
@@ -151,19 +152,41 @@ def test_command_at_the_limit_runs(sb: httpx.Client) -> None:
     assert ran.json()["data"]["exit_code"] == 0
 
 
+def environment(size: int) -> dict[str, str]:
+    """Variables whose `KEY=VALUE` plus NUL come to exactly `size` bytes."""
+    env, left = {}, size
+    for i in range(64):
+        key = f"V{i:02d}"
+        value = "v" * min(left - len(key) - 2, 4000)
+        env[key] = value
+        left -= len(key) + len(value) + 2
+        if left == 0:
+            return env
+    raise AssertionError(size)
+
+
+def test_largest_command_with_the_largest_environment_runs(sb: httpx.Client) -> None:
+    """Together they still fit one exec-agent message; one byte more of env is a 400."""
+    body = {"command": filler(MAX_COMMAND_BYTES), "env": environment(MAX_ENV_BYTES)}
+    ran = sb.post("/v2/commands", json=body)
+    assert ran.status_code == 200 and ran.json()["data"]["exit_code"] == 0, ran.text
+    bad_request(sb.post("/v2/commands", json={**body, "env": environment(MAX_ENV_BYTES + 1)}))
+
+
 def test_multibyte_command_is_measured_in_bytes(sb: httpx.Client) -> None:
     command = ": " + "é" * (MAX_COMMAND_BYTES // 2)  # fewer characters than the limit, more bytes
     assert len(command) <= MAX_COMMAND_BYTES < len(command.encode())
     bad_request(sb.post("/v2/commands", json={"command": command}))
 
 
-@pytest.mark.parametrize("size", [1024 * 1024 + 1, 2 * 1024 * 1024])
+@pytest.mark.parametrize("size", [300 * 1024, 1024 * 1024 + 1, 2 * 1024 * 1024])
 async def test_sandbox_spawn_of_an_oversized_message_leaks_nothing(
     make_sandbox: SandboxFactory, size: int
 ) -> None:
     m = await make_sandbox()
-    with pytest.raises(OSError):
+    with pytest.raises((OSError, MachineError)) as raised:
         await m.spawn(ExecRequest(argv=("/bin/true", "x" * size)))
-    assert m.running == 0 and not m.busy()
+    assert m.running == 0 and not m.busy()  # else the sandbox is never reclaimed
+    assert isinstance(raised.value, OSError), raised.value  # E2BIG: the agent is not gone
     result = await m.exec(ExecRequest(command="echo alive"))
     assert (result.exit_code, result.stdout) == (0, b"alive\n")
