@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Annotated
 import typer
 
 from agentbox import config as config_mod
+from agentbox.config import is_loopback
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="A self-hosted execution environment for AI agents."
@@ -19,15 +19,6 @@ app = typer.Typer(
 
 #: Port of `agentbox serve` by default (the AIO sandbox's internal API port).
 DEFAULT_PORT = 8091
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind_refusal(host: str, api_key: str | None, insecure: bool) -> str | None:
@@ -53,6 +44,7 @@ def serve(
     from agentbox.api.app import create_app
 
     settings = config_mod.load()
+    settings.bind_host = host
     refusal = bind_refusal(host, settings.api_key, insecure)
     if refusal:
         typer.echo(refusal, err=True)

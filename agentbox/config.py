@@ -5,6 +5,8 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
 `$AGENTBOX_HOME/agentbox.toml`. Example:
 
     api_key = "..."                 # or AGENTBOX_API_KEY
+    allowed_hosts = ["agentbox.internal"]      # Host names besides loopback (a reverse proxy)
+    allowed_origins = ["https://ui.example"]   # web origins besides the server's own
     default_machine = "sandbox"
     delegable = ["sandbox"]         # machines a model may choose (seed 004 routing)
 
@@ -39,6 +41,7 @@ when the machine is opened.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -53,6 +56,22 @@ DEFAULT_PURGE_DAYS = 30.0
 DEFAULT_LEVELS = {"local": 2}
 DEFAULT_LEVEL = 4
 SECRET_FIELDS = {"password", "private_key", "token", "api_key", "passphrase"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or Host name stays on this machine (`localhost`, 127/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listed(value: str | list[str] | None) -> list[str]:
+    """A TOML list or a comma-separated env value as a list of non-empty, trimmed names."""
+    items = value.split(",") if isinstance(value, str) else value or []
+    return [item.strip() for item in items if item.strip()]
 
 
 def default_home() -> Path:
@@ -105,6 +124,16 @@ class Settings:
     """Per model (`provider:name`): `context_window`, `max_output_tokens`."""
     agents: list[dict[str, Any]] = field(default_factory=list)
     """Subagents besides the built-in ones (name, description, instructions, tools, permission, model)."""
+    bind_host: str | None = None
+    """The address `agentbox serve` binds (set by the CLI, not configured); on a loopback bind
+    only loopback `Host` names and `allowed_hosts` are answered (DNS rebinding)."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """`Host` names accepted besides loopback ones (AGENTBOX_ALLOWED_HOSTS, comma-separated):
+    `name` (any port) or `name:port`, e.g. a reverse proxy's; `*` accepts any. When set, the
+    rule holds on any bind."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """Web origins (`https://ui.example`) that may call besides the server's own
+    (AGENTBOX_ALLOWED_ORIGINS, comma-separated); they also get CORS headers."""
 
     def machine(self, name: str) -> MachineConfig | None:
         return self.machines.get(name)
@@ -151,6 +180,8 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
         sandbox_uid=int(env.get("AGENTBOX_SANDBOX_UID") or data.get("sandbox_uid", 64999)),
         models={str(k): dict(v) for k, v in (data.get("models") or {}).items()},
         agents=[dict(a) for a in data.get("agents") or []],
+        allowed_hosts=listed(env.get("AGENTBOX_ALLOWED_HOSTS") or data.get("allowed_hosts")),
+        allowed_origins=listed(env.get("AGENTBOX_ALLOWED_ORIGINS") or data.get("allowed_origins")),
     )
     if "AGENTBOX_NETWORK" in env and "sandbox" in machines:
         machines["sandbox"].options["network"] = env["AGENTBOX_NETWORK"]

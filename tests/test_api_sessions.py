@@ -248,7 +248,10 @@ async def test_bad_input_is_400_and_unknown_ids_404(client: httpx.AsyncClient) -
     assert (
         await client.post("/v1/sessions", json={"model": "scripted", "machine": "nowhere"})
     ).status_code == 400
-    assert (await client.post("/v1/sessions", content=b"{not json")).status_code == 400
+    malformed = await client.post(
+        "/v1/sessions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert malformed.status_code == 400
     provider = await client.post("/v1/sessions", json={"model": "anthropic:claude-x"})
     assert provider.status_code == 201
     assert (await client.get("/v1/sessions/sess_missing")).status_code == 404

@@ -57,7 +57,7 @@ def variant(filename: str, n: int) -> str:
 
 
 async def place_inputs(machine: Any, blobs: BlobSource, files: Sequence[dict[str, Any]]) -> list[Placed]:
-    """Copy each `{file_id, filename}` into the inputs folder of `machine` (HostMapped, with a root)."""
+    """Copy each `{file_id, filename}` into the inputs folder of `machine` (one with the HostFiles capability)."""
     folder = posixpath.join(machine.root, INPUTS_DIR)
     try:
         await machine.mkdir(folder, parents=True)

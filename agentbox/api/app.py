@@ -1,6 +1,7 @@
 """The HTTP application: sandbox API v2 and v1, mounted at the root and per session.
 
-Every router is included twice: at `/` (acting on the default session's sandbox) and
+Every request first passes `guard` (the `Host` and `Origin` checks that keep web pages
+out). Every router is included twice: at `/` (acting on the default session's sandbox) and
 under `/sandboxes/{session_id}` (that session's, created lazily), so the AIO SDK's
 `Sandbox(base_url=".../sandboxes/<id>")` works against one session. Auth, error mapping
 and the envelope are here; routes only call layer-2 operations.
@@ -16,13 +17,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.middleware.base import RequestResponseEndpoint
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from agentbox import __version__
 from agentbox.api import files as files_api
 from agentbox.api import sessions as sessions_api
 from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2_fs, v2_sandbox, v2_watch
-from agentbox.api.envelope import BodyError, body_errors, error_response, query_error
+from agentbox.api.envelope import BodyError, BodyRefused, body_errors, error_response, query_error
+from agentbox.api.guard import Guard, GuardMiddleware
 from agentbox.api.sandboxes import Sandboxes
 from agentbox.config import Settings
 from agentbox.home import opened_home
@@ -96,6 +99,16 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(MachineError)
     async def machine_error(request: Request, exc: MachineError) -> Response:
         return error_response(request, translate(exc, "open", exc.path))
+
+    if settings.allowed_origins:  # inside the guard, outside the key check: a preflight has no key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+    app.add_middleware(GuardMiddleware, guard=Guard.of(settings))  # outermost: before anything runs
+
+    @app.exception_handler(BodyRefused)
+    async def refused_body(request: Request, exc: BodyRefused) -> Response:
+        return exc.response(request)
 
     @app.exception_handler(BodyError)
     async def bad_body(request: Request, exc: BodyError) -> Response:

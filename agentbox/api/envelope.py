@@ -8,20 +8,31 @@ v2 sends failures with the HTTP status of their `error_type`; v1 sends them with
 (upstream AIO), except downloads and unknown watchers. A malformed JSON body is 422 with a
 top-level `errors` list (`location`, `message`, `type`) and, for the AIO SDK, `detail` as a
 list (never a string); a malformed query string is 400 plain text.
+
+Bodies are read within bounds, as they arrive: a JSON body must be sent as JSON
+(`application/json` or `application/*+json`; a non-empty body in a CORS "simple request"
+type such as `text/plain`, or with no type, is 415: a web page could send it without a
+preflight), and one past `MAX_JSON_BODY` is refused on its `Content-Length` before a byte is
+read and otherwise as soon as the count passes the limit (`BodyTooLarge`: EFBIG, 413 on v1
+too, and the connection closed). Multipart uploads are bounded the same way (`read_form`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from agentbox.workspace.errors import WorkspaceError
+from agentbox.workspace.files import limit_exceeded
 
 STATUS_BY_TYPE = {
     "bad_request": 400,
@@ -37,10 +48,49 @@ STATUS_BY_TYPE = {
 }
 #: Bytes of JSON body a route reads before refusing it (uploads and tar bodies stream instead).
 MAX_JSON_BODY = 16 * 1024 * 1024
+#: Most bytes one non-file field of a multipart form may hold (Starlette's default).
+MAX_FORM_FIELD_BYTES = 1024 * 1024
 
 M = TypeVar("M", bound=BaseModel)
 #: A `\\uD800`-`\\uDFFF` escape in raw JSON: the cheap test before looking for lone surrogates.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class BodyRefused(Exception):
+    """A body refused before it is parsed; `response` gives its envelope."""
+
+    def response(self, request: Request) -> JSONResponse:
+        raise NotImplementedError
+
+
+class UnsupportedBody(BodyRefused):
+    """A JSON route's body not sent as JSON: 415 (v1 too; a web page's simple request)."""
+
+    def __init__(self, content_type: str | None) -> None:
+        shown = repr(content_type) if content_type is not None else "no content type"
+        super().__init__(f"send the body as application/json (or application/*+json), not {shown}")
+
+    def response(self, request: Request) -> JSONResponse:
+        return refused(415, "bad_request", str(self), "request", "UnsupportedMediaType")
+
+
+class BodyTooLarge(BodyRefused):
+    """A body past the limit of its route, declared or counted while it arrives.
+
+    The envelope is `limit_exceeded`'s (EFBIG) with 413 on every route (v1 too: the request
+    itself is refused), and the connection is closed after it: uvicorn would otherwise read
+    and discard the rest of the body, however long the client keeps sending.
+    """
+
+    def __init__(self, limit: int, operation: str = "request") -> None:
+        super().__init__(f"the request body is larger than the limit of {limit} bytes")
+        self.limit, self.operation = limit, operation
+
+    def response(self, request: Request) -> JSONResponse:
+        response = failure(limit_exceeded(self.operation, None, str(self)))
+        response.status_code = 413
+        response.headers["connection"] = "close"
+        return response
 
 
 def ok(data: Any = None, message: str = "Operation successful", **extra: Any) -> JSONResponse:
@@ -51,6 +101,14 @@ def failure(error: WorkspaceError, *, v1: bool = False) -> JSONResponse:
     status = 200 if v1 else STATUS_BY_TYPE.get(error.error_type, 500)
     body = {"success": False, "message": error.message, "data": error.to_dict(), "hint": None}
     return JSONResponse(body, status_code=status)
+
+
+def refused(status: int, error_type: str, message: str, operation: str, exception_type: str) -> JSONResponse:
+    """The failure envelope with an explicit `status`: a refusal of the request itself."""
+    error = WorkspaceError(error_type, message, operation, exception_type=exception_type)
+    response = failure(error)
+    response.status_code = status
+    return response
 
 
 def body_errors(errors: Sequence[Any], location_prefix: str = "body") -> JSONResponse:
@@ -82,11 +140,70 @@ class BodyError(Exception):
         self.errors = errors
 
 
+def is_json_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def refuse_declared(request: Request, limit: int, operation: str = "request") -> None:
+    """`BodyTooLarge` at once for a `Content-Length` past `limit` (nothing of it is read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit, operation)
+
+
+async def capped(
+    chunks: AsyncIterator[bytes], limit: int, operation: str = "request"
+) -> AsyncGenerator[bytes, None]:
+    """The body as it arrives; `BodyTooLarge` as soon as it passes `limit` bytes."""
+    seen = 0
+    async for chunk in chunks:
+        seen += len(chunk)
+        if seen > limit:
+            raise BodyTooLarge(limit, operation)
+        yield chunk
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, never holding more than `limit` bytes of it."""
+    refuse_declared(request, limit)
+    return b"".join([chunk async for chunk in capped(request.stream(), limit)])
+
+
+async def read_form(
+    request: Request, limit: int, *, max_files: int, max_fields: int, operation: str
+) -> FormData:
+    """A multipart form (file parts spooled by Starlette to temp files), within `limit` bytes.
+
+    `BodyTooLarge` on a `Content-Length` past the limit before anything is read, and as soon
+    as the count passes it otherwise, so a chunked body is never spooled beyond it. A body
+    that is not multipart is an empty form (the route then reports its missing `file`).
+    """
+    refuse_declared(request, limit, operation)
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "multipart/form-data":
+        return FormData()
+    parser = MultiPartParser(
+        request.headers,
+        capped(request.stream(), limit, operation),
+        max_files=max_files,
+        max_fields=max_fields,
+        max_part_size=MAX_FORM_FIELD_BYTES,
+    )
+    try:
+        return await parser.parse()
+    except MultiPartException as exc:  # too many parts, a malformed one: 400, as `Request.form` does
+        raise HTTPException(400, exc.message) from exc
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     """Parse a JSON body into `model`; an empty body is `{}` (the AIO SDK sends none)."""
-    raw = await request.body()
-    if len(raw) > MAX_JSON_BODY:
-        raise BodyError([{"loc": [], "msg": f"body larger than {MAX_JSON_BODY} bytes", "type": "too_large"}])
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not is_json_type(content_type):
+        raise UnsupportedBody(content_type)
+    raw = await read_body(request, MAX_JSON_BODY)
+    if content_type is None and raw.strip():
+        raise UnsupportedBody(None)
     try:
         payload = json.loads(raw) if raw.strip() else {}
     except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes

@@ -31,7 +31,7 @@ from __future__ import annotations
 import mimetypes
 import os
 import posixpath
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -41,7 +41,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from agentbox.api.envelope import body_errors, failure, query_error
+from agentbox.api.envelope import BodyTooLarge, body_errors, capped, failure, query_error
 from agentbox.api.sandboxes import SESSION_ID_PATTERN
 from agentbox.api.v2_fs import attachment
 from agentbox.ids import FILE, is_id
@@ -106,10 +106,6 @@ class FileDeleted(BaseModel):
     deleted: bool = True
 
 
-class UploadTooLarge(Exception):
-    """A request body past MAX_UPLOAD_BODY_BYTES (declared or counted)."""
-
-
 def file_store(request: Request) -> FileStore:
     store: FileStore = request.app.state.files
     return store
@@ -134,7 +130,10 @@ def not_found(operation: str, file_id: str) -> JSONResponse:
 
 
 def too_large() -> JSONResponse:
-    return refusal(413, "too_large", "upload", FileTooLarge(MAX_FILE_BYTES))
+    """413, and the connection closed: the server would otherwise drain the rest of the body."""
+    response = refusal(413, "too_large", "upload", FileTooLarge(MAX_FILE_BYTES))
+    response.headers["connection"] = "close"
+    return response
 
 
 def form_error(message: str, kind: str, *loc: str) -> JSONResponse:
@@ -158,7 +157,7 @@ async def upload(request: Request, store: Store) -> Any:
         return form_error("Field required (send multipart/form-data with a `file` part)", "missing", "file")
     try:
         form = await read_form(request)
-    except UploadTooLarge:
+    except BodyTooLarge:
         return too_large()
     except MultiPartException as exc:
         return form_error(exc.message, "multipart")
@@ -188,16 +187,6 @@ async def read_form(request: Request) -> FormData:
         max_part_size=MULTIPART_SLACK_BYTES,
     )
     return await parser.parse()
-
-
-async def capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncGenerator[bytes, None]:
-    """The body as it arrives; `UploadTooLarge` as soon as it passes `limit` bytes."""
-    seen = 0
-    async for chunk in chunks:
-        seen += len(chunk)
-        if seen > limit:
-            raise UploadTooLarge()
-        yield chunk
 
 
 async def store_upload(store: FileStore, form: FormData) -> Any:

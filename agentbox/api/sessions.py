@@ -66,6 +66,7 @@ from agentbox.store.db import Database
 from agentbox.store.files import FileStore
 from agentbox.store.sessions import (
     MAX_EVENTS_PAGE,
+    MAX_SEQ,
     TERMINAL_EVENTS,
     UPDATABLE,
     Event,
@@ -385,7 +386,7 @@ async def abort_active(request: Request, session_id: str) -> Any:
 async def list_events(
     request: Request,
     session_id: str,
-    after: Annotated[int, Query(ge=0, description="Events with a greater seq.")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_SEQ, description="Events with a greater seq.")] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_EVENTS_PAGE)] = LIST_LIMIT_DEFAULT,
 ) -> Any:
     p = platform(request)
@@ -404,7 +405,7 @@ async def list_events(
 async def stream_events(
     request: Request,
     session_id: str,
-    after: Annotated[int, Query(ge=0, description="Replay events with a greater seq.")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_SEQ, description="Replay events with a greater seq.")] = 0,
     until: Annotated[Literal["turn_end"] | None, Query(description="Close after a turn's end.")] = None,
     heartbeat: Annotated[float, Query(ge=HEARTBEAT_MIN_S, le=HEARTBEAT_MAX_S)] = HEARTBEAT_DEFAULT_S,
     deltas: Annotated[bool, Query(description="Also send unstored `agent.message.delta` frames.")] = False,
@@ -415,9 +416,10 @@ async def stream_events(
     await p.store.get_session(session_id)
     cursor = after
     if last_event_id is not None:
-        if not last_event_id.strip().isdigit():
+        seq = last_event_id.strip()
+        if not (seq.isascii() and seq.isdigit()) or len(seq) > len(str(MAX_SEQ)) or int(seq) > MAX_SEQ:
             return query_error(f"Invalid request parameters: Last-Event-ID: {last_event_id!r} is not a seq")
-        cursor = int(last_event_id)
+        cursor = int(seq)
     target = await turn_to_follow(p.store, session_id, cursor) if until == "turn_end" else None
     frames = sse(p, session_id, cursor, target, heartbeat, deltas)
     return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -23,7 +23,8 @@ Choices where upstream is silent or this server differs:
 - `upload` without `path` lands in `<machine root>/<filename>` (`/workspace/<filename>` in a
   sandbox; the SDK names raw bytes `upload`). A `path` ending in `/` or naming an existing
   directory receives `<filename>` inside it. The form is spooled by Starlette (memory, then
-  a temporary file) before it is staged beside the target.
+  a temporary file) before it is staged beside the target; a body past
+  `MAX_UPLOAD_FORM_BYTES` is refused (EFBIG) on its Content-Length or as soon as it passes.
 - `download?change_policy=abort` pins the file's (inode, size, mtime) when it is opened:
   409 if it changed before the first byte left, a cut connection if it changes later.
 - Watch responses are the wrapper with `data` AND the same keys at the top level
@@ -43,6 +44,7 @@ import errno
 import posixpath
 import stat as stat_mod
 from collections.abc import AsyncIterator, Generator, Iterator
+from contextlib import asynccontextmanager
 from email.utils import formatdate
 from typing import Annotated, Any, Literal, cast
 from urllib.parse import quote
@@ -50,9 +52,9 @@ from urllib.parse import quote
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 
-from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body
+from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body, read_form
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
 from agentbox.api.v2_watch import HEARTBEAT_SECONDS, SSE_HEADERS, resume_position, sse
 from agentbox.machines.errors import MachineError
@@ -72,6 +74,9 @@ DEFAULT_WAIT_SECONDS = 30.0
 #: Room for the multipart framing around a file of `files.MAX_UPLOAD_BYTES`; a request
 #: declaring more than both is refused before any byte is read.
 MULTIPART_SLACK_BYTES = 64 * 1024
+#: Largest upload body (v1 and v2): declared or counted, it is refused past this while it
+#: arrives, so a chunked body is never spooled beyond it.
+MAX_UPLOAD_FORM_BYTES = files.MAX_UPLOAD_BYTES + MULTIPART_SLACK_BYTES
 #: Upload form limits: the one file part and the `path` field, with room for one stray field.
 MAX_FORM_FILES = 1
 MAX_FORM_FIELDS = 2
@@ -464,12 +469,7 @@ async def run_editor(
 async def upload(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Multipart `file` (and optional `path`), staged beside the target and renamed over it."""
     machine = machine_of(sb)
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > files.MAX_UPLOAD_BYTES + MULTIPART_SLACK_BYTES:
-        raise files.limit_exceeded(
-            "upload", None, f"body is larger than the limit of {files.MAX_UPLOAD_BYTES} bytes"
-        )
-    async with request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS) as form:
+    async with upload_form(request) as form:
         part = form.get("file")
         if not isinstance(part, UploadFile):
             missing = {
@@ -483,6 +483,22 @@ async def upload(request: Request, sb: CurrentSandbox) -> JSONResponse:
         await asyncio.to_thread(ensure_parent, machine, target, "upload")
         result = await files.upload(machine, target, spooled(part))
     return ok({"file_path": result.file_path, "file_size": result.file_size, "success": True})
+
+
+@asynccontextmanager
+async def upload_form(request: Request) -> AsyncIterator[FormData]:
+    """The upload's form within `MAX_UPLOAD_FORM_BYTES` (v1 and v2 alike), closed after use."""
+    form = await read_form(
+        request,
+        MAX_UPLOAD_FORM_BYTES,
+        max_files=MAX_FORM_FILES,
+        max_fields=MAX_FORM_FIELDS,
+        operation="upload",
+    )
+    try:
+        yield form
+    finally:
+        await form.close()
 
 
 def upload_target(machine: FileMachine, path: str | None, filename: str | None) -> str:

@@ -31,13 +31,15 @@ from email.utils import formatdate
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import quote
 
-from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
 
-from agentbox.api.envelope import failure, json_body, ok, parse_body
+from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body, refuse_declared
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
+from agentbox.api.v1_file import upload_form
 from agentbox.machines.hostfs import HostFiles
 from agentbox.workspace import files, grep, tree
 from agentbox.workspace.editor import Editor
@@ -361,18 +363,42 @@ def http_date(timestamp: float) -> str:
     return formatdate(timestamp, usegmt=True)
 
 
-@router.post("/v2/fs/upload")
-async def upload(
-    sandbox: CurrentSandbox,
-    file: Annotated[UploadFile, File(description="The file's bytes.")],
-    path: Annotated[
-        str | None, Form(description="Target path; default: the file's name in /workspace.")
-    ] = None,
-    user: UserQuery = None,
-) -> JSONResponse:
+UPLOAD_FORM = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary", "description": "The file's bytes."},
+                        "path": {
+                            "type": "string",
+                            "description": "Target path; default: the file's name in /workspace.",
+                        },
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post("/v2/fs/upload", openapi_extra=UPLOAD_FORM)
+async def upload(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
+    """Read within `v1_file.MAX_UPLOAD_FORM_BYTES` while it arrives (never spooled past it)."""
     machine = host_machine(sandbox)
-    target = path if path is not None else upload_default_path(machine, file.filename)
-    result = await files.upload(machine, target, upload_chunks(file), user=user)
+    async with upload_form(request) as form:
+        file, path = form.get("file"), form.get("path")
+        if not isinstance(file, UploadFile):
+            raise BodyError(
+                [{"loc": ["file"], "msg": "Field required: a multipart file part", "type": "missing"}]
+            )
+        if path is not None and not isinstance(path, str):
+            raise BodyError([{"loc": ["path"], "msg": "`path` must be a text field", "type": "string_type"}])
+        target = path if path is not None else upload_default_path(machine, file.filename)
+        result = await files.upload(machine, target, upload_chunks(file), user=user)
     return ok({"path": result.file_path, **data_of(result)})
 
 
@@ -412,5 +438,6 @@ async def put_tree(
     request: Request, sandbox: CurrentSandbox, path: PathQuery, user: UserQuery = None
 ) -> JSONResponse:
     machine = host_machine(sandbox)
+    refuse_declared(request, tree.MAX_TREE_BYTES, "tree")  # a larger body is refused unread
     result = await tree.untar(machine, path, request.stream(), user=user)
     return ok(data_of(result))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import shutil
@@ -56,6 +57,7 @@ from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
 from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
 from agentbox.machines.errors import MachineUnavailable
+from agentbox.machines.exec_agent import MAX_MESSAGE
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.sysroot import Base, ensure_base, hosts_file, resolv_conf
@@ -759,12 +761,20 @@ class SandboxMachine(HostFiles):
         if self._ctl is None:
             raise MachineUnavailable("the sandbox is not running")
         data = b"\0".join(f if isinstance(f, bytes) else str(f).encode() for f in fields)
+        if len(data) > MAX_MESSAGE:  # the agent would read it cut short: refuse it here, as the kernel would
+            raise OSError(
+                errno.E2BIG, f"a command of {len(data)} bytes exceeds the exec agent's {MAX_MESSAGE}"
+            )
         try:
             if fds:
                 socket.send_fds(self._ctl, [data], fds)
             else:
                 self._ctl.send(data)
         except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:  # past the socket's buffer: the agent is still there
+                raise OSError(
+                    errno.E2BIG, f"a message of {len(data)} bytes does not fit the agent's socket"
+                ) from exc
             raise MachineUnavailable(f"the sandbox's exec agent is gone: {exc}") from exc
 
     def _on_control(self) -> None:
@@ -853,16 +863,17 @@ class SandboxMachine(HostFiles):
         self._procs[cid] = proc
         self.running += 1
         try:
-            argv = request.args()
-            env = [f"{k}={v}" for k, v in self.command_env(request).items()]
-            self._send([b"S", cid, cwd, len(argv), *argv, *env], fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        try:
+            try:
+                argv = request.args()
+                env = [f"{k}={v}" for k, v in self.command_env(request).items()]
+                self._send([b"S", cid, cwd, len(argv), *argv, *env], fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
             proc.pid = await fut
-        except BaseException:
+        except BaseException:  # a failed send as much as a failed spawn: nothing stays counted
             self._procs.pop(cid, None)
+            self._pending.pop(cid, None)
             self.running -= 1
             proc._out.close()
             proc._err.close()

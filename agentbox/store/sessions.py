@@ -49,6 +49,8 @@ OPEN: tuple[str, ...] = ("queued", "running", "awaiting_approval")
 TERMINAL: tuple[str, ...] = ("completed", "failed", "aborted")
 TERMINAL_EVENTS: tuple[str, ...] = tuple(f"turn.{outcome}" for outcome in TERMINAL)
 
+#: Largest event seq (SQLite's INTEGER): a cursor past it names no event and is refused.
+MAX_SEQ = 2**63 - 1
 #: What a session may change after creation; the rest is fixed (seed 000: "not supported").
 UPDATABLE: frozenset[str] = frozenset({"permission_mode", "metadata"})
 FIXED: frozenset[str] = frozenset(

@@ -38,6 +38,7 @@ from agentbox.tools.read import FAILURES, MAX_TEXT_BYTES, Resolved, external_ref
 from agentbox.workspace import files
 from agentbox.workspace import grep as workspace_grep
 from agentbox.workspace.errors import WorkspaceError
+from agentbox.workspace.patterns import check_pattern
 
 #: Entries one `list` shows (seed 001: "list 默认最多 120 项").
 MAX_LIST_ENTRIES = 120
@@ -123,7 +124,9 @@ def glob_matcher(pattern: str) -> Callable[[str], bool]:
 
     Matched here rather than with `rg --glob`, because rg lets an include glob override
     .gitignore (`*.log` would list ignored logs), and the ignore rules must hold.
+    A pattern `check_pattern` refuses (a brace bomb) is a `WorkspaceError` here, not later.
     """
+    check_pattern("glob", pattern)
     if "/" not in pattern:
         return lambda rel: wc_fnmatch.fnmatch(posixpath.basename(rel), pattern, flags=NAME_FLAGS)
     anchored = pattern.removeprefix("./")

@@ -20,7 +20,9 @@ Lifecycle of a `Command` and how its status reads in the v1 APIs:
 
 v1 bash's `pending` is never reported: the record exists only once the process does. A
 command that could not be spawned (missing cwd, machine down) raises `WorkspaceError` and
-leaves no record. `exit_code` is what the process reported: 128+N when signal N ended it
+leaves no record; neither does one refused before any spawn, `bad_request`, for a command
+line past `MAX_COMMAND_BYTES` (one argv string, as the kernel caps it) or an environment
+past `MAX_ENV_BYTES`. `exit_code` is what the process reported: 128+N when signal N ended it
 (137 after our SIGKILL), None when it never came back (see `KILL_GRACE_SECONDS`).
 
 When a command's main process ends, what is left of its process group is SIGKILLed (seed
@@ -60,6 +62,13 @@ SessionStatus = Literal["ready", "closed"]
 #: Bytes kept per stream (stdout and stderr separately) of one command; seed 001's 1 MiB.
 #: The pipe keeps draining past it; the middle of the output is what gets dropped.
 MAX_BUFFERED_OUTPUT = 1024 * 1024
+#: Longest command line, in UTF-8 bytes: it is one argv string (`sh -c <command>`), and the
+#: kernel caps one at MAX_ARG_STRLEN (128 KiB with its NUL; longer is E2BIG at spawn).
+MAX_COMMAND_BYTES = 128 * 1024 - 1
+#: Most bytes of environment a command may add, each variable counted as `KEY=VALUE` plus
+#: its NUL: with a MAX_COMMAND_BYTES command it still fits one control message to a
+#: sandbox's exec agent, which a default socket buffer caps near 208 KiB.
+MAX_ENV_BYTES = 32 * 1024
 #: Bytes kept from the start of a stream once it overflows; the rest of the budget keeps
 #: the latest output. The start shows what ran and its first errors, the end shows how it
 #: finished; the middle (progress bars, long logs) is what an agent needs least.
@@ -714,6 +723,16 @@ def _check_command(command: str, cwd: str | None) -> None:
         raise bad_request("exec", "command is empty")
     if "\0" in command or (cwd is not None and "\0" in cwd):
         raise bad_request("exec", "command and cwd may not contain NUL bytes")
+    if utf8_size(command) > MAX_COMMAND_BYTES:
+        raise bad_request(
+            "exec",
+            f"command is longer than {MAX_COMMAND_BYTES} bytes (the kernel's limit for one argument): "
+            "write it to a script file and run that",
+        )
+
+
+def utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def _check_env(env: Mapping[str, str | None] | None) -> dict[str, str]:
@@ -727,4 +746,6 @@ def _check_env(env: Mapping[str, str | None] | None) -> dict[str, str]:
         if "\0" in value:
             raise bad_request("exec", f"environment variable {key} contains a NUL byte")
         clean[key] = value
+    if sum(utf8_size(k) + utf8_size(v) + 2 for k, v in clean.items()) > MAX_ENV_BYTES:
+        raise bad_request("exec", f"the environment given is larger than {MAX_ENV_BYTES} bytes")
     return clean

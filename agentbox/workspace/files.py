@@ -45,6 +45,7 @@ from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles, to_stat
 from agentbox.machines.hostview import Node
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
+from agentbox.workspace.patterns import check_patterns
 
 #: Largest file `read_text` returns (it decodes the whole file in memory); use download beyond.
 MAX_READ_BYTES = 64 * 1024 * 1024
@@ -625,6 +626,7 @@ def _glob(
         raise bad_request(op, f"max_results must be between 1 and {MAX_SEARCH_RESULTS}", path)
     if not pattern or pattern.startswith("/"):
         raise bad_request(op, "pattern must be a non-empty glob relative to path", path)
+    check_patterns(op, [pattern, *(exclude or [])], path)
     require_dir(machine, path)
     base = shown_path(machine, path)
     excludes = exclude or []

@@ -41,6 +41,7 @@ from agentbox.machines.base import ExecRequest
 from agentbox.machines.hostfs import HostFiles
 from agentbox.workspace.editor import MAX_EDIT_BYTES
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
+from agentbox.workspace.patterns import check_patterns
 
 #: Matches returned by default.
 MAX_GREP_RESULTS = 500
@@ -120,6 +121,7 @@ class GrepOptions:
             refuse(f"max_file_size must be a byte count, optionally with K, M or G: {self.max_file_size!r}")
         if any(not g for g in self.include + self.exclude):
             refuse("include and exclude globs must not be empty")
+        check_patterns(op, self.include + self.exclude, path)
         if self.file_type is not None and not self.file_type:
             refuse("type must not be empty")
 

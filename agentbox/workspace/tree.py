@@ -18,7 +18,9 @@ every member is checked before anything is written, and only then extracted:
                                symlinks where the archive needs a directory
     refused as invalid_target  a file member where the disk has a directory, or the reverse
     refused as bad_request     not a tar, more than `MAX_TREE_MEMBERS` members, more than
-                               `MAX_TREE_BYTES` of content (so a gzip bomb stops too)
+                               `MAX_TREE_BYTES` of content (so a gzip bomb stops too), a pax
+                               or GNU long-name record past `MAX_TAR_HEADER_BYTES` (before it
+                               is read), sparse members
 
 Extraction walks directories by file descriptor with `O_NOFOLLOW` at every step, so a
 symlink swapped in during extraction is an error, never a way out. Each file is written to a
@@ -65,6 +67,9 @@ from agentbox.workspace.files import (
 MAX_TREE_BYTES = 1024 * 1024 * 1024
 #: Most members one tree may have, in either direction.
 MAX_TREE_MEMBERS = 100_000
+#: Largest pax extended header or GNU long name / long link record `untar` reads (tarfile
+#: reads such a record whole into memory, so its size is checked before it is read).
+MAX_TAR_HEADER_BYTES = 1024 * 1024
 #: Tuning, not a limit: the size of the chunks `tar_stream` yields and copies with.
 TAR_CHUNK_BYTES = 64 * 1024
 
@@ -72,6 +77,43 @@ _CARRIED = {stat_mod.S_IFREG, stat_mod.S_IFDIR, stat_mod.S_IFLNK}
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
+
+
+#: Header members whose data tarfile reads whole into memory before the member they describe.
+_RECORD_TYPES = (
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+)
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A `TarInfo` that refuses, before tarfile reads it, a pax or GNU long-name record past
+    `MAX_TAR_HEADER_BYTES` (tarfile would hold a record of any claimed size in memory, and a
+    gzip of zeros makes a 768 MiB record out of a 1 MiB body), and sparse members, whose maps
+    tarfile also collects unbounded. Trees never carry sparse files."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
+        if self.type in _RECORD_TYPES and self.size > MAX_TAR_HEADER_BYTES:
+            detail = (
+                f"a tar header record of {self.size} bytes is larger than the limit of {MAX_TAR_HEADER_BYTES}"
+            )
+            raise limit_exceeded("tree", None, detail)
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise bad_request("tree", "the archive has a sparse member, which trees never carry")
+        return super()._proc_member(tarfile_)  # type: ignore[misc, no-any-return]
+
+    def _proc_gnusparse_10(
+        self, next: tarfile.TarInfo, pax_headers: dict[str, str], tarfile_: tarfile.TarFile
+    ) -> None:
+        raise bad_request("tree", "the archive has a sparse member, which trees never carry")
+
+
+def _open_tar(source: IO[bytes]) -> tarfile.TarFile:
+    """A streaming reader of an archive from outside, with its header records bounded."""
+    return tarfile.open(fileobj=source, mode="r|*", tarinfo=_BoundedTarInfo)
 
 
 @dataclass
@@ -311,7 +353,7 @@ def _check_archive(source: IO[bytes], path: str) -> dict[tuple[str, ...], str]:
     kinds: dict[tuple[str, ...], str] = {}
     names: dict[tuple[str, ...], str] = {}
     count = content = 0
-    with tarfile.open(fileobj=source, mode="r|*") as tar:
+    with _open_tar(source) as tar:
         for member in tar:
             count += 1
             if count > MAX_TREE_MEMBERS:
@@ -371,7 +413,7 @@ def _probe(root_fd: int, key: tuple[str, ...]) -> os.stat_result | None:
 
 def _extract(source: IO[bytes], root_fd: int, owner: Owner | None, result: TreeResult, path: str) -> None:
     dir_modes: list[tuple[list[str], int]] = []
-    with tarfile.open(fileobj=source, mode="r|*") as tar:
+    with _open_tar(source) as tar:
         for member in tar:
             parts = member_parts(member, path)
             if not parts:

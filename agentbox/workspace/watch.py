@@ -82,6 +82,7 @@ from asyncinotify import Inotify, Mask, Watch
 from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles
 from agentbox.workspace.errors import WorkspaceError, bad_request, operation
+from agentbox.workspace.patterns import check_patterns
 
 #: What a hub watches: a machine with the `HostFiles` capability.
 HostMachine = HostFiles
@@ -595,6 +596,7 @@ class WatchHub:
             st = self.machine.view.stat(str(host))
         if stat_mod.S_ISDIR(st.st_mode):
             excludes = DEFAULT_EXCLUDES if exclude is None else tuple(exclude)
+            check_patterns("watch", excludes, path)
             scope = Scope(host, recursive, excludes)
         else:
             scope = Scope(host.parent, recursive, (), target=(host.name,))
