@@ -50,14 +50,17 @@ from agentbox.agent.events import EventBus
 from agentbox.agent.inputs import PlacementError, place_inputs
 from agentbox.agent.limits import check_limit_options, model_limits
 from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop, model_error_event
-from agentbox.agent.mcp_tools import McpTools
+from agentbox.agent.mcp_tools import McpTools, check_servers
 from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, check_script
 from agentbox.agent.prompt import facts
 from agentbox.agent.providers import provider_model
+from agentbox.agent.providers.endpoint import BASE_URL_OPTION
 from agentbox.agent.providers.retry import RetryingModel
+from agentbox.agent.reach import Reach, Unreachable
 from agentbox.agent.recovery import RECOVERY, Act, classify
 from agentbox.agent.subagents import Subagents, running_call
 from agentbox.agent.tool_host import SessionToolHost
+from agentbox.config import MachineConfig
 from agentbox.machines.errors import MachineError
 from agentbox.machines.registry import Entry, Registry
 from agentbox.store.approvals import Approval
@@ -82,7 +85,7 @@ from agentbox.tools.base import Action, Tool, ToolResult
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools, denied
 from agentbox.tools.skills import catalog
-from agentbox.tools.tiers import Tier
+from agentbox.tools.tiers import Tier, session_tier
 from agentbox.tools.toolsets import TOOLSETS, toolset
 
 log = logging.getLogger(__name__)
@@ -102,15 +105,25 @@ class UnknownModel(ValueError):
     pass
 
 
-def scripted_or_refuse(session: Session) -> Model:
+def scripted_or_refuse(session: Session, reach: Reach | None = None) -> Model:
     """The default model factory: the scripted model, or a provider (`openai:<m>`, `anthropic:<m>`)
-    configured by the session's `model_options`."""
+    configured by the session's `model_options`, its own `base_url` held to `reach`."""
     if session.model == SCRIPTED:
         return ScriptedModel(session.script or [])
-    provider = provider_model(session.model, session.model_options)
+    provider = provider_model(session.model, session.model_options, reach)
     if provider is not None:
         return provider
     raise UnknownModel(f"model {session.model!r} is not available in this build (only {SCRIPTED!r})")
+
+
+def permission_mode_on(machine: MachineConfig | None, mode: str | None) -> str:
+    """The mode a session on `machine` (None: no machine) gets: plan, or `session_tier`'s tier
+    (the machine's default when `mode` is None; `FullAutoRefused` for full-auto on the host)."""
+    if mode is not None and mode not in PERMISSION_MODES:
+        raise ValueError(f"permission_mode must be one of {PERMISSION_MODES}, not {mode!r}")
+    if mode == PLAN:
+        return PLAN
+    return session_tier(machine, Tier(mode) if mode is not None else None).value
 
 
 def tier_of(permission_mode: str) -> tuple[Tier, bool]:
@@ -134,12 +147,12 @@ class Worker:
         changes: ChangeSets,
         todos: TodoRepo,
         *,
-        models: ModelFactory = scripted_or_refuse,
+        models: ModelFactory | None = None,
         config: LoopConfig | None = None,
     ) -> None:
         self.store, self.bus, self.registry, self.files = store, bus, registry, files
         self.approvals, self.changes, self.todos = approvals, changes, todos
-        self.models = models
+        self.models = models or self._model
         self.config = config or LoopConfig()
         self.baselines = BaselineStore(store.db)
         self._drains: dict[str, asyncio.Task[None]] = {}
@@ -187,7 +200,7 @@ class Worker:
         self,
         model: str,
         *,
-        permission_mode: str = Tier.FULL_AUTO.value,
+        permission_mode: str | None = None,
         instructions: str = "",
         mcp_servers: Sequence[Any] = (),
         toolset: str = "default",
@@ -200,24 +213,26 @@ class Worker:
         """Validate and create a session (`ValueError` subclasses name what is wrong).
 
         `machine`: a configured machine, None for the server's default, or `NO_MACHINE`.
+        `permission_mode`: None for the machine's default (`permission_mode_on`).
         """
-        if permission_mode not in PERMISSION_MODES:
-            raise ValueError(f"permission_mode must be one of {PERMISSION_MODES}, not {permission_mode!r}")
+        config = self._machine_config(machine)
+        permission_mode = permission_mode_on(config, permission_mode)
         if toolset not in TOOLSETS:
             raise ValueError(f"toolset must be one of {sorted(TOOLSETS)}, not {toolset!r}")
         if model == SCRIPTED:
             check_script(script if script is not None else [])
         elif script is not None:
             raise ValueError("`script` is only for the scripted model")
-        if machine is not None and machine != NO_MACHINE:
-            self.registry.config(machine)
+        settings, reach = self.registry.settings, self._reach(config)
+        await check_servers(mcp_servers, settings.mcp_servers, config, reach)
         parse_config(compaction)
         check_limit_options(model_options or {})
         if model != SCRIPTED:
             try:  # an option the adapter cannot take (a `timeout` that is not a number) fails here, not in a turn
-                provider_model(model, model_options)
+                provider = provider_model(model, model_options, reach)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"model_options cannot configure {model}: {exc}") from exc
+            await check_endpoint(provider)
         session, events = await self.store.create_session(
             model, permission_mode=permission_mode, instructions=instructions, mcp_servers=mcp_servers,
             toolset=toolset, machine=machine, metadata=metadata,
@@ -230,8 +245,9 @@ class Worker:
     async def update_session(self, session_id: str, changes: Mapping[str, Any]) -> Session:
         """permission_mode and metadata only (`UnsupportedUpdate` for the rest)."""
         mode = changes.get("permission_mode")
-        if mode is not None and mode not in PERMISSION_MODES:
-            raise ValueError(f"permission_mode must be one of {PERMISSION_MODES}, not {mode!r}")
+        if mode is not None:
+            session = await self.store.get_session(session_id)
+            permission_mode_on(self._machine_config(session.machine), mode)
         session, events = await self.store.update_session(session_id, changes)
         self.bus.publish(events)
         return session
@@ -441,13 +457,32 @@ class Worker:
             cursor = page[-1].seq
         return asked
 
+    def _machine_config(self, machine: str | None) -> MachineConfig | None:
+        """The configuration of a session's machine (the default for None); None for `NO_MACHINE`."""
+        return None if machine == NO_MACHINE else self.registry.config(machine)
+
+    def _reach(self, machine: MachineConfig | None) -> Reach:
+        """Where the server may connect for a session on `machine`: its network, the operator's list."""
+        network = machine is None or machine.network_on
+        return Reach(network, tuple(self.registry.settings.model_endpoints))
+
+    def _model(self, session: Session) -> Model:
+        """The default model factory, with the session's reach for its own `base_url`."""
+        return scripted_or_refuse(session, self._reach(self._machine_config(session.machine)))
+
     async def _mcp_tools(self, session: Session, turn: Turn) -> dict[str, Tool]:
-        """The session's MCP servers' tools, connected once per session; failures become `session.error`."""
+        """The session's MCP servers' tools, connected once per session; failures become `session.error`.
+
+        Its own stdio servers run in its machine (opened here if need be), the operator's on the host."""
         if not session.mcp_servers:
             return {}
         mcp = self._mcp.get(session.id)
         if mcp is None:
-            mcp = self._mcp[session.id] = McpTools(list(session.mcp_servers))
+            reach = self._reach(self._machine_config(session.machine))
+            operator = self.registry.settings.mcp_servers
+            mcp = self._mcp[session.id] = McpTools(
+                list(session.mcp_servers), operator, lambda: self._machine(session), reach
+            )
             await mcp.connect()
             errors = [NewEvent("session.error", {"type": "mcp_unavailable", "server": e.server, "message": e.message})
                       for e in mcp.errors]  # fmt: skip
@@ -568,6 +603,17 @@ class Worker:
             return []
         self.bus.publish(written)
         return written
+
+
+async def check_endpoint(provider: Model | None) -> None:
+    """A provider's own endpoint (a session's `base_url`), refused now if its reach refuses it."""
+    endpoint = getattr(provider, "endpoint", None)
+    if endpoint is None or endpoint.reach is None:
+        return
+    try:
+        await endpoint.reach.pin(endpoint.url, BASE_URL_OPTION)
+    except Unreachable as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def _placed(transcript: Sequence[Message], turn_id: str) -> bool:

@@ -12,20 +12,25 @@ from typing import Any
 from agentbox.agent.models import Model
 from agentbox.agent.providers.anthropic import AnthropicModel
 from agentbox.agent.providers.openai import OpenAIModel
+from agentbox.agent.reach import Reach
 
 __all__ = ["PROVIDERS", "AnthropicModel", "OpenAIModel", "provider_model"]
 
 #: Model name prefixes and the adapters they select.
-PROVIDERS: dict[str, Callable[[str, Mapping[str, Any] | None], Model]] = {
+PROVIDERS: dict[str, Callable[[str, Mapping[str, Any] | None, Reach | None], Model]] = {
     "openai": OpenAIModel,
     "anthropic": AnthropicModel,
 }
 
 
-def provider_model(name: str, options: Mapping[str, Any] | None = None) -> Model | None:
-    """The adapter for `<provider>:<model>`; None if the name names no provider here."""
+def provider_model(
+    name: str, options: Mapping[str, Any] | None = None, reach: Reach | None = None
+) -> Model | None:
+    """The adapter for `<provider>:<model>`; None if the name names no provider here.
+
+    `reach`: the session's policy for its own `base_url` (None: the options are trusted)."""
     provider, sep, model = name.partition(":")
     adapter = PROVIDERS.get(provider)
     if not sep or not model or adapter is None:
         return None
-    return adapter(model, options)
+    return adapter(model, options, reach)
