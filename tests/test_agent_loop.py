@@ -366,10 +366,11 @@ async def test_mcp_servers_tools_join_the_toolset_and_failures_are_session_error
 
     server = tmp_path / "server.py"
     server.write_text(SERVER_SCRIPT)
-    servers = [
-        {"name": "srv", "command": [sys.executable, str(server)]},
-        {"name": "gone", "command": [sys.executable, "-c", "raise SystemExit(3)"]},
-    ]
+    kit.registry.settings.mcp_servers.update(  # the operator's servers (they run on the host)
+        srv={"command": [sys.executable, str(server)]},
+        gone={"command": [sys.executable, "-c", "raise SystemExit(3)"]},
+    )
+    servers = [{"server": "srv"}, {"server": "gone"}]
     call = {"tool_calls": [{"name": "mcp__srv__echo_v1", "input": {"text": "hi"}}]}
     script = [call, {"expect": {"tool_result_contains": "echo: hi"}, "text": "done"}]
     session = await kit.worker.create_session("scripted", script=script, mcp_servers=servers)

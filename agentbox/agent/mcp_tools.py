@@ -400,10 +400,13 @@ class Connection:
 
 
 @asynccontextmanager
-async def process_streams(process: Process, stderr: bytearray) -> AsyncIterator[tuple[Any, Any]]:
+async def process_streams(
+    process: Process, stderr: bytearray, max_line: int = MAX_MESSAGE_BYTES
+) -> AsyncIterator[tuple[Any, Any]]:
     """The `ClientSession` streams over a machine process: newline-delimited JSON-RPC on its
-    stdout (each line at most `MAX_MESSAGE_BYTES`) and stdin; the tail of its stderr is kept
-    in `stderr`. On exit the process's group is killed."""
+    stdout (each line at most `max_line` bytes; a longer one ends the connection, so memory
+    stays bounded) and stdin; the tail of its stderr is kept in `stderr`. On exit the
+    process's group is killed."""
     read_writer, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write_stream, write_reader = anyio.create_memory_object_stream[SessionMessage](0)
 
@@ -415,10 +418,12 @@ async def process_streams(process: Process, stderr: bytearray) -> AsyncIterator[
                 while (end := buffer.find(b"\n")) >= 0:
                     line = bytes(buffer[:end])
                     del buffer[: end + 1]
+                    if len(line) > max_line:
+                        return  # past the limit: the connection ends, the session sees it close
                     if line.strip():
                         await read_writer.send(parse_line(line))
-                if len(buffer) > MAX_MESSAGE_BYTES:
-                    return  # a line past the limit: the connection ends, the session sees it close
+                if len(buffer) > max_line:
+                    return
 
     async def pump_in() -> None:
         try:
@@ -477,7 +482,7 @@ class McpTools:
             try:
                 specs.append(ServerSpec.parse(entry, self.operator))
             except McpConfigError as exc:
-                name = entry.get("name") if isinstance(entry, dict) else None
+                name = (entry.get("name") or entry.get("server")) if isinstance(entry, dict) else None
                 self.errors.append(ServerError(str(name or "?"), str(exc)))
         self.connections = [Connection(spec, self.machine, self.reach) for spec in specs]
         failures = await asyncio.gather(*(c.connect() for c in self.connections))
