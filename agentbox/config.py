@@ -48,6 +48,10 @@ through a machine with a network, unless the operator lists the endpoint here
 provider keys (`OPENAI_API_KEY`, `ANTHROPIC_API_KEY`) go only to the provider's own endpoint
 (its `*_BASE_URL`, else the public default), never to a session's `base_url`.
 
+The host is a machine only where an entry says `kind = "local"`; a session there runs
+`full-ask` unless it asks otherwise, and `full-auto` needs that entry's `allow_full_auto = true`
+(`agentbox.tools.tiers.session_tier` decides for every entry point).
+
 Secret fields (`password`, `private_key`, `token`, `api_key`, `passphrase`) in a machine
 entry may be stored encrypted (`enc:...`, see `agentbox.secrets`) and are decrypted only
 when the machine is opened.

@@ -347,8 +347,11 @@ class Connection:
         else:  # a session's URL: checked, and pinned to the address that passed
             pin = await self.reach.pin(url, f"MCP server {self.spec.name!r} url")
             transport = pin.transport(httpx2.AsyncHTTPTransport())
-            client = httpx2.AsyncClient(
-                headers=self.spec.headers, timeout=timeout, transport=transport, trust_env=False
+            client = httpx2.AsyncClient(  # the pinned transport has httpx2's transport interface
+                headers=self.spec.headers,
+                timeout=timeout,
+                transport=transport,  # type: ignore[arg-type]
+                trust_env=False,
             )
         async with client as http, streamable_http_client(url, http_client=http) as (read, write):
             await self._serve(read, write)
@@ -466,12 +469,15 @@ class McpTools:
     """A session's MCP servers: `await connect()`, then `tools`, `errors`; `await close()` at the end.
 
     `operator`: the operator's servers by name (the config's `mcp_servers`); `machine` opens
-    the session's machine, where its own stdio servers run; `reach`: its network policy."""
+    the session's machine, where its own stdio servers run, and `where` is that machine's
+    configuration (checked again here by `runs_here`: the config may have changed since the
+    session was created); `reach`: its network policy."""
 
     entries: list[Any]
     operator: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     machine: MachineOpener | None = None
     reach: Reach = field(default_factory=Reach)
+    where: MachineConfig | None = None
     tools: dict[str, Tool] = field(default_factory=dict)
     errors: list[ServerError] = field(default_factory=list)
     connections: list[Connection] = field(default_factory=list)
@@ -480,7 +486,10 @@ class McpTools:
         specs: list[ServerSpec] = []
         for entry in self.entries:
             try:
-                specs.append(ServerSpec.parse(entry, self.operator))
+                spec = ServerSpec.parse(entry, self.operator)
+                if spec.command and not spec.host:
+                    runs_here(spec, self.where)
+                specs.append(spec)
             except McpConfigError as exc:
                 name = (entry.get("name") or entry.get("server")) if isinstance(entry, dict) else None
                 self.errors.append(ServerError(str(name or "?"), str(exc)))

@@ -61,7 +61,7 @@ from agentbox.agent.recovery import RECOVERY, Act, classify
 from agentbox.agent.subagents import Subagents, running_call
 from agentbox.agent.tool_host import SessionToolHost
 from agentbox.config import MachineConfig
-from agentbox.machines.errors import MachineError
+from agentbox.machines.errors import MachineError, MachineNotFound
 from agentbox.machines.registry import Entry, Registry
 from agentbox.store.approvals import Approval
 from agentbox.store.baselines import BaselineStore
@@ -85,7 +85,7 @@ from agentbox.tools.base import Action, Tool, ToolResult
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools, denied
 from agentbox.tools.skills import catalog
-from agentbox.tools.tiers import Tier, session_tier
+from agentbox.tools.tiers import FullAutoRefused, Tier, session_tier
 from agentbox.tools.toolsets import TOOLSETS, toolset
 
 log = logging.getLogger(__name__)
@@ -466,9 +466,26 @@ class Worker:
         network = machine is None or machine.network_on
         return Reach(network, tuple(self.registry.settings.model_endpoints))
 
+    def _still_allowed(self, session: Session, tier: Tier) -> Tier:
+        """The stored tier, unless the operator has since withdrawn full-auto on the session's
+        machine: then full-ask (the calls ask; nothing runs unasked)."""
+        try:
+            return session_tier(self._machine_config(session.machine), tier)
+        except FullAutoRefused:
+            return Tier.FULL_ASK
+        except MachineNotFound:
+            return tier  # nothing can open the machine: its tools fail on their own
+
+    def _session_reach(self, session: Session) -> Reach:
+        """A stored session's reach; no network if its machine is no longer configured."""
+        try:
+            return self._reach(self._machine_config(session.machine))
+        except MachineNotFound:
+            return Reach(network=False, allowed=tuple(self.registry.settings.model_endpoints))
+
     def _model(self, session: Session) -> Model:
         """The default model factory, with the session's reach for its own `base_url`."""
-        return scripted_or_refuse(session, self._reach(self._machine_config(session.machine)))
+        return scripted_or_refuse(session, self._session_reach(session))
 
     async def _mcp_tools(self, session: Session, turn: Turn) -> dict[str, Tool]:
         """The session's MCP servers' tools, connected once per session; failures become `session.error`.
@@ -478,10 +495,17 @@ class Worker:
             return {}
         mcp = self._mcp.get(session.id)
         if mcp is None:
-            reach = self._reach(self._machine_config(session.machine))
+            try:
+                where = self._machine_config(session.machine)
+            except MachineNotFound:
+                where = None  # no longer configured: its own stdio servers have nowhere to run
             operator = self.registry.settings.mcp_servers
             mcp = self._mcp[session.id] = McpTools(
-                list(session.mcp_servers), operator, lambda: self._machine(session), reach
+                list(session.mcp_servers),
+                operator,
+                lambda: self._machine(session),
+                self._session_reach(session),
+                where,
             )
             await mcp.connect()
             errors = [NewEvent("session.error", {"type": "mcp_unavailable", "server": e.server, "message": e.message})
@@ -494,6 +518,7 @@ class Worker:
         self, session: Session, turn: Turn, extra: Mapping[str, Tool] | None = None
     ) -> SessionToolHost:
         tier, plan = tier_of(session.permission_mode)
+        tier = self._still_allowed(session, tier)
         tools = {**toolset(session.toolset), **(extra or {})}
         if session.machine == NO_MACHINE:
             tools = {name: tool for name, tool in tools.items() if not tool.machine}
