@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from agentbox.config import MachineConfig
 from agentbox.tools.web import ALLOWED_SCHEMES, FetchRefused, resolve
 
 
@@ -42,6 +44,11 @@ class Reach:
     """The session's machine has a network."""
     allowed: tuple[str, ...] = ()
     """The operator's `model_endpoints`: URL prefixes reachable although not public."""
+
+    @classmethod
+    def on(cls, machine: MachineConfig | None, endpoints: Sequence[str]) -> Reach:
+        """The reach of a session on `machine` (None: no machine, which counts as networked)."""
+        return cls(machine is None or machine.network_on, tuple(endpoints))
 
     def check(self, raw: str, what: str) -> httpx.URL:
         """The URL if its form and the network policy allow it (no DNS yet); else `Unreachable`."""

@@ -53,10 +53,9 @@ from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLo
 from agentbox.agent.mcp_tools import McpTools, check_servers
 from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, check_script
 from agentbox.agent.prompt import facts
-from agentbox.agent.providers import provider_model
-from agentbox.agent.providers.endpoint import BASE_URL_OPTION
+from agentbox.agent.providers import check_endpoint, provider_model
 from agentbox.agent.providers.retry import RetryingModel
-from agentbox.agent.reach import Reach, Unreachable
+from agentbox.agent.reach import Reach
 from agentbox.agent.recovery import RECOVERY, Act, classify
 from agentbox.agent.subagents import Subagents, running_call
 from agentbox.agent.tool_host import SessionToolHost
@@ -232,7 +231,8 @@ class Worker:
                 provider = provider_model(model, model_options, reach)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"model_options cannot configure {model}: {exc}") from exc
-            await check_endpoint(provider)
+            if provider is not None:
+                await check_endpoint(provider)
         session, events = await self.store.create_session(
             model, permission_mode=permission_mode, instructions=instructions, mcp_servers=mcp_servers,
             toolset=toolset, machine=machine, metadata=metadata,
@@ -462,9 +462,7 @@ class Worker:
         return None if machine == NO_MACHINE else self.registry.config(machine)
 
     def _reach(self, machine: MachineConfig | None) -> Reach:
-        """Where the server may connect for a session on `machine`: its network, the operator's list."""
-        network = machine is None or machine.network_on
-        return Reach(network, tuple(self.registry.settings.model_endpoints))
+        return Reach.on(machine, self.registry.settings.model_endpoints)
 
     def _still_allowed(self, session: Session, tier: Tier) -> Tier:
         """The stored tier, unless the operator has since withdrawn full-auto on the session's
@@ -628,17 +626,6 @@ class Worker:
             return []
         self.bus.publish(written)
         return written
-
-
-async def check_endpoint(provider: Model | None) -> None:
-    """A provider's own endpoint (a session's `base_url`), refused now if its reach refuses it."""
-    endpoint = getattr(provider, "endpoint", None)
-    if endpoint is None or endpoint.reach is None:
-        return
-    try:
-        await endpoint.reach.pin(endpoint.url, BASE_URL_OPTION)
-    except Unreachable as exc:
-        raise ValueError(str(exc)) from exc
 
 
 def _placed(transcript: Sequence[Message], turn_id: str) -> bool:

@@ -11,10 +11,11 @@ from typing import Any
 
 from agentbox.agent.models import Model
 from agentbox.agent.providers.anthropic import AnthropicModel
+from agentbox.agent.providers.endpoint import BASE_URL_OPTION
 from agentbox.agent.providers.openai import OpenAIModel
 from agentbox.agent.reach import Reach
 
-__all__ = ["PROVIDERS", "AnthropicModel", "OpenAIModel", "provider_model"]
+__all__ = ["PROVIDERS", "AnthropicModel", "OpenAIModel", "check_endpoint", "provider_model"]
 
 #: Model name prefixes and the adapters they select.
 PROVIDERS: dict[str, Callable[[str, Mapping[str, Any] | None, Reach | None], Model]] = {
@@ -34,3 +35,11 @@ def provider_model(
     if not sep or not model or adapter is None:
         return None
     return adapter(model, options, reach)
+
+
+async def check_endpoint(provider: Model) -> None:
+    """A provider's own endpoint (a session's `base_url`), refused now (`Unreachable`, a
+    ValueError) if its reach refuses it; every request checks again."""
+    endpoint = getattr(provider, "endpoint", None)
+    if endpoint is not None and endpoint.reach is not None:
+        await endpoint.reach.pin(endpoint.url, BASE_URL_OPTION)
