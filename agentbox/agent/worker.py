@@ -262,9 +262,7 @@ class Worker:
         if drain is not None:
             drain.cancel()
             await asyncio.gather(drain, return_exceptions=True)
-        mcp = self._mcp.pop(session_id, None)
-        if mcp is not None:
-            await mcp.close()
+        await self._release_mcp(session_id)
         await self.registry.close_session(session_id, purge=True)
         await self.store.delete_session(session_id)
 
@@ -316,6 +314,7 @@ class Worker:
         while True:
             turn = await self.store.active_turn(session_id)
             if turn is None or RECOVERY[classify(turn, [])] == Act.WAIT:
+                await self._release_mcp(session_id)
                 return  # nothing left, or a turn waiting for an approval asked before a restart
             task = asyncio.get_running_loop().create_task(self._run_turn(turn), name=f"turn-{turn.id}")
             self._turns[turn.id] = task
@@ -485,8 +484,16 @@ class Worker:
         """The default model factory, with the session's reach for its own `base_url`."""
         return scripted_or_refuse(session, self._session_reach(session))
 
+    async def _release_mcp(self, session_id: str) -> None:
+        """Stop the session's MCP servers when it has nothing left to run: a server running in
+        its sandbox keeps the sandbox busy, which would never be reclaimed when idle."""
+        mcp = self._mcp.pop(session_id, None)
+        if mcp is not None:
+            await mcp.close()
+
     async def _mcp_tools(self, session: Session, turn: Turn) -> dict[str, Tool]:
-        """The session's MCP servers' tools, connected once per session; failures become `session.error`.
+        """The session's MCP servers' tools, connected at the first turn after the session wakes
+        and kept until it has nothing left to run (`_release_mcp`); failures become `session.error`.
 
         Its own stdio servers run in its machine (opened here if need be), the operator's on the host."""
         if not session.mcp_servers:
