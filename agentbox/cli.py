@@ -94,8 +94,9 @@ def mcp_command(
     client_approves: Annotated[
         bool,
         typer.Option(
-            help="The MCP client confirms every call with its user: serve full-auto even on a machine "
-            "that is not isolated (otherwise calls that need approval there are refused)."
+            help="The MCP client confirms every call with its user: serve full-auto, also on a machine "
+            "that is not isolated where its config entry has allow_full_auto = true (otherwise calls that "
+            "need approval there are refused)."
         ),
     ] = False,
 ) -> None:
@@ -151,7 +152,12 @@ def run(
     model: Annotated[
         str, typer.Option(help='"scripted" (needs --script) or "<provider>:<name>".')
     ] = "scripted",
-    mode: Annotated[str | None, typer.Option(help="Permission tier (default: full-auto).")] = None,
+    mode: Annotated[
+        str | None,
+        typer.Option(
+            help="Permission tier (default: the machine's; full-auto in a sandbox, full-ask on the host)."
+        ),
+    ] = None,
     session: Annotated[str | None, typer.Option(help="Run in this existing session.")] = None,
     script: Annotated[Path | None, typer.Option(help="JSON list of steps for the scripted model.")] = None,
     instructions: Annotated[str | None, typer.Option(help="The new session's instructions.")] = None,

@@ -9,6 +9,7 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     allowed_origins = ["https://ui.example"]   # web origins besides the server's own
     default_machine = "sandbox"
     delegable = ["sandbox"]         # machines a model may choose (seed 004 routing)
+    model_endpoints = ["http://127.0.0.1:11434/v1"]  # a session's base_url may point here
 
     [machines.sandbox]
     kind = "sandbox"
@@ -19,9 +20,16 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     idle_minutes = 20               # reclaim after this long idle (seed 000)
     env = { TZ = "UTC" }            # env providers: injected into every command
 
-    [machines.host]
+    [machines.host]                 # the host itself: only when configured (no built-in one)
     kind = "local"
     root = "/srv/projects"
+    allow_full_auto = false         # true: a session may run full-auto here (the default is full-ask)
+
+    [mcp_servers.search]            # an MCP server on the host: only the operator names one
+    command = ["/usr/local/bin/search-mcp"]
+    env = { INDEX = "/srv/index" }
+    trusted = true                  # believe its read-only annotations
+    # or: url = "http://10.0.0.5:9000/mcp", headers = { Authorization = "Bearer ..." }
 
     [models."openai:my-local-model"]  # limits compaction uses (agentbox.agent.limits)
     context_window = 32768
@@ -33,6 +41,18 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     instructions = "You review code. Report concrete problems with file and line."
     tools = ["read", "grep", "glob"]
     permission = "read-only"
+
+What a session supplies stays on its side of the boundary. A session's stdio MCP servers run
+inside its machine; one names a host-side server only by reference (`{"server": "search"}`).
+A session's `model_options.base_url` and its MCP `url`s must be public addresses reached
+through a machine with a network, unless the operator lists the endpoint here
+(`model_endpoints`: URL prefixes, matched by scheme, host, port and path); the server's
+provider keys (`OPENAI_API_KEY`, `ANTHROPIC_API_KEY`) go only to the provider's own endpoint
+(its `*_BASE_URL`, else the public default), never to a session's `base_url`.
+
+The host is a machine only where an entry says `kind = "local"`; a session there runs
+`full-ask` unless it asks otherwise, and `full-auto` needs that entry's `allow_full_auto = true`
+(`agentbox.tools.tiers.session_tier` decides for every entry point).
 
 Secret fields (`password`, `private_key`, `token`, `api_key`, `passphrase`) in a machine
 entry may be stored encrypted (`enc:...`, see `agentbox.secrets`) and are decrypted only
@@ -55,6 +75,9 @@ DEFAULT_PURGE_DAYS = 30.0
 #: Permission level a caller needs for a machine, by kind (seed 004: local 2, others 4).
 DEFAULT_LEVELS = {"local": 2}
 DEFAULT_LEVEL = 4
+#: Machine kinds that are not isolated from the host (or from each other's sessions): the
+#: model's commands run with the server's rights there.
+HOST_KINDS = frozenset({"local", "ssh"})
 SECRET_FIELDS = {"password", "private_key", "token", "api_key", "passphrase"}
 
 
@@ -96,6 +119,20 @@ class MachineConfig:
     """Permission level a caller needs (`machine:<name>`); default by kind."""
     env: dict[str, str] = field(default_factory=dict)
     """Variables injected into every command on this machine."""
+    allow_full_auto: bool = False
+    """On a machine that is not isolated: whether a session may ask for `full-auto` (no
+    approvals). Without it such a session is refused; the default tier there is `full-ask`."""
+
+    @property
+    def isolated(self) -> bool:
+        """Whether the machine is a boundary of its own (not the host, not shared)."""
+        return self.kind not in HOST_KINDS
+
+    @property
+    def network_on(self) -> bool:
+        """Whether code on the machine reaches the network (`network = "off"` for a sandbox cuts it)."""
+        network = self.options.get("network", "on")
+        return network is True or str(network).lower() in ("on", "true", "1")
 
     @property
     def required_level(self) -> int:
@@ -134,16 +171,20 @@ class Settings:
     allowed_origins: list[str] = field(default_factory=list)
     """Web origins (`https://ui.example`) that may call besides the server's own
     (AGENTBOX_ALLOWED_ORIGINS, comma-separated); they also get CORS headers."""
+    mcp_servers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Host-side MCP servers by name (`command`/`env` or `url`/`headers`, `trusted`); a session
+    uses one by naming it (`{"server": "<name>"}`), never by giving a command of its own."""
+    model_endpoints: list[str] = field(default_factory=list)
+    """URL prefixes a session's `base_url` (and MCP `url`) may reach although they are not
+    public addresses (a local Ollama on loopback); the server's keys still do not go there."""
 
     def machine(self, name: str) -> MachineConfig | None:
         return self.machines.get(name)
 
 
-def builtin_machines(home: Path) -> dict[str, MachineConfig]:
-    return {
-        "sandbox": MachineConfig("sandbox", "sandbox", {"network": "on"}),
-        "local": MachineConfig("local", "local", {"root": str(home / "local")}),
-    }
+def builtin_machines() -> dict[str, MachineConfig]:
+    """The machines every server has: an isolated sandbox. The host (`local`) is never built in."""
+    return {"sandbox": MachineConfig("sandbox", "sandbox", {"network": "on"})}
 
 
 def config_path() -> Path | None:
@@ -160,13 +201,14 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
     path = path or config_path()
     data: dict[str, Any] = tomllib.loads(path.read_text()) if path and path.exists() else {}
     home = Path(env.get("AGENTBOX_HOME") or data.get("home") or default_home())
-    machines = builtin_machines(home)
+    machines = builtin_machines()
     for name, entry in (data.get("machines") or {}).items():
         entry = dict(entry)
         kind = entry.pop("kind", "sandbox")
         level = entry.pop("level", None)
         menv = {str(k): str(v) for k, v in (entry.pop("env", {}) or {}).items()}
-        machines[name] = MachineConfig(name, kind, entry, level, menv)
+        full_auto = entry.pop("allow_full_auto", False) is True
+        machines[name] = MachineConfig(name, kind, entry, level, menv, full_auto)
     settings = Settings(
         home=home,
         api_key=env.get("AGENTBOX_API_KEY") or data.get("api_key"),
@@ -182,6 +224,8 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
         agents=[dict(a) for a in data.get("agents") or []],
         allowed_hosts=listed(env.get("AGENTBOX_ALLOWED_HOSTS") or data.get("allowed_hosts")),
         allowed_origins=listed(env.get("AGENTBOX_ALLOWED_ORIGINS") or data.get("allowed_origins")),
+        mcp_servers={str(k): dict(v) for k, v in (data.get("mcp_servers") or {}).items()},
+        model_endpoints=[str(u) for u in data.get("model_endpoints") or []],
     )
     if "AGENTBOX_NETWORK" in env and "sandbox" in machines:
         machines["sandbox"].options["network"] = env["AGENTBOX_NETWORK"]

@@ -16,15 +16,17 @@ A session's `SessionTools` (one per session and toolset) is built on first use a
 for the server's life, so the reads map (what `write_file` may overwrite) lasts across
 calls and connections, as it does across a runtime session's turns.
 
-Which tier: the machine's default (`default_tier`). On an isolated sandbox that is
-`full-auto`: the sandbox is the boundary, and the MCP client asks its own user before it
-calls a tool. On a machine that is not isolated (`local`) it is `full-ask`, and nobody on
-this side of MCP can answer an approval: a call that must ask is refused at once with a
-text saying so (nothing waits, no approval row is written; a session-wide grant already
-given to the session still counts), and writes become pending change sets for the user to
-review, as in any full-ask session. An operator whose MCP client confirms every call with
-its user says so with `agentbox mcp --client-approves`, which serves `full-auto` on any
-machine. HTTP has no such switch: an HTTP caller cannot raise its own tier.
+Which tier: the machine's default, decided by `session_tier` as for every session. On an
+isolated sandbox that is `full-auto`: the sandbox is the boundary, and the MCP client asks
+its own user before it calls a tool. On a machine that is not isolated (a `local` machine
+the operator configured) it is `full-ask`, and nobody on this side of MCP can answer an
+approval: a call that must ask is refused at once with a text saying so (nothing waits, no
+approval row is written; a session-wide grant already given to the session still counts),
+and writes become pending change sets for the user to review, as in any full-ask session.
+An operator whose MCP client confirms every call with its user says so with
+`agentbox mcp --client-approves`, which asks for `full-auto`: on an isolated machine always
+granted, on the host only where the machine's entry has `allow_full_auto = true` (refused at
+start otherwise). HTTP has no such switch: an HTTP caller cannot raise its own tier.
 
 MCP has no turns: each `tools/call` counts as its own turn for per-turn limits (at most 10
 deliveries), and staged writes collect in the session's change set without a turn.
@@ -72,7 +74,7 @@ from agentbox.tools.approvals import Approvals
 from agentbox.tools.base import Action, Block, ImageBlock, Tool, ToolResult
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools
-from agentbox.tools.tiers import Decision, Tier, decide, default_tier
+from agentbox.tools.tiers import Decision, FullAutoRefused, Tier, decide, session_tier
 from agentbox.tools.toolsets import DEFAULT_TOOLSET, TOOLSETS
 from agentbox.tools.toolsets import toolset as make_toolset
 
@@ -164,7 +166,7 @@ class ToolHost:
     """AGENTBOX_HOME: where the file store keeps delivered files."""
     machine_name: str | None = None
     client_approves: bool = False
-    """The MCP client confirms every call with its user: serve full-auto on any machine."""
+    """The MCP client confirms every call with its user: ask for full-auto (`session_tier`)."""
     # One of each per server: ChangeSets serializes applies, FileStore its blob moves.
     files: FileStore | None = None
     """The server's one file store (its blob lock is per instance); made here when alone."""
@@ -178,8 +180,13 @@ class ToolHost:
         if self.files is None:
             self.files = FileStore(self.db, self.home)
 
-    def tier(self, machine: Any) -> Tier:
-        return Tier.FULL_AUTO if self.client_approves else default_tier(bool(machine.isolated))
+    def tier(self) -> Tier:
+        """The served machine's tier (`session_tier`); full-auto refused there is a `ChoiceError`."""
+        requested = Tier.FULL_AUTO if self.client_approves else None
+        try:
+            return session_tier(self.registry.config(self.machine_name), requested)
+        except FullAutoRefused as exc:
+            raise ChoiceError(f"--client-approves: {exc}") from exc
 
     async def tools(self, session_id: str, toolset: str = DEFAULT_TOOLSET) -> SessionTools:
         """The session's tools over its machine, opened (or resumed) for this call."""
@@ -189,7 +196,7 @@ class ToolHost:
         key = (session_id, toolset)
         tools = self._sessions.get(key)
         if tools is None:
-            tier = self.tier(machine)
+            tier = self.tier()
             tools = SessionTools(
                 machine=machine,
                 session_id=session_id,

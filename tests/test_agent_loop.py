@@ -366,10 +366,11 @@ async def test_mcp_servers_tools_join_the_toolset_and_failures_are_session_error
 
     server = tmp_path / "server.py"
     server.write_text(SERVER_SCRIPT)
-    servers = [
-        {"name": "srv", "command": [sys.executable, str(server)]},
-        {"name": "gone", "command": [sys.executable, "-c", "raise SystemExit(3)"]},
-    ]
+    kit.registry.settings.mcp_servers.update(  # the operator's servers (they run on the host)
+        srv={"command": [sys.executable, str(server)]},
+        gone={"command": [sys.executable, "-c", "raise SystemExit(3)"]},
+    )
+    servers = [{"server": "srv"}, {"server": "gone"}]
     call = {"tool_calls": [{"name": "mcp__srv__echo_v1", "input": {"text": "hi"}}]}
     script = [call, {"expect": {"tool_result_contains": "echo: hi"}, "text": "done"}]
     session = await kit.worker.create_session("scripted", script=script, mcp_servers=servers)
@@ -378,3 +379,26 @@ async def test_mcp_servers_tools_join_the_toolset_and_failures_are_session_error
     assert end.type == "turn.completed", end.data
     errors = [e for e in await kit.store.list_events(session.id, limit=1000) if e.type == "session.error"]
     assert [e.data["server"] for e in errors] == ["gone"]
+
+
+async def test_a_sessions_stdio_server_runs_in_its_sandbox_and_stops_when_the_session_is_idle(
+    kit: Kit,
+) -> None:
+    """While the server runs the sandbox is busy; once the session has nothing left to run the
+    server is stopped (the sandbox can be reclaimed), and the next turn starts it again."""
+    from tests.adversarial.test_session_supplied import SANDBOX_MCP_SERVER
+
+    call = {"tool_calls": [{"name": "mcp__box__where", "input": {}}]}
+    done = {"expect": {"tool_result_contains": "cwd=/workspace"}, "text": "done"}
+    servers = [{"name": "box", "command": ["python3", "/workspace/box_server.py"]}]
+    session = await kit.worker.create_session(
+        "scripted", script=[call, done, call, done], mcp_servers=servers
+    )
+    machine = await kit.registry.open(session.id)
+    await machine.write("/workspace/box_server.py", SANDBOX_MCP_SERVER.encode())
+    for _ in range(2):
+        sub = await kit.worker.submit(session.id, "go")
+        end = await terminal(kit, session.id, sub.turn.id)
+        assert end.type == "turn.completed", end.data
+        await kit.worker.idle(session.id)
+        assert not machine.busy()  # type: ignore[attr-defined]

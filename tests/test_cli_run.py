@@ -215,6 +215,8 @@ async def test_run_creates_a_provider_session_from_its_options(sandbox_tmp: Path
 
     home = sandbox_tmp / "home"
     async for llm in loopback_model(lambda request: text_reply(request.json, "Hello from the model.")):
+        home.mkdir(parents=True, exist_ok=True)  # a loopback endpoint is reachable once the operator lists it
+        (home / "agentbox.toml").write_text(f'model_endpoints = ["{llm.url}/v1"]\n')
         args = [
             "run", "--model", "openai:local-coder", "--instructions", "Be brief.", "--machine", "none",
             "--option", f"base_url={llm.url}/v1", "--option", "api_key=sk-cli",

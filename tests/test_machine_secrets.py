@@ -57,4 +57,17 @@ def test_toml_and_env(tmp_path: Path) -> None:
     assert s.home == tmp_path / "h"
     box = s.machines["box"]
     assert box.options == {"network": "off", "memory_mb": 256} and box.env == {"TZ": "UTC"}
-    assert box.required_level == 4 and s.machines["local"].required_level == 2
+    assert box.required_level == 4
+    assert sorted(s.machines) == ["box", "sandbox"]  # the host is never a built-in machine
+
+
+def test_the_host_is_a_machine_only_when_configured(tmp_path: Path) -> None:
+    cfg = tmp_path / "agentbox.toml"
+    cfg.write_text(
+        '[machines.host]\nkind = "local"\nroot = "/srv"\n[machines.ops]\nkind = "local"\nallow_full_auto = true\n'
+    )
+    s = load(cfg, env={"AGENTBOX_HOME": str(tmp_path / "h")})
+    host, ops = s.machines["host"], s.machines["ops"]
+    assert host.required_level == 2 and not host.isolated and not host.allow_full_auto
+    assert host.options == {"root": "/srv"}  # the operator's consent is not a machine option
+    assert ops.allow_full_auto and not s.machines["sandbox"].allow_full_auto

@@ -197,12 +197,18 @@ async def test_stdio_toolset_option(sandbox_tmp: Path) -> None:
         assert "hi" in text_of(result).splitlines()
 
 
+LOCAL_MACHINE = '[machines.local]\nkind = "local"\nroot = "{root}"\n'
+
+
 async def test_stdio_on_a_machine_that_is_not_isolated(sandbox_tmp: Path) -> None:
-    """full-ask with nobody to ask: exec refused at once, writes staged; --client-approves: full-auto."""
+    """full-ask with nobody to ask: exec refused at once, writes staged; --client-approves: full-auto
+    where the operator allows it on that machine, refused at start where not."""
     home = sandbox_tmp / "home"
     root = home / "local"
     root.mkdir(parents=True)
     (root / "seen.txt").write_text("local text\n")
+    config = home / "agentbox.toml"  # the host is a machine only when the operator configures it
+    config.write_text(LOCAL_MACHINE.format(root=root))
     async with stdio_session(home, "--machine", "local") as session:
         assert "full-ask" in (session.initialize_result.instructions or "")  # type: ignore[union-attr]
         assert "bash" in [t.name for t in (await session.list_tools()).tools]
@@ -220,6 +226,13 @@ async def test_stdio_on_a_machine_that_is_not_isolated(sandbox_tmp: Path) -> Non
         # A read outside the machine's root asks while running; nobody answers, so it is refused.
         result = await session.call_tool("read_file", {"path": str(home / "agentbox.db")})
         assert result.is_error and "nobody can approve" in text_of(result)
+    refused = subprocess.run(
+        [sys.executable, "-m", "agentbox", "mcp", "--machine", "local", "--client-approves"],
+        env=stdio_env(home), cwd=sandbox_tmp, capture_output=True, timeout=REQUEST_TIMEOUT,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "allow_full_auto" in refused.stderr.decode()
+    config.write_text(LOCAL_MACHINE.format(root=root) + "allow_full_auto = true\n")
     async with stdio_session(home, "--machine", "local", "--client-approves") as session:
         assert "full-auto" in (session.initialize_result.instructions or "")  # type: ignore[union-attr]
         result = await session.call_tool("bash", {"command": "echo hi > ran; cat ran"})

@@ -1,8 +1,11 @@
 """A session's external MCP servers as `mcp__<server>__<tool>` tools, against real servers.
 
-stdio: a small lowlevel MCP server written by the test and run with this interpreter.
-Streamable HTTP: `/mcp` of the session-wide real `agentbox serve` (the `server` fixture).
-Failures are real too: a command that exits at once, one that does not exist, a closed port.
+Here they are the operator's servers (`host()`: configured, named by the session), which run
+on the host: stdio, a small lowlevel MCP server written by the test and run with this
+interpreter; streamable HTTP, `/mcp` of the session-wide real `agentbox serve` (the `server`
+fixture). Failures are real too: a command that exits at once, one that does not exist, a
+closed port. A session's own servers (run in its sandbox, URLs under its reach) are
+tests/adversarial/test_session_supplied.py's and the end of this file's.
 """
 
 from __future__ import annotations
@@ -13,16 +16,23 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from conftest import Server
+from mcp.shared.message import SessionMessage
 
 from agentbox.agent import mcp_tools
 from agentbox.agent.mcp_tools import (
     McpConfigError,
     McpTools,
     ServerSpec,
+    check_servers,
     mangle,
 )
+from agentbox.agent.reach import Reach
+from agentbox.config import MachineConfig
+from agentbox.machines.base import ExecRequest
+from agentbox.machines.local import LocalMachine
 from agentbox.tools.base import Action, ImageBlock, TextBlock, Tool, ToolResult
 from agentbox.tools.tiers import Decision, Tier, decide
 
@@ -77,6 +87,12 @@ def stdio(name: str, script: Path, **extra: Any) -> dict[str, Any]:
     return {"name": name, "command": [sys.executable, str(script)], **extra}
 
 
+def host(entries: list[Any]) -> McpTools:
+    """`entries` as the operator's configured servers, and a session that names each of them."""
+    operator = {e["name"]: {k: v for k, v in e.items() if k != "name"} for e in entries}
+    return McpTools([{"server": name} for name in operator], operator)
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,7 +127,7 @@ def test_entries_are_checked() -> None:
 
 
 async def test_lists_wraps_and_gates_the_tools(script: Path) -> None:
-    async with McpTools([stdio("plain server", script), stdio("trusted", script, trusted=True)]) as mcp:
+    async with host([stdio("plain server", script), stdio("trusted", script, trusted=True)]) as mcp:
         assert mcp.errors == []
         assert sorted(mcp.tools) == [
             "mcp__plain_server__echo_v1", "mcp__plain_server__fail", "mcp__plain_server__picture",
@@ -131,7 +147,7 @@ async def test_lists_wraps_and_gates_the_tools(script: Path) -> None:
 
 
 async def test_calls_return_text_images_and_errors(script: Path) -> None:
-    async with McpTools([stdio("s", script)]) as mcp:
+    async with host([stdio("s", script)]) as mcp:
         echoed = await call(mcp.tools["mcp__s__echo_v1"], {"text": "hi"})
         assert (echoed.is_error, echoed.content) == (False, [TextBlock("echo: hi")])
         picture = await call(mcp.tools["mcp__s__picture"], {})
@@ -150,7 +166,7 @@ async def test_failed_connections_are_recorded_not_raised(script: Path, tmp_path
         {"name": "broken"},
         stdio("good", script),
     ]
-    async with McpTools(entries) as mcp:
+    async with host(entries) as mcp:
         assert sorted(mcp.tools) == ["mcp__good__echo_v1", "mcp__good__fail", "mcp__good__picture"]
         errors = {e.server: e.message for e in mcp.errors}
         assert sorted(errors) == ["broken", "closed", "exits", "missing"]
@@ -159,7 +175,7 @@ async def test_failed_connections_are_recorded_not_raised(script: Path, tmp_path
 
 
 async def test_a_call_after_the_server_went_away_is_an_error_result(script: Path) -> None:
-    mcp = McpTools([stdio("s", script)])
+    mcp = host([stdio("s", script)])
     await mcp.connect()
     tool = mcp.tools["mcp__s__echo_v1"]
     await mcp.close()
@@ -175,7 +191,7 @@ async def test_streamable_http_with_headers(server: Server) -> None:
         "headers": {"X-Agentbox-Session": "mcp-tools-http"},
         "trusted": True,
     }
-    async with McpTools([entry]) as mcp:
+    async with host([entry]) as mcp:
         assert mcp.errors == []
         assert mcp.tools["mcp__agentbox__read_file"].action == Action.READ
         assert mcp.tools["mcp__agentbox__write_file"].action == Action.MCP
@@ -188,7 +204,7 @@ async def test_streamable_http_with_headers(server: Server) -> None:
 async def test_a_silent_server_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mcp_tools, "CONNECT_TIMEOUT", 0.5)
     silent = {"name": "silent", "command": [sys.executable, "-c", "import time; time.sleep(60)"]}
-    async with McpTools([silent]) as mcp:
+    async with host([silent]) as mcp:
         assert mcp.tools == {}
         assert [e.message for e in mcp.errors] == [
             "MCP server 'silent' failed to connect: no answer within 0.5 s"
@@ -197,6 +213,70 @@ async def test_a_silent_server_times_out(monkeypatch: pytest.MonkeyPatch) -> Non
 
 async def test_only_the_tail_of_stderr_is_quoted() -> None:
     code = f"import sys; sys.stderr.write('x' * 10 + 'y' * {mcp_tools.STDERR_TAIL})"
-    async with McpTools([{"name": "noisy", "command": [sys.executable, "-c", code]}]) as mcp:
+    async with host([{"name": "noisy", "command": [sys.executable, "-c", code]}]) as mcp:
         (error,) = mcp.errors
         assert error.message.endswith("stderr: " + "y" * mcp_tools.STDERR_TAIL)
+
+
+# ---------------------------------------------------------------- a session's own servers
+
+
+def test_an_entry_names_the_operators_server_or_is_the_sessions_own() -> None:
+    operator = {"ops": {"command": ["srv"], "trusted": True}}
+    named = ServerSpec.parse({"server": "ops"}, operator)
+    assert (named.name, named.command, named.trusted, named.host) == ("ops", ["srv"], True, True)
+    assert ServerSpec.parse({"server": "ops", "name": "tools"}, operator).name == "tools"
+    assert ServerSpec.parse({"name": "ops", "command": ["srv"]}, operator).host is False  # same name: its own
+    for bad in ({"server": "nope"}, {"server": "ops", "command": ["sh"]}, {"server": 3}):
+        with pytest.raises(McpConfigError):
+            ServerSpec.parse(bad, operator)
+
+
+async def test_a_sessions_servers_are_checked_at_creation(tmp_path: Path) -> None:
+    sandbox = MachineConfig("sandbox", "sandbox", {"network": "off"})
+    host_machine = MachineConfig("host", "local")
+    trusted_host = MachineConfig("ops", "local", allow_full_auto=True)
+    command = [{"name": "c", "command": ["srv"]}]
+    assert await check_servers(command, {}, sandbox, Reach(network=False))
+    assert await check_servers(command, {}, trusted_host, Reach())
+    for machine, words in ((None, "machine: none"), (host_machine, "allow_full_auto")):
+        with pytest.raises(McpConfigError, match=words):
+            await check_servers(command, {}, machine, Reach())
+    loopback = [{"name": "u", "url": "http://127.0.0.1:9/mcp"}]
+    with pytest.raises(McpConfigError, match="non-public"):
+        await check_servers(loopback, {}, sandbox, Reach())
+    with pytest.raises(McpConfigError, match="no network"):
+        await check_servers([{"name": "u", "url": "https://example.com/mcp"}], {}, sandbox, Reach(False))
+    assert await check_servers(loopback, {}, sandbox, Reach(False, ("http://127.0.0.1:9/",)))
+    operators = {"o": {"command": ["srv"]}}
+    assert await check_servers([{"server": "o"}], operators, None, Reach())  # the operator's: host-side
+
+
+async def test_a_sessions_url_is_reached_only_where_its_reach_allows(server: Server) -> None:
+    entry = {"name": "agentbox", "url": server.url + "/mcp", "headers": {"X-Agentbox-Session": "mcp-reach"}}
+    async with McpTools([entry]) as mcp:  # loopback, not listed: refused before any connection
+        assert mcp.tools == {}
+        assert "non-public address" in mcp.errors[0].message
+    async with McpTools([entry], reach=Reach(allowed=(server.url,))) as mcp:  # listed: pinned and used
+        assert mcp.errors == [] and "mcp__agentbox__read_file" in mcp.tools
+
+
+async def test_a_sessions_command_needs_its_machine() -> None:
+    async with McpTools([{"name": "c", "command": ["true"]}]) as mcp:
+        assert mcp.tools == {} and "runs inside its machine" in mcp.errors[0].message
+
+
+async def test_a_line_past_the_limit_ends_the_connection(tmp_path: Path) -> None:
+    """`process_streams` over a real process: a line of `max_line` bytes passes, one more does not."""
+    limit = 200
+    head = '{"jsonrpc":"2.0","id":1,"result":{"p":"'
+    fitting = head + "x" * (limit - len(head) - 3) + '"}}'
+    assert len(fitting) == limit
+    code = f"import sys; sys.stdout.write({fitting!r} + chr(10) + {fitting[:-3] + 'x' + fitting[-3:]!r} + chr(10))"
+    machine = LocalMachine("local", tmp_path)
+    process = await machine.spawn(ExecRequest(argv=(sys.executable, "-c", code), interactive=True))
+    async with mcp_tools.process_streams(process, bytearray(), max_line=limit) as (read, _write):
+        first = await read.receive()
+        assert isinstance(first, SessionMessage) and first.message.id == 1
+        with pytest.raises(anyio.EndOfStream):
+            await read.receive()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +21,7 @@ import pytest
 
 from agentbox.agent.compaction import SUMMARIZER_SYSTEM, SUMMARY_HEAD
 from agentbox.agent.context import COMPACTED_EVENT
-from tests.conftest import Server
+from tests.conftest import Server, start_server, stop_server
 from tests.test_api_sessions import DEADLINE, frames
 from tests.test_providers import (
     Canned,
@@ -138,10 +139,22 @@ async def anthropic_llm() -> AsyncIterator[Loopback]:
         yield loopback
 
 
+@pytest.fixture
+def listed(sandbox_tmp: Path, llm: Loopback, anthropic_llm: Loopback) -> Iterator[Server]:
+    """A server whose operator lists the two loopback models as endpoints sessions may use."""
+    home = sandbox_tmp / "home"
+    home.mkdir()
+    config = sandbox_tmp / "agentbox.toml"
+    config.write_text(f'model_endpoints = ["{llm.url}/v1", "{anthropic_llm.url}"]\n')
+    started = start_server(home, {"AGENTBOX_CONFIG": str(config)})
+    yield started
+    stop_server(started)
+
+
 async def test_an_openai_compatible_model_edits_runs_delivers_and_survives_compaction(
-    server: Server, llm: Loopback
+    listed: Server, llm: Loopback
 ) -> None:
-    async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as client:
+    async with httpx.AsyncClient(base_url=listed.url, timeout=DEADLINE) as client:
         r = await client.post("/v1/sessions", json={
             "model": "openai:local-coder",
             "model_options": {"base_url": llm.url + "/v1", "api_key": "sk-local", "context_window": WINDOW},
@@ -231,9 +244,9 @@ async def test_a_session_without_a_machine_over_http(server: Server) -> None:
 
 
 async def test_an_anthropic_model_gets_its_thinking_back_with_its_tool_use(
-    server: Server, anthropic_llm: Loopback
+    listed: Server, anthropic_llm: Loopback
 ) -> None:
-    async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as client:
+    async with httpx.AsyncClient(base_url=listed.url, timeout=DEADLINE) as client:
         r = await client.post("/v1/sessions", json={
             "model": "anthropic:claude-test", "toolset": "flue",
             "model_options": {"base_url": anthropic_llm.url, "api_key": "ak-e2e", "max_tokens": 2000},

@@ -50,15 +50,17 @@ from agentbox.agent.events import EventBus
 from agentbox.agent.inputs import PlacementError, place_inputs
 from agentbox.agent.limits import check_limit_options, model_limits
 from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop, model_error_event
-from agentbox.agent.mcp_tools import McpTools
+from agentbox.agent.mcp_tools import McpTools, check_servers
 from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, check_script
 from agentbox.agent.prompt import facts
-from agentbox.agent.providers import provider_model
+from agentbox.agent.providers import check_endpoint, provider_model
 from agentbox.agent.providers.retry import RetryingModel
+from agentbox.agent.reach import Reach
 from agentbox.agent.recovery import RECOVERY, Act, classify
 from agentbox.agent.subagents import Subagents, running_call
 from agentbox.agent.tool_host import SessionToolHost
-from agentbox.machines.errors import MachineError
+from agentbox.config import MachineConfig
+from agentbox.machines.errors import MachineError, MachineNotFound
 from agentbox.machines.registry import Entry, Registry
 from agentbox.store.approvals import Approval
 from agentbox.store.baselines import BaselineStore
@@ -82,7 +84,7 @@ from agentbox.tools.base import Action, Tool, ToolResult
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools, denied
 from agentbox.tools.skills import catalog
-from agentbox.tools.tiers import Tier
+from agentbox.tools.tiers import FullAutoRefused, Tier, session_tier
 from agentbox.tools.toolsets import TOOLSETS, toolset
 
 log = logging.getLogger(__name__)
@@ -102,15 +104,25 @@ class UnknownModel(ValueError):
     pass
 
 
-def scripted_or_refuse(session: Session) -> Model:
+def scripted_or_refuse(session: Session, reach: Reach | None = None) -> Model:
     """The default model factory: the scripted model, or a provider (`openai:<m>`, `anthropic:<m>`)
-    configured by the session's `model_options`."""
+    configured by the session's `model_options`, its own `base_url` held to `reach`."""
     if session.model == SCRIPTED:
         return ScriptedModel(session.script or [])
-    provider = provider_model(session.model, session.model_options)
+    provider = provider_model(session.model, session.model_options, reach)
     if provider is not None:
         return provider
     raise UnknownModel(f"model {session.model!r} is not available in this build (only {SCRIPTED!r})")
+
+
+def permission_mode_on(machine: MachineConfig | None, mode: str | None) -> str:
+    """The mode a session on `machine` (None: no machine) gets: plan, or `session_tier`'s tier
+    (the machine's default when `mode` is None; `FullAutoRefused` for full-auto on the host)."""
+    if mode is not None and mode not in PERMISSION_MODES:
+        raise ValueError(f"permission_mode must be one of {PERMISSION_MODES}, not {mode!r}")
+    if mode == PLAN:
+        return PLAN
+    return session_tier(machine, Tier(mode) if mode is not None else None).value
 
 
 def tier_of(permission_mode: str) -> tuple[Tier, bool]:
@@ -134,12 +146,12 @@ class Worker:
         changes: ChangeSets,
         todos: TodoRepo,
         *,
-        models: ModelFactory = scripted_or_refuse,
+        models: ModelFactory | None = None,
         config: LoopConfig | None = None,
     ) -> None:
         self.store, self.bus, self.registry, self.files = store, bus, registry, files
         self.approvals, self.changes, self.todos = approvals, changes, todos
-        self.models = models
+        self.models = models or self._model
         self.config = config or LoopConfig()
         self.baselines = BaselineStore(store.db)
         self._drains: dict[str, asyncio.Task[None]] = {}
@@ -187,7 +199,7 @@ class Worker:
         self,
         model: str,
         *,
-        permission_mode: str = Tier.FULL_AUTO.value,
+        permission_mode: str | None = None,
         instructions: str = "",
         mcp_servers: Sequence[Any] = (),
         toolset: str = "default",
@@ -200,24 +212,27 @@ class Worker:
         """Validate and create a session (`ValueError` subclasses name what is wrong).
 
         `machine`: a configured machine, None for the server's default, or `NO_MACHINE`.
+        `permission_mode`: None for the machine's default (`permission_mode_on`).
         """
-        if permission_mode not in PERMISSION_MODES:
-            raise ValueError(f"permission_mode must be one of {PERMISSION_MODES}, not {permission_mode!r}")
+        config = self._machine_config(machine)
+        permission_mode = permission_mode_on(config, permission_mode)
         if toolset not in TOOLSETS:
             raise ValueError(f"toolset must be one of {sorted(TOOLSETS)}, not {toolset!r}")
         if model == SCRIPTED:
             check_script(script if script is not None else [])
         elif script is not None:
             raise ValueError("`script` is only for the scripted model")
-        if machine is not None and machine != NO_MACHINE:
-            self.registry.config(machine)
+        settings, reach = self.registry.settings, self._reach(config)
+        await check_servers(mcp_servers, settings.mcp_servers, config, reach)
         parse_config(compaction)
         check_limit_options(model_options or {})
         if model != SCRIPTED:
             try:  # an option the adapter cannot take (a `timeout` that is not a number) fails here, not in a turn
-                provider_model(model, model_options)
+                provider = provider_model(model, model_options, reach)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"model_options cannot configure {model}: {exc}") from exc
+            if provider is not None:
+                await check_endpoint(provider)
         session, events = await self.store.create_session(
             model, permission_mode=permission_mode, instructions=instructions, mcp_servers=mcp_servers,
             toolset=toolset, machine=machine, metadata=metadata,
@@ -230,8 +245,9 @@ class Worker:
     async def update_session(self, session_id: str, changes: Mapping[str, Any]) -> Session:
         """permission_mode and metadata only (`UnsupportedUpdate` for the rest)."""
         mode = changes.get("permission_mode")
-        if mode is not None and mode not in PERMISSION_MODES:
-            raise ValueError(f"permission_mode must be one of {PERMISSION_MODES}, not {mode!r}")
+        if mode is not None:
+            session = await self.store.get_session(session_id)
+            permission_mode_on(self._machine_config(session.machine), mode)
         session, events = await self.store.update_session(session_id, changes)
         self.bus.publish(events)
         return session
@@ -246,9 +262,7 @@ class Worker:
         if drain is not None:
             drain.cancel()
             await asyncio.gather(drain, return_exceptions=True)
-        mcp = self._mcp.pop(session_id, None)
-        if mcp is not None:
-            await mcp.close()
+        await self._release_mcp(session_id)
         await self.registry.close_session(session_id, purge=True)
         await self.store.delete_session(session_id)
 
@@ -300,6 +314,7 @@ class Worker:
         while True:
             turn = await self.store.active_turn(session_id)
             if turn is None or RECOVERY[classify(turn, [])] == Act.WAIT:
+                await self._release_mcp(session_id)
                 return  # nothing left, or a turn waiting for an approval asked before a restart
             task = asyncio.get_running_loop().create_task(self._run_turn(turn), name=f"turn-{turn.id}")
             self._turns[turn.id] = task
@@ -441,13 +456,62 @@ class Worker:
             cursor = page[-1].seq
         return asked
 
+    def _machine_config(self, machine: str | None) -> MachineConfig | None:
+        """The configuration of a session's machine (the default for None); None for `NO_MACHINE`."""
+        return None if machine == NO_MACHINE else self.registry.config(machine)
+
+    def _reach(self, machine: MachineConfig | None) -> Reach:
+        return Reach.on(machine, self.registry.settings.model_endpoints)
+
+    def _still_allowed(self, session: Session, tier: Tier) -> Tier:
+        """The stored tier, unless the operator has since withdrawn full-auto on the session's
+        machine: then full-ask (the calls ask; nothing runs unasked)."""
+        try:
+            return session_tier(self._machine_config(session.machine), tier)
+        except FullAutoRefused:
+            return Tier.FULL_ASK
+        except MachineNotFound:
+            return tier  # nothing can open the machine: its tools fail on their own
+
+    def _session_reach(self, session: Session) -> Reach:
+        """A stored session's reach; no network if its machine is no longer configured."""
+        try:
+            return self._reach(self._machine_config(session.machine))
+        except MachineNotFound:
+            return Reach(network=False, allowed=tuple(self.registry.settings.model_endpoints))
+
+    def _model(self, session: Session) -> Model:
+        """The default model factory, with the session's reach for its own `base_url`."""
+        return scripted_or_refuse(session, self._session_reach(session))
+
+    async def _release_mcp(self, session_id: str) -> None:
+        """Stop the session's MCP servers when it has nothing left to run: a server running in
+        its sandbox keeps the sandbox busy, which would never be reclaimed when idle."""
+        mcp = self._mcp.pop(session_id, None)
+        if mcp is not None:
+            await mcp.close()
+
     async def _mcp_tools(self, session: Session, turn: Turn) -> dict[str, Tool]:
-        """The session's MCP servers' tools, connected once per session; failures become `session.error`."""
+        """The session's MCP servers' tools, connected at the first turn after the session wakes
+        and kept until it has nothing left to run (`_release_mcp`); failures become `session.error`.
+
+        Its own stdio servers run in its machine (opened here if need be), the operator's on the host."""
         if not session.mcp_servers:
             return {}
         mcp = self._mcp.get(session.id)
         if mcp is None:
-            mcp = self._mcp[session.id] = McpTools(list(session.mcp_servers))
+            try:
+                where = self._machine_config(session.machine)
+            except MachineNotFound:
+                where = None  # no longer configured: its own stdio servers have nowhere to run
+            operator = self.registry.settings.mcp_servers
+            mcp = self._mcp[session.id] = McpTools(
+                list(session.mcp_servers),
+                operator,
+                lambda: self._machine(session),
+                self._session_reach(session),
+                where,
+            )
             await mcp.connect()
             errors = [NewEvent("session.error", {"type": "mcp_unavailable", "server": e.server, "message": e.message})
                       for e in mcp.errors]  # fmt: skip
@@ -459,6 +523,7 @@ class Worker:
         self, session: Session, turn: Turn, extra: Mapping[str, Tool] | None = None
     ) -> SessionToolHost:
         tier, plan = tier_of(session.permission_mode)
+        tier = self._still_allowed(session, tier)
         tools = {**toolset(session.toolset), **(extra or {})}
         if session.machine == NO_MACHINE:
             tools = {name: tool for name, tool in tools.items() if not tool.machine}

@@ -196,9 +196,16 @@ class CreateSession(BaseModel):
 
     model: str = Field(description='"scripted", "openai:<name>" or "anthropic:<name>".')
     instructions: str = ""
-    mcp_servers: list[Any] = Field(default_factory=list)
+    mcp_servers: list[Any] = Field(
+        default_factory=list,
+        description='{"name", "command"} (runs in the session\'s machine), {"name", "url"}, or {"server": "<name>"} '
+        "(the operator's); see agentbox.agent.mcp_tools.",
+    )
     toolset: str = "default"
-    permission_mode: str = Field("full-auto", description="A tier of the tools issue, or `plan`.")
+    permission_mode: str | None = Field(
+        None,
+        description="A tier or `plan`; absent: the machine's default (full-auto in a sandbox, full-ask on the host).",
+    )
     machine: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     script: list[Any] | None = Field(None, description="The scripted model's steps.")

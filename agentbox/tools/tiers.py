@@ -17,12 +17,19 @@ change application; in the two full tiers it still allows read-only external res
 (web, external reads, browser read snapshots), asking in full-ask. What the first two tiers
 forbid can never be allowed by a single approval. Seed 004 adds: writes outside the
 machine's root always need approval except in full-auto.
+
+Which tier a session gets is `session_tier`, the one decision every entry point (the sessions
+API, `agentbox run`, `agentbox mcp`, `/mcp`) makes: the tier asked for, else the machine's
+default (`default_tier`: full-auto where the sandbox is the boundary, full-ask on the host).
+Full-auto on a machine that is not isolated is the operator's choice, never a session's:
+without `allow_full_auto = true` in the machine's entry it is refused (`FullAutoRefused`).
 """
 
 from __future__ import annotations
 
 import enum
 
+from agentbox.config import MachineConfig
 from agentbox.tools.base import Action
 
 
@@ -73,6 +80,27 @@ def decide(tier: Tier, action: Action, *, plan: bool = False) -> Decision:
 def default_tier(isolated: bool) -> Tier:
     """full-auto where the sandbox is the boundary; full-ask on a machine that isn't isolated."""
     return Tier.FULL_AUTO if isolated else Tier.FULL_ASK
+
+
+class FullAutoRefused(ValueError):
+    """`full-auto` asked for on a machine that is not isolated, without the operator's consent."""
+
+
+def session_tier(machine: MachineConfig | None, requested: Tier | None = None) -> Tier:
+    """The tier a session on `machine` (None: no machine) runs with: `requested`, else the default.
+
+    A session without a machine runs nothing anywhere, so it counts as isolated.
+    """
+    isolated = machine is None or machine.isolated
+    if requested is None:
+        return default_tier(isolated)
+    if requested == Tier.FULL_AUTO and not isolated and machine is not None and not machine.allow_full_auto:
+        raise FullAutoRefused(
+            f"full-auto on machine {machine.name!r} (kind {machine.kind}: not isolated, the host's own rights) "
+            f"needs the operator's `allow_full_auto = true` in its [machines.{machine.name}] entry; "
+            "use full-ask (the default there) or an isolated sandbox machine"
+        )
+    return requested
 
 
 def outside_root_write(tier: Tier) -> Decision:

@@ -208,8 +208,11 @@ async def _send(client: httpx.AsyncClient, url: httpx.URL, allow_private: bool) 
     return await client.send(request, stream=True)
 
 
-async def resolve(url: httpx.URL, allow_private: bool) -> str:
-    """One address of the URL's host; every address must be public unless private ones are allowed."""
+async def resolve(url: httpx.URL, allow_private: bool, purpose: str = "web_fetch") -> str:
+    """One address of the URL's host; every address must be public unless private ones are allowed.
+
+    Also the check for what a session points the server at (`agentbox.agent.reach`); `purpose`
+    names it in the refusal."""
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(url.host, port, type=socket.SOCK_STREAM)
@@ -222,7 +225,7 @@ async def resolve(url: httpx.URL, allow_private: bool) -> str:
         private = [a for a in addresses if not a.is_global]
         if private:
             raise FetchRefused(
-                f"{url.host} resolves to a non-public address ({private[0]}); web_fetch only reaches the public "
+                f"{url.host} resolves to a non-public address ({private[0]}); {purpose} only reaches the public "
                 "internet."
             )
     return str(addresses[0])

@@ -30,6 +30,7 @@ from agentbox.agent.providers.arguments import parse_arguments, raw_arguments
 from agentbox.agent.providers.endpoint import endpoint
 from agentbox.agent.providers.errors import ServerError, classify_stream_error
 from agentbox.agent.providers.sse import post_sse
+from agentbox.agent.reach import Reach
 
 #: Where requests go without `ANTHROPIC_BASE_URL` or a `base_url` option (`/v1/messages` is added).
 DEFAULT_BASE_URL = "https://api.anthropic.com"
@@ -50,12 +51,14 @@ THINKING_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 class AnthropicModel:
     """A `Model` over `POST {base_url}/v1/messages` with `stream: true`."""
 
-    def __init__(self, model: str, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, model: str, options: Mapping[str, Any] | None = None, reach: Reach | None = None
+    ) -> None:
         self.model = model
         self.name = f"anthropic:{model}"
         self.endpoint = endpoint(
             options, env_prefix="ANTHROPIC", default_base_url=DEFAULT_BASE_URL, path="/v1/messages",
-            own_options=OWN_OPTIONS,
+            own_options=OWN_OPTIONS, reach=reach,
         )  # fmt: skip
         self.caching = (options or {}).get("prompt_caching", True) is not False
 
@@ -69,7 +72,9 @@ class AnthropicModel:
             headers["x-api-key"] = self.endpoint.api_key
         stream = MessageStream(on_text=getattr(request, "on_text", None))
         url, timeout = self.endpoint.url, self.endpoint.timeout
-        events = post_sse(url, headers, self.body(request), timeout=timeout, provider=self.name)
+        events = post_sse(
+            url, headers, self.body(request), timeout=timeout, provider=self.name, reach=self.endpoint.reach
+        )
         async with aclosing(events):
             async for event in events:
                 if stream.feed(event.event, decode_event(event.data)):

@@ -10,6 +10,7 @@ Every kind is a `ModelError` (agentbox.agent.models), so the loop records it as
     AuthError          401 / 403                              model_auth_error
     ContextOverflow    a 400 (or 413) about context length    context_window_exceeded
     InvalidRequest     any other 4xx                          model_request_invalid
+    EndpointRefused    a session's base_url the policy refuses model_endpoint_refused (nothing sent)
 
 `classify` is the one place that maps an HTTP status and error body to a kind; both adapters
 use it, for error responses and for errors that arrive inside a stream.
@@ -64,6 +65,12 @@ class AuthError(ModelError):
 
 class ContextOverflow(ModelError):
     error_type = "context_window_exceeded"
+
+
+class EndpointRefused(ModelError):
+    """A session's own `base_url` that its network policy does not reach (`agentbox.agent.reach`)."""
+
+    error_type = "model_endpoint_refused"
 
 
 class InvalidRequest(ModelError):

@@ -25,6 +25,7 @@ from agentbox.agent.providers.arguments import parse_arguments, raw_arguments
 from agentbox.agent.providers.endpoint import endpoint
 from agentbox.agent.providers.errors import ServerError, classify_stream_error
 from agentbox.agent.providers.sse import post_sse
+from agentbox.agent.reach import Reach
 
 #: Where requests go without `OPENAI_BASE_URL` or a `base_url` option.
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -33,12 +34,15 @@ DEFAULT_BASE_URL = "https://api.openai.com/v1"
 class OpenAIModel:
     """A `Model` over `POST {base_url}/chat/completions` with `stream: true`."""
 
-    def __init__(self, model: str, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, model: str, options: Mapping[str, Any] | None = None, reach: Reach | None = None
+    ) -> None:
         self.model = model
         self.name = f"openai:{model}"
         self.endpoint = endpoint(
-            options, env_prefix="OPENAI", default_base_url=DEFAULT_BASE_URL, path="/chat/completions"
-        )
+            options, env_prefix="OPENAI", default_base_url=DEFAULT_BASE_URL, path="/chat/completions",
+            reach=reach,
+        )  # fmt: skip
 
     async def query(self, request: ModelRequest) -> Reply:
         headers = {"content-type": "application/json", "accept": "text/event-stream"}
@@ -46,7 +50,9 @@ class OpenAIModel:
             headers["authorization"] = f"Bearer {self.endpoint.api_key}"
         stream = ChatStream(on_text=getattr(request, "on_text", None))
         url, timeout = self.endpoint.url, self.endpoint.timeout
-        events = post_sse(url, headers, self.body(request), timeout=timeout, provider=self.name)
+        events = post_sse(
+            url, headers, self.body(request), timeout=timeout, provider=self.name, reach=self.endpoint.reach
+        )
         async with aclosing(events):
             async for event in events:
                 if event.data.strip() == "[DONE]":
