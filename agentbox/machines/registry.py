@@ -178,11 +178,10 @@ class Registry:
         try:
             async with self._lock(key):  # never while the same machine is being suspended
                 entry = self._entries.get(key)
-                if entry is None:
-                    entry = await self._create(config, sid)
-                elif entry.state != "running":
-                    entry = await self._resume(entry)
-            self._entries[key] = entry
+                if entry is None or entry.state != "running":
+                    async with self._room(config, key):  # counted from here until it is an entry
+                        entry = await (self._create(config, sid) if entry is None else self._resume(entry))
+                        self._entries[key] = entry
             fut.set_result(entry)
         except BaseException as exc:
             fut.set_exception(exc)
@@ -227,9 +226,8 @@ class Registry:
         machine = self._machine(config, session_id, sandbox_id or new_id("sbx"))
         if isinstance(machine, SandboxMachine):
             assert session_id is not None
-            async with self._room(config, session_id):
-                await asyncio.to_thread(self._attach, config, session_id)
-                await machine.start()
+            await asyncio.to_thread(self._attach, config, session_id)
+            await machine.start()
             await self._mark(session_id, config, machine)
             return Entry(machine, config, session_id)
         return Entry(machine, config, None)
@@ -256,9 +254,8 @@ class Registry:
         machine = entry.machine
         if isinstance(machine, SandboxMachine):
             assert entry.session_id is not None
-            async with self._room(entry.config, entry.session_id):
-                await asyncio.to_thread(self._attach, entry.config, entry.session_id)
-                await machine.start()
+            await asyncio.to_thread(self._attach, entry.config, entry.session_id)
+            await machine.start()
             await self._mark(entry.session_id, entry.config, machine)
         entry.state = "running"
         entry.generation += 1
@@ -267,8 +264,11 @@ class Registry:
     # capacity and disk -------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _room(self, config: MachineConfig, session_id: str) -> AsyncIterator[None]:
+    async def _room(self, config: MachineConfig, key: tuple[str, str | None]) -> AsyncIterator[None]:
         """Hold a place under the server's caps for a sandbox while it starts (or refuse one)."""
+        if config.kind != "sandbox":
+            yield
+            return
         memory = memory_mb(config)
         await self._reclaim_for(memory)
         problem = self._over_cap(memory)
@@ -277,7 +277,6 @@ class Registry:
                 f"machine {config.name!r} cannot start a sandbox now: {problem}",
                 retry_after=self._retry_after(),
             )
-        key = (config.name, session_id)
         self._starting[key] = memory
         try:
             yield

@@ -18,8 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
+from agentbox.machines.base import ExecRequest
+from agentbox.machines.disk import MIN_DISK_MB, image_of
+from agentbox.machines.errors import MachineUnavailable
+from agentbox.machines.sandbox import SandboxMachine
 from agentbox.workspace.watch import MAX_WATCHES_PER_MACHINE
-from tests.conftest import Server, start_server, stop_server, traversable
+from tests.conftest import RegistryFactory, Server, sandbox_settings, start_server, stop_server, traversable
 
 #: Seconds any condition (a turn ending, a sandbox becoming idle) may take before a test fails.
 DEADLINE = 30.0
@@ -75,7 +79,9 @@ def ok(response: httpx.Response) -> Any:
 
 def host_bytes(path: Path) -> int:
     """Bytes `path` takes on the host's file system, not counting other file systems below it."""
-    out = subprocess.run(["du", "-sx", "--block-size=1", str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["du", "-sx", "--block-size=1", str(path)], capture_output=True, text=True, check=True
+    )
     return int(out.stdout.split()[0])
 
 
@@ -99,12 +105,15 @@ def test_writing_past_the_workspace_budget_fails_inside_and_stays_off_the_host(
         assert "rc=0" not in big["stdout"], big
         assert "No space left on device" in big["stderr"], big
         # the server's own writes into the workspace meet the same limit: a clear 507, not a 500
-        full = c.post(f"/sandboxes/{sid}/v2/fs/write", json={"path": "/workspace/more", "content": "x" * 2**20})
+        full = c.post(
+            f"/sandboxes/{sid}/v2/fs/write", json={"path": "/workspace/more", "content": "x" * 2**20}
+        )
         assert full.status_code == 507 and full.json()["data"]["error_type"] == "no_space_left", full.text
         # /tmp and $HOME are not this budget's business; the workspace still answers
-        assert ok(run(c, sid, "rm /workspace/big && echo small > /workspace/ok && cat /workspace/ok"))[
-            "stdout"
-        ] == "small\n"
+        assert (
+            ok(run(c, sid, "rm /workspace/big && echo small > /workspace/ok && cat /workspace/ok"))["stdout"]
+            == "small\n"
+        )
     assert host_bytes(home / "sessions" / sid) <= BUDGET_MB * 2**20 + HOST_MARGIN
 
 
@@ -122,7 +131,9 @@ def test_the_workspace_survives_a_restart_and_nothing_stays_mounted(
     with again.client() as c:
         listed = ok(c.get(f"/sandboxes/{sid}/v2/fs/list", params={"path": "/workspace"}))
         assert [f["path"] for f in listed["files"]] == ["/workspace/note"], listed  # no lost+found
-        assert ok(run(c, sid, "cat /workspace/note && df -m /workspace | tail -1"))["stdout"].startswith("kept\n")
+        assert ok(run(c, sid, "cat /workspace/note && df -m /workspace | tail -1"))["stdout"].startswith(
+            "kept\n"
+        )
 
 
 # ---------------------------------------------------------------- live sandboxes, server-wide
@@ -159,7 +170,8 @@ def test_idle_sandboxes_are_reclaimed_to_make_room(running: Callable[..., Server
         eventually(lambda: run(c, "idle-b", "true").status_code == 200, "the idle sandbox was reclaimed")
         # and the reclaimed one comes back when asked, as a rebuild (its /workspace kept)
         back = eventually(
-            lambda: (r := run(c, "idle-a", "cat /workspace/kept; ls /tmp")).status_code == 200 and r, "rebuilt"
+            lambda: (r := run(c, "idle-a", "cat /workspace/kept; ls /tmp")).status_code == 200 and r,
+            "rebuilt",
         )
         assert ok(back)["stdout"] == "y\n"
 
@@ -222,12 +234,76 @@ def test_a_watch_on_a_huge_tree_is_truncated_and_reports_overflow(running: Calla
         assert 0 < held <= MAX_WATCHES_PER_MACHINE, held
         poll = ok(c.get(f"/sandboxes/{sid}/v2/watch/{made['watcher_id']}/poll", params={"timeout": 0}))
         assert poll["overflow"] is True, poll
-        # a second watcher on the same machine gets no more watches than are left
-        other = ok(c.post(f"/sandboxes/{sid}/v2/watch", json={"path": "/workspace"}))
-        assert inotify_watches(server.process.pid) - before <= MAX_WATCHES_PER_MACHINE
+        # a second watcher with no room left for its own root is refused, one sharing the
+        # watched tree is truncated the same way; neither takes a watch more
+        refused = c.post(f"/sandboxes/{sid}/v2/watch", json={"path": "/workspace"})
+        assert refused.status_code == 400 and "directory watches" in refused.json()["message"], refused.text
+        other = ok(c.post(f"/sandboxes/{sid}/v2/watch", json={"path": "/workspace/t"}))
+        assert inotify_watches(server.process.pid) - before == held
         poll = ok(c.get(f"/sandboxes/{sid}/v2/watch/{other['watcher_id']}/poll", params={"timeout": 0}))
         assert poll["overflow"] is True, poll
         # deleting the watchers gives the watches back
         for w in (made, other):
             ok(c.delete(f"/sandboxes/{sid}/v2/watch/{w['watcher_id']}"))
         assert inotify_watches(server.process.pid) == before
+
+
+def test_a_killed_server_leaves_mounts_that_the_next_one_detaches(home: Path) -> None:
+    sid = f"d-{uuid.uuid4().hex[:8]}"
+    first = serve(home, DISK_TOML)
+    try:
+        with first.client() as c:
+            ok(run(c, sid, "echo kept > /workspace/note"))
+    finally:
+        first.process.kill()
+        first.process.wait()
+    assert mounts_under(home), "a SIGKILLed server cannot unmount"
+    again = serve(home, DISK_TOML)
+    try:
+        assert mounts_under(home) == []  # detached at startup, before any request
+        with again.client() as c:
+            assert ok(run(c, sid, "cat /workspace/note"))["stdout"] == "kept\n"
+    finally:
+        stop_server(again)
+    assert mounts_under(home) == []
+
+
+# ---------------------------------------------------------------- the image, through the registry
+
+
+async def test_an_unstarted_session_reads_its_image_and_a_legacy_workspace_is_adopted(
+    make_registry: RegistryFactory, sandbox_tmp: Path
+) -> None:
+    settings = sandbox_settings(sandbox_tmp / "home", disk_mb=BUDGET_MB)
+    legacy = settings.home / "sessions" / "legacy" / "workspace"
+    (legacy / "src").mkdir(parents=True)
+    (legacy / "AGENTS.md").write_text("be brief\n")
+    (legacy / "src" / "link").symlink_to("/etc/shadow")
+    kit = await make_registry(settings)
+    machine = await kit.registry.open("legacy")
+    assert isinstance(machine, SandboxMachine) and os.path.ismount(legacy)
+    listing = await machine.exec(ExecRequest(command="ls -A /workspace; readlink /workspace/src/link"))
+    assert listing.stdout == b"AGENTS.md\nsrc\n/etc/shadow\n", listing
+    await kit.close()
+    assert not os.path.ismount(legacy) and list(legacy.iterdir()) == []  # the files are in the image
+    # a new server's view of the unstarted session reads its AGENTS.md without starting it
+    again = await make_registry(settings)
+    view = again.registry.view("legacy")
+    assert isinstance(view, SandboxMachine) and view.state == "stopped"
+    assert (view.workspace / "AGENTS.md").read_text() == "be brief\n"
+    await again.close()
+    assert not os.path.ismount(legacy)
+
+
+async def test_a_legacy_workspace_past_its_budget_does_not_start_and_is_left_alone(
+    make_registry: RegistryFactory, sandbox_tmp: Path
+) -> None:
+    settings = sandbox_settings(sandbox_tmp / "home", disk_mb=MIN_DISK_MB)
+    legacy = settings.home / "sessions" / "big" / "workspace"
+    legacy.mkdir(parents=True)
+    (legacy / "blob").write_bytes(os.urandom((MIN_DISK_MB + 1) * 2**20))
+    kit = await make_registry(settings)
+    with pytest.raises(MachineUnavailable, match="disk budget"):
+        await kit.registry.open("big")
+    assert [p.name for p in legacy.iterdir()] == ["blob"] and not os.path.ismount(legacy)
+    assert not image_of(legacy).exists()
