@@ -20,9 +20,10 @@ import pytest
 
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.disk import MIN_DISK_MB, image_of
-from agentbox.machines.errors import MachineUnavailable
+from agentbox.machines.errors import CapacityExceeded, MachineUnavailable
+from agentbox.machines.local import LocalMachine
 from agentbox.machines.sandbox import SandboxMachine
-from agentbox.workspace.watch import MAX_WATCHES_PER_MACHINE
+from agentbox.workspace.watch import MAX_WATCHES_PER_MACHINE, WatchHub
 from tests.conftest import RegistryFactory, Server, sandbox_settings, start_server, stop_server, traversable
 
 #: Seconds any condition (a turn ending, a sandbox becoming idle) may take before a test fails.
@@ -307,3 +308,41 @@ async def test_a_legacy_workspace_past_its_budget_does_not_start_and_is_left_alo
         await kit.registry.open("big")
     assert [p.name for p in legacy.iterdir()] == ["blob"] and not os.path.ismount(legacy)
     assert not image_of(legacy).exists()
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+async def test_watches_per_machine_at_the_boundary(tmp_path: Path, extra: int) -> None:
+    """The root and MAX_WATCHES_PER_MACHINE - 1 directories fit exactly; one more overflows."""
+    for i in range(MAX_WATCHES_PER_MACHINE - 1 + extra):
+        (tmp_path / "tree" / str(i)).mkdir(parents=True)
+    hub = WatchHub(LocalMachine("local", tmp_path))
+    try:
+        watcher = hub.create(str(tmp_path / "tree"))
+        assert len(watcher._wds) == MAX_WATCHES_PER_MACHINE
+        assert (await watcher.poll(0, timeout=0)).overflow is bool(extra)
+        if not extra:  # full now: a directory made later is past the bound, and says so
+            (tmp_path / "tree" / "late").mkdir()
+            deadline = time.monotonic() + DEADLINE
+            while not (page := await watcher.poll(0, timeout=1)).overflow:
+                assert time.monotonic() < deadline, page
+            assert len(watcher._wds) == MAX_WATCHES_PER_MACHINE
+    finally:
+        await hub.close()
+
+
+async def test_the_caps_at_their_boundary(make_registry: RegistryFactory, sandbox_tmp: Path) -> None:
+    """Two sandboxes of 512 MiB fit max_sandbox_memory_mb = 1024 exactly; a third is refused,
+    and so is a third under max_sandboxes = 2."""
+    settings = sandbox_settings(sandbox_tmp / "home", memory_mb=512, disk_mb=0)
+    settings.max_sandbox_memory_mb = 1024
+    kit = await make_registry(settings)
+    await kit.registry.open("a")
+    await kit.registry.open("b")
+    with pytest.raises(CapacityExceeded, match="max_sandbox_memory_mb = 1024") as refused:
+        await kit.registry.open("c")
+    assert refused.value.retry_after >= 1
+    settings.max_sandbox_memory_mb, settings.max_sandboxes = 10**6, 2
+    with pytest.raises(CapacityExceeded, match="max_sandboxes = 2"):
+        await kit.registry.open("c")
+    await kit.registry.close_session("a")
+    assert isinstance(await kit.registry.open("c"), SandboxMachine)
