@@ -186,6 +186,19 @@ class TooManyWatchers(WorkspaceError):
         self.limit = limit
 
 
+class TooManyWatches(WorkspaceError):
+    """The machine's watchers hold MAX_WATCHES_PER_MACHINE watches: no room for a new root."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            "bad_request",
+            f"Failed to watch path: this sandbox already holds {limit} directory watches; delete a watcher first",
+            "watch",
+            exception_type="TooManyWatches",
+        )
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class Event:
     """One change, as the wire carries it (the field order is the seed's JSON)."""
@@ -704,13 +717,7 @@ class WatchHub:
             with contextlib.suppress(OSError):
                 self._inotify.rm_watch(watch)  # a new watch past this machine's bound
             if strict:
-                raise WorkspaceError(
-                    "bad_request",
-                    f"Failed to watch path: this sandbox already holds {MAX_WATCHES_PER_MACHINE} "
-                    "directory watches; delete a watcher first",
-                    "watch",
-                    exception_type="TooManyWatches",
-                )
+                raise TooManyWatches(MAX_WATCHES_PER_MACHINE)
             watcher._lost()
             return None
         if entry is None:

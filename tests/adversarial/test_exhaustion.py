@@ -346,3 +346,21 @@ async def test_the_caps_at_their_boundary(make_registry: RegistryFactory, sandbo
         await kit.registry.open("c")
     await kit.registry.close_session("a")
     assert isinstance(await kit.registry.open("c"), SandboxMachine)
+
+
+async def test_a_larger_budget_grows_the_image_and_keeps_its_files(
+    make_registry: RegistryFactory, sandbox_tmp: Path
+) -> None:
+    home = sandbox_tmp / "home"
+    small = await make_registry(sandbox_settings(home, disk_mb=16))
+    machine = await small.registry.open("grow")
+    await machine.exec(ExecRequest(command="echo kept > /workspace/note"))
+    await small.close()
+    large = await make_registry(sandbox_settings(home, disk_mb=48))
+    machine = await large.registry.open("grow")
+    df = await machine.exec(
+        ExecRequest(command="cat /workspace/note; df -k --output=size /workspace | tail -1")
+    )
+    note, size_kb = df.stdout.decode().split()
+    assert note == "kept" and 40 * 1024 < int(size_kb) <= 48 * 1024, df
+    assert image_of(home / "sessions" / "grow" / "workspace").stat().st_size == 48 * 2**20
