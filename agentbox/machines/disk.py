@@ -30,6 +30,7 @@ workspace; a larger `disk_mb` later grows it (online `resize2fs`), a smaller one
 shrinks it. A workspace directory that already holds files and has no image (made before
 budgets) is copied into the new image once; if it does not fit, the sandbox does not
 start (`MachineUnavailable` naming the budget) and the directory is left as it was.
+Callers serialize `attach` for one workspace (the registry holds a lock around it).
 
 A server that is not root cannot mount: its workspaces are plain directories, no budget.
 """
@@ -158,8 +159,8 @@ def _adopt(workspace: Path, image: Path) -> None:
     if copied.returncode != 0:
         image.unlink()
         raise MachineUnavailable(
-            f"the workspace's files do not fit its disk budget of {image_mb} MiB; raise disk_mb for this machine"
-            f" ({copied.stderr.strip()[-200:]})"
+            f"the workspace's files could not be moved into its disk image (budget {image_mb} MiB; "
+            f"raise disk_mb if they do not fit): {copied.stderr.strip()[-200:]}"
         )
     for entry in os.scandir(workspace):
         if entry.is_dir(follow_symlinks=False):

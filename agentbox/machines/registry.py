@@ -29,7 +29,8 @@ and no leftover process for PRESSURE_IDLE_SECONDS (or `idle_minutes`, if shorter
 janitor would later. If that makes no room the open fails with `CapacityExceeded` (HTTP
 503 `capacity_exceeded` with Retry-After; for a turn, `turn.failed` `machine_unavailable`
 naming the machine); Retry-After is when the next live sandbox becomes reclaimable, or
-BUSY_RETRY_SECONDS when all of them are busy.
+BUSY_RETRY_SECONDS when all of them are busy. An entry with `memory_mb = 0` (no limit)
+counts toward `max_sandboxes` only.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import asyncio
 import contextlib
 import math
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -114,6 +116,8 @@ class Registry:
         """Sandboxes being started or resumed, with their memory limit (MiB): they count already."""
         self._attached: set[str] = set()
         """Sessions whose workspace image this registry mounted."""
+        self._disk_lock = threading.Lock()
+        """One attach at a time (two machines of a session share its workspace)."""
         self._janitor: asyncio.Task[None] | None = None
         self.on_ready: list[Callable[[Entry, bool], Awaitable[None]]] = []
 
@@ -283,13 +287,16 @@ class Registry:
         finally:
             del self._starting[key]
 
-    def _live(self) -> dict[tuple[str, str | None], int]:
-        """Running and starting sandboxes, each with its memory limit (MiB)."""
-        live = {
-            (e.config.name, e.session_id): memory_mb(e.config)
+    def _running(self) -> list[tuple[Entry, SandboxMachine]]:
+        return [
+            (e, e.machine)
             for e in self._entries.values()
             if isinstance(e.machine, SandboxMachine) and e.state == "running"
-        }
+        ]
+
+    def _live(self) -> dict[tuple[str, str | None], int]:
+        """Running and starting sandboxes, each with its memory limit (MiB)."""
+        live = {(e.config.name, e.session_id): memory_mb(e.config) for e, _ in self._running()}
         return {**live, **self._starting}
 
     def _over_cap(self, memory: int) -> str | None:
@@ -305,30 +312,23 @@ class Registry:
             )
         return None
 
-    def _reclaimable(self, now: float) -> list[Entry]:
-        """Running sandboxes idle past the pressure threshold, least recently used first."""
-        idle = min(PRESSURE_IDLE_SECONDS, self.settings.idle_minutes * 60)
-        found = [
-            e for e in self._entries.values()
-            if isinstance(e.machine, SandboxMachine) and e.state == "running"
-            and not e.machine.busy() and now - e.machine.last_used >= idle
-        ]  # fmt: skip
-        return sorted(found, key=lambda e: e.machine.last_used)  # type: ignore[attr-defined, no-any-return]
+    def _idle_for(self) -> list[tuple[float, Entry]]:
+        """Running sandboxes with nothing running, each with the seconds until it may be
+        reclaimed under pressure (<= 0: now), least recently used first."""
+        threshold, now = min(PRESSURE_IDLE_SECONDS, self.settings.idle_minutes * 60), time.monotonic()
+        idle = [(threshold - (now - m.last_used), e) for e, m in self._running() if not m.busy()]
+        return sorted(idle, key=lambda pair: pair[0])
 
     async def _reclaim_for(self, memory: int) -> None:
-        for entry in self._reclaimable(time.monotonic()):
-            if self._over_cap(memory) is None:
+        for wait, entry in self._idle_for():
+            if wait > 0 or self._over_cap(memory) is None:
                 return
             await self.suspend(entry)
 
     def _retry_after(self) -> int:
         """Seconds until the next live sandbox becomes reclaimable (if none is busy forever)."""
-        now, idle = time.monotonic(), min(PRESSURE_IDLE_SECONDS, self.settings.idle_minutes * 60)
-        waits = [
-            idle - (now - e.machine.last_used) for e in self._entries.values()
-            if isinstance(e.machine, SandboxMachine) and e.state == "running" and not e.machine.busy()
-        ]  # fmt: skip
-        return max(1, math.ceil(min(waits))) if waits else BUSY_RETRY_SECONDS
+        idle = self._idle_for()
+        return max(1, math.ceil(idle[0][0])) if idle else BUSY_RETRY_SECONDS
 
     def _workspace(self, session_id: str) -> Path:
         return self.session_dir(session_id) / "workspace"
@@ -339,8 +339,9 @@ class Registry:
         if size <= 0 or not disk.available():
             return
         host = self.sandbox_host
-        disk.attach(self._workspace(session_id), size, host.uid, host.gid)
-        self._attached.add(session_id)
+        with self._disk_lock:
+            disk.attach(self._workspace(session_id), size, host.uid, host.gid)
+            self._attached.add(session_id)
 
     def _detach(self, session_id: str) -> None:
         if session_id in self._attached:

@@ -304,7 +304,7 @@ async def test_a_legacy_workspace_past_its_budget_does_not_start_and_is_left_alo
     legacy.mkdir(parents=True)
     (legacy / "blob").write_bytes(os.urandom((MIN_DISK_MB + 1) * 2**20))
     kit = await make_registry(settings)
-    with pytest.raises(MachineUnavailable, match="disk budget"):
+    with pytest.raises(MachineUnavailable, match=f"budget {MIN_DISK_MB} MiB"):
         await kit.registry.open("big")
     assert [p.name for p in legacy.iterdir()] == ["blob"] and not os.path.ismount(legacy)
     assert not image_of(legacy).exists()
