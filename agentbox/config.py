@@ -60,6 +60,8 @@ SECRET_FIELDS = {"password", "private_key", "token", "api_key", "passphrase"}
 DEFAULT_MAX_SANDBOXES = 64
 #: Share of the host's MemTotal that live sandboxes' memory limits may sum to by default.
 DEFAULT_MEMORY_SHARE = 0.75
+#: The memory cap where the host's MemTotal is unknown: none in practice (1 PiB).
+UNCAPPED_MEMORY_MB = 2**30
 
 
 def host_memory_mb() -> int:
@@ -75,7 +77,9 @@ def host_memory_mb() -> int:
 
 
 def default_sandbox_memory_mb() -> int:
-    return int(host_memory_mb() * DEFAULT_MEMORY_SHARE)
+    """DEFAULT_MEMORY_SHARE of MemTotal; no cap at all where MemTotal cannot be read."""
+    total = host_memory_mb()
+    return int(total * DEFAULT_MEMORY_SHARE) if total else UNCAPPED_MEMORY_MB
 
 
 def default_home() -> Path:

@@ -78,15 +78,19 @@ def attach(workspace: Path, size_mb: int, uid: int, gid: int) -> None:
         _grow(workspace, image, size)
         return
     workspace.mkdir(parents=True, exist_ok=True)
-    if not image.exists():
+    fresh = not image.exists()
+    if fresh:
         _make(image, size, uid, gid)
         if any(workspace.iterdir()):
             _adopt(workspace, image)
+            fresh = False
     elif image.stat().st_size < size:
         _run(["truncate", "-s", str(size), str(image)])
         _run(["e2fsck", "-f", "-p", str(image)], ok=(0, 1))
         _run(["resize2fs", str(image)])
     _mount(image, workspace)
+    if fresh:  # mkfs leaves lost+found in the root; a workspace starts empty (e2fsck remakes it)
+        (workspace / "lost+found").rmdir()
 
 
 def detach(workspace: Path) -> None:
@@ -128,15 +132,6 @@ def _make(image: Path, size: int, uid: int, gid: int) -> None:
             "mkfs.ext4", "-q", "-F", "-m", "0", "-E",
             f"root_owner={uid}:{gid},lazy_itable_init=1,lazy_journal_init=1,nodiscard", str(image),
         ])  # fmt: skip
-        # mkfs leaves lost+found in the root; the workspace starts empty (e2fsck remakes it if needed)
-        staging = image.parent / STAGING_NAME
-        staging.mkdir(mode=0o700, exist_ok=True)
-        _mount(image, staging)
-        try:
-            (staging / "lost+found").rmdir()
-        finally:
-            _umount(staging)
-            staging.rmdir()
     except BaseException:
         image.unlink()
         raise
@@ -149,6 +144,7 @@ def _adopt(workspace: Path, image: Path) -> None:
     staging.mkdir(mode=0o700, exist_ok=True)
     _mount(image, staging)
     try:
+        (staging / "lost+found").rmdir()
         copied = subprocess.run(
             ["cp", "-a", "--no-dereference", "--", f"{workspace}/.", f"{staging}/"],
             env=TOOL_ENV, capture_output=True, text=True,
