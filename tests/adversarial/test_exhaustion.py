@@ -1,7 +1,7 @@
 """Exhausting the host from inside a sandbox or through the API, against a real `agentbox serve`.
 
 Each test starts its own server with small limits (a config file through AGENTBOX_CONFIG,
-or env vars), so it runs in seconds: a workspace budget of a few MiB, a cap of two live
+or env vars), so nothing takes long: a workspace budget of a few MiB, a cap of two live
 sandboxes, a tree with more directories than one machine may watch.
 """
 
