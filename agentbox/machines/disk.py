@@ -32,7 +32,8 @@ budgets) is copied into the new image once; if it does not fit, the sandbox does
 start (`MachineUnavailable` naming the budget) and the directory is left as it was.
 Callers serialize `attach` for one workspace (the registry holds a lock around it).
 
-A server that is not root cannot mount: its workspaces are plain directories, no budget.
+A server that is not root, or has no `/dev/loop-control` or `mkfs.ext4`, cannot make
+images: its workspaces are plain directories without a budget, and it logs a warning once.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ STAGING_NAME = ".workspace-staging"
 #: The environment of mkfs, mount and friends: nothing of the server's.
 TOOL_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 MNT_DETACH = 2
+LOOP_CONTROL = "/dev/loop-control"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -66,8 +68,12 @@ def image_of(workspace: Path) -> Path:
 
 
 def available() -> bool:
-    """Only root may loop-mount; anyone else keeps plain directories."""
-    return os.geteuid() == 0 and shutil.which("mkfs.ext4", path=TOOL_ENV["PATH"]) is not None
+    """Only root with loop devices and mkfs.ext4 can make images; others keep plain directories."""
+    return (
+        os.geteuid() == 0
+        and Path(LOOP_CONTROL).exists()
+        and shutil.which("mkfs.ext4", path=TOOL_ENV["PATH"]) is not None
+    )
 
 
 def attach(workspace: Path, size_mb: int, uid: int, gid: int) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import shutil
 import threading
@@ -65,6 +66,8 @@ MAX_LEVEL = 10
 ACTIVITY_FILE = ".last_active"
 #: Seconds between two updates of a session's activity file (its mtime drives the purge).
 ACTIVITY_RESOLUTION = 60.0
+
+log = logging.getLogger(__name__)
 
 #: At the sandbox cap, a sandbox idle this long (seconds: no command, no process left) is
 #: reclaimed to make room rather than refusing a new one (the janitor waits for idle_minutes).
@@ -118,6 +121,7 @@ class Registry:
         """Sessions whose workspace image this registry mounted."""
         self._disk_lock = threading.Lock()
         """One attach at a time (two machines of a session share its workspace)."""
+        self._warned_disk = False
         self._janitor: asyncio.Task[None] | None = None
         self.on_ready: list[Callable[[Entry, bool], Awaitable[None]]] = []
 
@@ -336,7 +340,12 @@ class Registry:
     def _attach(self, config: MachineConfig, session_id: str) -> None:
         """Mount the session's workspace image (made on first use) when it has a budget."""
         size = int(config.options.get("disk_mb", disk.DEFAULT_DISK_MB) or 0)
-        if size <= 0 or not disk.available():
+        if size <= 0:
+            return
+        if not disk.available():
+            if not self._warned_disk:
+                self._warned_disk = True
+                log.warning("no workspace disk budgets: needs root, %s and mkfs.ext4", disk.LOOP_CONTROL)
             return
         host = self.sandbox_host
         with self._disk_lock:
