@@ -10,6 +10,8 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     default_machine = "sandbox"
     delegable = ["sandbox"]         # machines a model may choose (seed 004 routing)
     model_endpoints = ["http://127.0.0.1:11434/v1"]  # a session's base_url may point here
+    max_sandboxes = 64              # live sandboxes at once, server-wide (AGENTBOX_MAX_SANDBOXES)
+    max_sandbox_memory_mb = 18000   # their memory limits summed (default 75 % of MemTotal)
 
     [machines.sandbox]
     kind = "sandbox"
@@ -17,6 +19,7 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     memory_mb = 2048
     pids = 512
     cpus = 1.0
+    disk_mb = 10240                 # /workspace's disk budget (agentbox.machines.disk); 0 = none
     idle_minutes = 20               # reclaim after this long idle (seed 000)
     env = { TZ = "UTC" }            # env providers: injected into every command
 
@@ -79,6 +82,30 @@ DEFAULT_LEVEL = 4
 #: model's commands run with the server's rights there.
 HOST_KINDS = frozenset({"local", "ssh"})
 SECRET_FIELDS = {"password", "private_key", "token", "api_key", "passphrase"}
+#: Live sandboxes one server runs at once when the config names no `max_sandboxes`.
+DEFAULT_MAX_SANDBOXES = 64
+#: Share of the host's MemTotal that live sandboxes' memory limits may sum to by default.
+DEFAULT_MEMORY_SHARE = 0.75
+#: The memory cap where the host's MemTotal is unknown: none in practice (1 PiB).
+UNCAPPED_MEMORY_MB = 2**30
+
+
+def host_memory_mb() -> int:
+    """The host's MemTotal in MiB (from /proc/meminfo; 0 if it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def default_sandbox_memory_mb() -> int:
+    """DEFAULT_MEMORY_SHARE of MemTotal; no cap at all where MemTotal cannot be read."""
+    total = host_memory_mb()
+    return int(total * DEFAULT_MEMORY_SHARE) if total else UNCAPPED_MEMORY_MB
 
 
 def is_loopback(host: str) -> bool:
@@ -157,6 +184,12 @@ class Settings:
     purge_days: float = DEFAULT_PURGE_DAYS
     sandbox_uid: int = 64999
     """Host uid (and gid) sandbox processes run as when the server is root."""
+    max_sandboxes: int = DEFAULT_MAX_SANDBOXES
+    """Live (running) sandboxes at once, over all sessions and machines; past it, idle ones are
+    reclaimed and then a new one is refused (503, `capacity_exceeded`, Retry-After)."""
+    max_sandbox_memory_mb: int = field(default_factory=default_sandbox_memory_mb)
+    """What the memory limits (`memory_mb`) of live sandboxes may sum to, in MiB; by default
+    75 % of the host's MemTotal, so limits cannot promise more memory than the host has."""
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per model (`provider:name`): `context_window`, `max_output_tokens`."""
     agents: list[dict[str, Any]] = field(default_factory=list)
@@ -220,6 +253,14 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
         ),
         purge_days=float(env.get("AGENTBOX_PURGE_DAYS") or data.get("purge_days", DEFAULT_PURGE_DAYS)),
         sandbox_uid=int(env.get("AGENTBOX_SANDBOX_UID") or data.get("sandbox_uid", 64999)),
+        max_sandboxes=int(
+            env.get("AGENTBOX_MAX_SANDBOXES") or data.get("max_sandboxes", DEFAULT_MAX_SANDBOXES)
+        ),
+        max_sandbox_memory_mb=int(
+            env.get("AGENTBOX_MAX_SANDBOX_MEMORY_MB")
+            or data.get("max_sandbox_memory_mb")
+            or default_sandbox_memory_mb()
+        ),
         models={str(k): dict(v) for k, v in (data.get("models") or {}).items()},
         agents=[dict(a) for a in data.get("agents") or []],
         allowed_hosts=listed(env.get("AGENTBOX_ALLOWED_HOSTS") or data.get("allowed_hosts")),

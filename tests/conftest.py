@@ -72,9 +72,14 @@ class Server:
         return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kwargs)  # type: ignore[arg-type]
 
 
+#: Server-wide sandbox caps for test servers: a shared server opens a sandbox per test, more
+#: than the host-derived defaults admit at once; tests/adversarial/test_exhaustion.py tests the caps.
+ROOMY = {"AGENTBOX_MAX_SANDBOXES": "100000", "AGENTBOX_MAX_SANDBOX_MEMORY_MB": "100000000"}
+
+
 def start_server(home: Path, env: dict[str, str] | None = None, port: int | None = None) -> Server:
     port = port or free_port()
-    full_env = {**os.environ, "AGENTBOX_HOME": str(home), **(env or {})}
+    full_env = {**os.environ, "AGENTBOX_HOME": str(home), **ROOMY, **(env or {})}
     log = open(home.parent / f"server-{port}.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentbox", "serve", "--port", str(port)],

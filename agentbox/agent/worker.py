@@ -373,13 +373,13 @@ class Worker:
         try:
             await self._place(session, turn)
             await context.begin(boundary=before.status == "queued")
+            if before.status == "queued":
+                return await loop.run()
+            return await self._recover(loop, before)
         except PlacementError as exc:
             return Failed("internal_error", str(exc))
-        except MachineError as exc:  # the sandbox cannot start: nothing in this turn could use it
+        except MachineError as exc:  # the sandbox cannot start (also at a tool call): nothing could use it
             return Failed("machine_unavailable", f"the session's machine is not available: {exc}", True)
-        if before.status == "queued":
-            return await loop.run()
-        return await self._recover(loop, before)
 
     async def _place(self, session: Session, turn: Turn) -> None:
         """Put the message's files in the workspace, once (seed 000: /workspace/inputs)."""

@@ -3,6 +3,8 @@
     success   {"success": true,  "message": "...", "data": {...}, "hint": null}
     failure   {"success": false, "message": "...", "data": {errno, errno_name, error_type,
                exception_type, message, operation, path, retryable}, "hint": null}
+    refused   a failure at the sandbox cap also has "retry_after": <seconds> beside "data",
+              status 503 and a Retry-After header
 
 v2 sends failures with the HTTP status of their `error_type`; v1 sends them with 200
 (upstream AIO), except downloads and unknown watchers. A malformed JSON body is 422 with a
@@ -44,6 +46,7 @@ STATUS_BY_TYPE = {
     "already_exists": 409,
     "decode_error": 422,
     "no_space_left": 507,
+    "capacity_exceeded": 503,
     "io_error": 500,
 }
 #: Bytes of JSON body a route reads before refusing it (uploads and tar bodies stream instead).
@@ -99,8 +102,11 @@ def ok(data: Any = None, message: str = "Operation successful", **extra: Any) ->
 
 def failure(error: WorkspaceError, *, v1: bool = False) -> JSONResponse:
     status = 200 if v1 else STATUS_BY_TYPE.get(error.error_type, 500)
-    body = {"success": False, "message": error.message, "data": error.to_dict(), "hint": None}
-    return JSONResponse(body, status_code=status)
+    body: dict[str, Any] = {"success": False, "message": error.message, "data": error.to_dict(), "hint": None}
+    if error.retry_after is None:
+        return JSONResponse(body, status_code=status)
+    body["retry_after"] = error.retry_after
+    return JSONResponse(body, status_code=status, headers={"Retry-After": str(error.retry_after)})
 
 
 def refused(status: int, error_type: str, message: str, operation: str, exception_type: str) -> JSONResponse:

@@ -8,6 +8,8 @@
     ├── MachineDenied         the caller's level or the routing allow-list refuses the machine
     ├── MachineNotFound       no machine of that name is configured
     ├── MachineUnavailable    the machine could not be opened or its transport broke
+    ├── CapacityExceeded      the server already runs max_sandboxes sandboxes (or their memory
+    │                         limits would pass max_sandbox_memory_mb): 503, retry after a while
     └── OwnerUnsupported      `?user=` names an owner this machine cannot set
 
 Ordinary filesystem failures stay `OSError`s with their errno; the workspace layer turns
@@ -44,6 +46,14 @@ class MachineNotFound(MachineError):
 
 class MachineUnavailable(MachineError):
     pass
+
+
+class CapacityExceeded(MachineError):
+    """No room for one more live sandbox; `retry_after` says when one may have been reclaimed."""
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class OwnerUnsupported(MachineError):

@@ -17,24 +17,42 @@ A bwrap sandbox cannot be frozen to disk, so "suspend" releases everything but
 bwrap sandboxes die with the server (`--die-with-parent`), after a restart a live marker
 leads to cleaning up what the dead sandbox left and to a lazy rebuild under the same id.
 A session's workspace is purged after `purge_days` without activity.
+
+A session's workspace is an ext4 image of `disk_mb` (see `disk.py`), mounted on the
+session's workspace directory before its first sandbox starts and unmounted when the
+session is closed or the server stops.
+
+Capacity, server-wide: at most `max_sandboxes` sandboxes run at once, and their memory
+limits (`memory_mb`) sum to at most `max_sandbox_memory_mb`. Opening or resuming one more
+past either first reclaims idle sandboxes, least recently used first: any with no command
+and no leftover process for PRESSURE_IDLE_SECONDS (or `idle_minutes`, if shorter), as the
+janitor would later. If that makes no room the open fails with `CapacityExceeded` (HTTP
+503 `capacity_exceeded` with Retry-After; for a turn, `turn.failed` `machine_unavailable`
+naming the machine); Retry-After is when the next live sandbox becomes reclaimable, or
+BUSY_RETRY_SECONDS when all of them are busy. An entry with `memory_mb = 0` (no limit)
+counts toward `max_sandboxes` only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import shutil
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from agentbox.config import SECRET_FIELDS, MachineConfig, Settings
 from agentbox.ids import new_id
+from agentbox.machines import disk
 from agentbox.machines.base import Machine
 from agentbox.machines.cgroups import Limits
-from agentbox.machines.errors import MachineDenied, MachineNotFound
+from agentbox.machines.errors import CapacityExceeded, MachineDenied, MachineNotFound, MachineUnavailable
 from agentbox.machines.local import LocalMachine
 from agentbox.machines.sandbox import (
     DEFAULT_HOME_MB,
@@ -55,6 +73,16 @@ MAX_LEVEL = 10
 ACTIVITY_FILE = ".last_active"
 #: Seconds between two updates of a session's activity file (its mtime drives the purge).
 ACTIVITY_RESOLUTION = 60.0
+
+log = logging.getLogger(__name__)
+
+#: At the sandbox cap, a sandbox idle this long (seconds: no command, no process left) is
+#: reclaimed to make room rather than refusing a new one (the janitor waits for idle_minutes).
+PRESSURE_IDLE_SECONDS = 60.0
+#: Retry-After (seconds) of a refusal at the cap when every live sandbox is busy.
+BUSY_RETRY_SECONDS = 30
+#: A sandbox's memory limit when its entry names none, in MiB.
+DEFAULT_MEMORY_MB = 2048
 
 EnvProvider = Callable[[str, str | None], dict[str, str]]
 
@@ -94,6 +122,13 @@ class Registry:
         self._opening: dict[tuple[str, str | None], asyncio.Future[Entry]] = {}
         self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
         self._host: SandboxHost | None = None
+        self._starting: dict[tuple[str, str | None], int] = {}
+        """Sandboxes being started or resumed, with their memory limit (MiB): they count already."""
+        self._attached: set[str] = set()
+        """Sessions whose workspace image this registry mounted."""
+        self._disk_lock = threading.Lock()
+        """One attach at a time (two machines of a session share its workspace)."""
+        self._warned_disk = False
         self._janitor: asyncio.Task[None] | None = None
         self.on_ready: list[Callable[[Entry, bool], Awaitable[None]]] = []
 
@@ -158,11 +193,10 @@ class Registry:
         try:
             async with self._lock(key):  # never while the same machine is being suspended
                 entry = self._entries.get(key)
-                if entry is None:
-                    entry = await self._create(config, sid)
-                elif entry.state != "running":
-                    entry = await self._resume(entry)
-            self._entries[key] = entry
+                if entry is None or entry.state != "running":
+                    async with self._room(config, key):  # counted from here until it is an entry
+                        entry = await (self._create(config, sid) if entry is None else self._resume(entry))
+                        self._entries[key] = entry
             fut.set_result(entry)
         except BaseException as exc:
             fut.set_exception(exc)
@@ -196,6 +230,9 @@ class Registry:
         entry = self._entries.get((config.name, sid))
         if entry is not None:
             return entry.machine
+        if sid is not None and disk.image_of(self._workspace(sid)).exists():
+            with contextlib.suppress(MachineUnavailable):  # then it reads as empty until a start
+                self._attach(config, sid)  # its files are in the image: readable without a start
         return self._machine(config, sid, new_id("sbx"))
 
     async def _create(self, config: MachineConfig, session_id: str | None) -> Entry:
@@ -204,6 +241,7 @@ class Registry:
         machine = self._machine(config, session_id, sandbox_id or new_id("sbx"))
         if isinstance(machine, SandboxMachine):
             assert session_id is not None
+            await asyncio.to_thread(self._attach, config, session_id)
             await machine.start()
             await self._mark(session_id, config, machine)
             return Entry(machine, config, session_id)
@@ -223,19 +261,108 @@ class Registry:
             sandbox_id,
             self.sandbox_host,
             sandbox_config(config, env),
-            self.session_dir(session_id) / "workspace",
+            self._workspace(session_id),
             self.session_dir(session_id) / "run" / config.name,
         )
 
     async def _resume(self, entry: Entry) -> Entry:
         machine = entry.machine
         if isinstance(machine, SandboxMachine):
-            await machine.start()
             assert entry.session_id is not None
+            await asyncio.to_thread(self._attach, entry.config, entry.session_id)
+            await machine.start()
             await self._mark(entry.session_id, entry.config, machine)
         entry.state = "running"
         entry.generation += 1
         return entry
+
+    # capacity and disk -------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _room(self, config: MachineConfig, key: tuple[str, str | None]) -> AsyncIterator[None]:
+        """Hold a place under the server's caps for a sandbox while it starts (or refuse one)."""
+        if config.kind != "sandbox":
+            yield
+            return
+        memory = memory_mb(config)
+        await self._reclaim_for(memory)
+        problem = self._over_cap(memory)
+        if problem is not None:
+            raise CapacityExceeded(
+                f"machine {config.name!r} cannot start a sandbox now: {problem}",
+                retry_after=self._retry_after(),
+            )
+        self._starting[key] = memory
+        try:
+            yield
+        finally:
+            del self._starting[key]
+
+    def _running(self) -> list[tuple[Entry, SandboxMachine]]:
+        return [
+            (e, e.machine)
+            for e in self._entries.values()
+            if isinstance(e.machine, SandboxMachine) and e.state == "running"
+        ]
+
+    def _live(self) -> dict[tuple[str, str | None], int]:
+        """Running and starting sandboxes, each with its memory limit (MiB)."""
+        live = {(e.config.name, e.session_id): memory_mb(e.config) for e, _ in self._running()}
+        return {**live, **self._starting}
+
+    def _over_cap(self, memory: int) -> str | None:
+        live = self._live()
+        cap, memory_cap = self.settings.max_sandboxes, self.settings.max_sandbox_memory_mb
+        if len(live) >= cap:
+            return f"the server already runs {len(live)} sandboxes (max_sandboxes = {cap})"
+        total = sum(live.values()) + memory
+        if memory and total > memory_cap:
+            return (
+                f"its memory limit of {memory} MiB would bring live sandboxes' limits to {total} MiB "
+                f"(max_sandbox_memory_mb = {memory_cap})"
+            )
+        return None
+
+    def _idle_for(self) -> list[tuple[float, Entry]]:
+        """Running sandboxes with nothing running, each with the seconds until it may be
+        reclaimed under pressure (<= 0: now), least recently used first."""
+        threshold, now = min(PRESSURE_IDLE_SECONDS, self.settings.idle_minutes * 60), time.monotonic()
+        idle = [(threshold - (now - m.last_used), e) for e, m in self._running() if not m.busy()]
+        return sorted(idle, key=lambda pair: pair[0])
+
+    async def _reclaim_for(self, memory: int) -> None:
+        for wait, entry in self._idle_for():
+            if wait > 0 or self._over_cap(memory) is None:
+                return
+            await self.suspend(entry)
+
+    def _retry_after(self) -> int:
+        """Seconds until the next live sandbox becomes reclaimable (if none is busy forever)."""
+        idle = self._idle_for()
+        return max(1, math.ceil(idle[0][0])) if idle else BUSY_RETRY_SECONDS
+
+    def _workspace(self, session_id: str) -> Path:
+        return self.session_dir(session_id) / "workspace"
+
+    def _attach(self, config: MachineConfig, session_id: str) -> None:
+        """Mount the session's workspace image (made on first use) when it has a budget."""
+        size = int(config.options.get("disk_mb", disk.DEFAULT_DISK_MB) or 0)
+        if size <= 0:
+            return
+        if not disk.available():
+            if not self._warned_disk:
+                self._warned_disk = True
+                log.warning("no workspace disk budgets: needs root, %s and mkfs.ext4", disk.LOOP_CONTROL)
+            return
+        host = self.sandbox_host
+        with self._disk_lock:
+            disk.attach(self._workspace(session_id), size, host.uid, host.gid)
+            self._attached.add(session_id)
+
+    def _detach(self, session_id: str) -> None:
+        if session_id in self._attached:
+            self._attached.discard(session_id)
+            disk.detach(self._workspace(session_id))
 
     def _env(self, config: MachineConfig, session_id: str | None) -> dict[str, str]:
         env = dict(config.env)
@@ -294,13 +421,18 @@ class Registry:
                 del self._entries[key]
                 if self.markers is not None:
                     await self.markers.clear(session_id, key[0])
+        self._detach(session_id)
         if purge:
+            disk.remove(self._workspace(session_id))
             shutil.rmtree(self.session_dir(session_id), ignore_errors=True)
 
     async def recover(self) -> list[str]:
         """After a restart: clean up what dead sandboxes left; they rebuild lazily."""
         release_orphans()  # mounts and cgroups of dead servers, whatever their home
         recovered: list[str] = []
+        sessions = self.settings.home / "sessions"
+        if disk.available() and sessions.is_dir():
+            disk.detach_all(sessions)  # a dead server's workspace mounts: remounted on demand
         if self.markers is None:
             return recovered
         for marker in await self.markers.live():
@@ -334,7 +466,8 @@ class Registry:
             if d.name in live or not marker.exists():
                 continue
             if wall_now - marker.stat().st_mtime > limit and (d / "workspace").exists():
-                shutil.rmtree(d / "workspace", ignore_errors=True)
+                self._attached.discard(d.name)
+                disk.remove(d / "workspace")
                 purged.append(d.name)
         return purged
 
@@ -356,16 +489,23 @@ class Registry:
             with contextlib.suppress(Exception):
                 await entry.machine.close()
         self._entries.clear()
+        for session_id in list(self._attached):
+            self._detach(session_id)
+
+
+def memory_mb(config: MachineConfig) -> int:
+    """The memory limit of this entry's sandboxes, in MiB (0: none)."""
+    return int(config.options.get("memory_mb", DEFAULT_MEMORY_MB) or 0)
 
 
 def sandbox_config(config: MachineConfig, env: dict[str, str]) -> SandboxConfig:
     o = config.options
     network = o.get("network", "on")
-    memory_mb = o.get("memory_mb", 2048)
+    memory = memory_mb(config)
     return SandboxConfig(
         network=network is True or str(network).lower() in ("on", "true", "1"),
         limits=Limits(
-            memory_bytes=int(memory_mb) * 1024 * 1024 if memory_mb else None,
+            memory_bytes=memory * 1024 * 1024 if memory else None,
             pids=int(o["pids"]) if o.get("pids") else Limits().pids,
             cpus=float(o["cpus"]) if o.get("cpus") else Limits().cpus,
         ),

@@ -10,9 +10,12 @@
     ├── no_space_left         ENOSPC / EDQUOT
     ├── decode_error          bytes that are not text in the requested encoding
     ├── bad_request           well-formed but unusable input (`old_str not found in file`)
+    ├── capacity_exceeded     the server runs all the sandboxes it may (503; `retry_after`)
     └── io_error              anything else the OS reports; retryable when transient
 
-The fields are exactly the `data` object of the AIO error envelope.
+The fields are exactly the `data` object of the AIO error envelope; `retry_after` (seconds,
+only for `capacity_exceeded`) goes beside it, as the envelope's `retry_after` and the
+response's Retry-After header.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from agentbox.machines.errors import (
+    CapacityExceeded,
     MachineError,
     OwnerUnsupported,
     PathEscape,
@@ -78,6 +82,7 @@ class WorkspaceError(Exception):
     errno_name: str | None = None
     exception_type: str | None = None
     retryable: bool = False
+    retry_after: int | None = None
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -131,6 +136,11 @@ def translate(exc: BaseException, operation: str, path: str | None) -> Workspace
         return WorkspaceError(
             "bad_request", failed(operation, exc.message), operation, path, exception_type="OwnerUnsupported"
         )
+    if isinstance(exc, CapacityExceeded):
+        return WorkspaceError(
+            "capacity_exceeded", failed(operation, exc.message), operation, path,
+            exception_type="CapacityExceeded", retryable=True, retry_after=exc.retry_after,
+        )  # fmt: skip
     if isinstance(exc, MachineError):
         return WorkspaceError(
             "io_error",

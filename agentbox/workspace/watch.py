@@ -54,6 +54,13 @@ MAX_WATCHED_DIRS directories takes a noticeable moment.
 Losses are reported, never hidden: when the ring drops events nobody consumed, when the
 kernel queue overflows, or when a watcher would need more than MAX_WATCHED_DIRS watches,
 the next poll says `overflow=True` once and a stream yields an `Overflow` marker: rescan.
+
+The host's inotify watches are one pool for the server's uid (`max_user_watches`), so one
+machine may hold at most MAX_WATCHES_PER_MACHINE of them, over all its watchers (a
+directory two watchers share counts once). A watcher whose tree needs more is created
+anyway and truncated: the directories past the bound are not watched, and it reports
+overflow as above, so a client knows to rescan (or to watch a smaller tree, or to exclude
+more). Deleting watchers gives their watches back.
 """
 
 from __future__ import annotations
@@ -96,6 +103,9 @@ MAX_EVENTS_PER_WATCHER = 10_000
 #: Directories one watcher may put an inotify watch on; past it, changes there are lost
 #: and reported as overflow.
 MAX_WATCHED_DIRS = 20_000
+#: inotify watches one machine's watchers may hold together (of the host's max_user_watches,
+#: shared by the whole server); past it a watcher is truncated and reports overflow.
+MAX_WATCHES_PER_MACHINE = 8192
 #: Events one poll returns when the client does not say.
 DEFAULT_POLL_LIMIT = 100
 #: Most events one poll returns; a larger `limit` is clamped to this.
@@ -180,6 +190,19 @@ class TooManyWatchers(WorkspaceError):
             "watch",
             path,
             exception_type="TooManyWatchers",
+        )
+        self.limit = limit
+
+
+class TooManyWatches(WorkspaceError):
+    """The machine's watchers hold MAX_WATCHES_PER_MACHINE watches: no room for a new root."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            "bad_request",
+            f"Failed to watch path: this sandbox already holds {limit} directory watches; delete a watcher first",
+            "watch",
+            exception_type="TooManyWatches",
         )
         self.limit = limit
 
@@ -702,6 +725,13 @@ class WatchHub:
                 watcher._lost()
             return None
         entry = self._dirs.get(watch.wd)
+        if entry is None and len(self._dirs) >= MAX_WATCHES_PER_MACHINE:
+            with contextlib.suppress(OSError):
+                self._inotify.rm_watch(watch)  # a new watch past this machine's bound
+            if strict:
+                raise TooManyWatches(MAX_WATCHES_PER_MACHINE)
+            watcher._lost()
+            return None
         if entry is None:
             entry = self._dirs[watch.wd] = _Dir(host, watch, set())
         entry.host = host
