@@ -11,11 +11,29 @@ from typing import Annotated
 
 import typer
 
+from agentbox import __version__
 from agentbox import config as config_mod
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="A self-hosted execution environment for AI agents."
 )
+
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"agentbox {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Options before any command (`agentbox --version`)."""
+
 
 #: Port of `agentbox serve` by default (the AIO sandbox's internal API port).
 DEFAULT_PORT = 8091
