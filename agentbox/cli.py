@@ -19,7 +19,6 @@ app = typer.Typer(
 )
 
 
-
 def _print_version(value: bool) -> None:
     if value:
         typer.echo(f"agentbox {__version__}")
@@ -29,7 +28,8 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def _options(
     version: Annotated[
-        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
     ] = False,
 ) -> None:
     """Options before any command (`agentbox --version`)."""
@@ -232,6 +232,26 @@ def events(
     if url is None:
         raise typer.Exit(asyncio.run(cli_run.print_events(Console(), session_id, after)))
     raise typer.Exit(asyncio.run(cli_remote.print_events(Console(), session_id, after, url, api_key)))
+
+
+@app.command()
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the checks as JSON.")] = False,
+) -> None:
+    """Check what this host gives sandboxes and what each missing piece costs; exit 1 if an essential one is missing."""
+    import json
+
+    from rich.console import Console
+
+    from agentbox import doctor as doctor_mod
+
+    settings = config_mod.load()
+    checks = doctor_mod.run_checks(settings.home, settings.sandbox_uid)
+    if as_json:
+        typer.echo(json.dumps(doctor_mod.as_json(checks), indent=2))
+    else:
+        doctor_mod.render(checks, Console())
+    raise typer.Exit(0 if doctor_mod.essential_ok(checks) else 1)
 
 
 def main() -> None:
