@@ -10,9 +10,11 @@ the test, so every hardening option is one that was tried.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
 
@@ -143,10 +145,24 @@ def test_systemd_unit_hardening_is_each_emulated() -> None:
     assert ("NoNewPrivileges", "yes") in hardening and ("ProtectSystem", "full") in hardening
 
 
+def kept_through_private_tmp(paths: list[Path], hold: Path) -> tuple[str, str]:
+    """Shell to keep `paths` (this checkout, its venv) that lie in /tmp or /var/tmp reachable
+    under a private /tmp, as they are for a service, whose code never lives there: bound to
+    `hold` before the tmpfs goes on, and back after."""
+    before, after = [], []
+    for i, path in enumerate(p for p in paths if p.is_relative_to("/tmp") or p.is_relative_to("/var/tmp")):
+        kept, dest = shlex.quote(str(hold / str(i))), shlex.quote(str(path))
+        before.append(f"mkdir -p {kept} && mount --bind {dest} {kept}")
+        after.append(f"mkdir -p {dest} && mount --bind {kept} {dest}")
+    return " && ".join(before) or "true", " && ".join(after) or "true"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the unit runs as root; emulating it needs root")
 def test_sandboxes_start_under_the_units_hardening() -> None:
     hardening = unit_hardening()
     setup = " && ".join(HARDENING[h] for h in sorted(hardening) if HARDENING[h]) or "true"
+    hold = Path(tempfile.mkdtemp(prefix="agentbox-hold-", dir="/run"))
+    keep, restore = kept_through_private_tmp([ROOT, Path(sys.prefix).resolve()], hold)
     no_new_privs = ("NoNewPrivileges", "yes") in hardening
     probe = (
         "grep NoNewPrivs /proc/self/status; touch /usr/local/agentbox-probe && echo layer-writable; "
@@ -154,13 +170,17 @@ def test_sandboxes_start_under_the_units_hardening() -> None:
     )
     launch = "setpriv --no-new-privs" if no_new_privs else ""
     home = 'AGENTBOX_HOME=$(mktemp -d) && chmod 755 "$AGENTBOX_HOME" && export AGENTBOX_HOME'
-    script = f'set -e; {setup}; {home}; exec {launch} "$@"'
+    script = f'set -e; {keep}; {setup}; {restore}; {home}; exec {launch} "$@"'
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
-         sys.executable, "-m", "agentbox", "exec", "--", "sh", "-c", probe],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    try:
+        run = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+             sys.executable, "-m", "agentbox", "exec", "--", "sh", "-c", probe],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        for point in [*hold.iterdir(), hold]:  # empty here: the binds were in the namespace only
+            point.rmdir()
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.split("\n")
     assert lines[0].split() == ["NoNewPrivs:", "1" if no_new_privs else "0"]
