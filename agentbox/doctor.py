@@ -96,14 +96,16 @@ def as_user(uid: int | None, gid: int | None) -> dict[str, Any]:
     return {} if uid is None else {"user": uid, "group": gid, "extra_groups": []}
 
 
-def check_user_namespaces(bwrap: Path, uid: int | None = None, gid: int | None = None) -> Check:
+def check_user_namespaces(
+    bwrap: Path, uid: int | None = None, gid: int | None = None, timeout: float = PROBE_TIMEOUT
+) -> Check:
     """Run `true` in a bwrap with every namespace, as the uid sandboxes run as."""
     name, cost = "user_namespaces", NO_SANDBOXES
     argv = [str(bwrap), "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/",
             "--proc", "/proc", "--dev", "/dev", "true"]  # fmt: skip
     who = "this user" if uid is None else f"uid {uid}"
     try:
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT, **as_user(uid, gid))
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **as_user(uid, gid))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Check(name, False, f"bwrap as {who}: {exc}", cost, True)
     if run.returncode != 0:

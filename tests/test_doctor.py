@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from agentbox import doctor
@@ -127,7 +130,28 @@ def test_optional_pieces_missing_are_shown_with_their_cost_and_do_not_fail(tmp_p
     assert doctor.essential_ok(checks) is True
 
 
-def test_disk_space_below_the_minimum_fails(tmp_path: Path) -> None:
-    assert doctor.check_disk_space(tmp_path / "home", minimum=0).ok is True
-    short = doctor.check_disk_space(tmp_path / "home", minimum=1 << 60)
-    assert short.ok is False and "no space left on device" in short.cost
+def test_a_hanging_namespace_probe_fails_after_its_timeout(tmp_path: Path) -> None:
+    hanging = fake_binary(tmp_path / "bwrap", "exec sleep 30")
+    started = time.monotonic()
+    check = doctor.check_user_namespaces(hanging, timeout=0.5)
+    assert check.ok is False and "timed out" in check.detail
+    assert time.monotonic() - started < 10
+
+
+def test_default_disk_minimum_is_two_gib() -> None:
+    assert doctor.MIN_FREE_BYTES == 2 * 1024**3
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs of a known size")
+def test_disk_space_at_the_minimum_passes_one_byte_short_fails(tmp_path: Path) -> None:
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        free = shutil.disk_usage(mnt).free
+        assert doctor.check_disk_space(mnt / "home", minimum=free).ok is True
+        short = doctor.check_disk_space(mnt / "home", minimum=free + 1)
+        assert short.ok is False and "no space left on device" in short.cost
+        assert str(mnt) in short.detail
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
