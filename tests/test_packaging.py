@@ -10,6 +10,7 @@ the test, so every hardening option is one that was tried.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -103,6 +104,30 @@ def test_pip_install_without_flags_in_a_fresh_venv(tmp_path: Path) -> None:
     )
     assert version.returncode == 0, version.stderr
     assert version.stdout.strip() == f"agentbox {__version__}"
+
+
+def readme_sdk_install() -> str:
+    """The README's shell line that installs the AIO SDK (in a code block or inline)."""
+    found = re.findall(r"pip install [^`\n]*agent-sandbox==[^`\n]*", (ROOT / "README.md").read_text())
+    assert len(found) == 1, found
+    return str(found[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(INSTALL_TIMEOUT + 60)
+def test_readmes_sdk_install_line_gives_an_importable_sdk(tmp_path: Path) -> None:
+    env_dir = tmp_path / "x"
+    venv.create(env_dir, with_pip=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{env_dir / 'bin'}:{env['PATH']}"
+    line = readme_sdk_install()
+    install = subprocess.run(
+        ["sh", "-c", line], env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT
+    )
+    assert install.returncode == 0, line + "\n" + install.stderr[-3000:]
+    check = [str(env_dir / "bin" / "python"), "-c", "from agent_sandbox import Sandbox; Sandbox"]
+    imported = subprocess.run(check, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert imported.returncode == 0, line + "\n" + imported.stderr
 
 
 def test_systemd_unit_runs_agentbox_serve_as_root_with_a_state_dir() -> None:
