@@ -10,12 +10,30 @@ from typing import Annotated
 
 import typer
 
+from agentbox import __version__
 from agentbox import config as config_mod
 from agentbox.config import is_loopback
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="A self-hosted execution environment for AI agents."
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"agentbox {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Options before any command (`agentbox --version`)."""
+
 
 #: Port of `agentbox serve` by default (the AIO sandbox's internal API port).
 DEFAULT_PORT = 8091
@@ -212,6 +230,26 @@ def events(
     if url is None:
         raise typer.Exit(asyncio.run(cli_run.print_events(Console(), session_id, after)))
     raise typer.Exit(asyncio.run(cli_remote.print_events(Console(), session_id, after, url, api_key)))
+
+
+@app.command()
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the checks as JSON.")] = False,
+) -> None:
+    """Check what this host gives sandboxes and what each missing piece costs; exit 1 if an essential one is missing."""
+    import json
+
+    from rich.console import Console
+
+    from agentbox import doctor as doctor_mod
+
+    settings = config_mod.load()
+    checks = doctor_mod.run_checks(settings.home, settings.sandbox_uid)
+    if as_json:
+        typer.echo(json.dumps(doctor_mod.as_json(checks), indent=2))
+    else:
+        doctor_mod.render(checks, Console())
+    raise typer.Exit(0 if doctor_mod.essential_ok(checks) else 1)
 
 
 def main() -> None:

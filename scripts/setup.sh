@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Prepare a fresh Debian/Ubuntu machine (as root) to run agentbox: the system packages the
 # sandbox uses (user-mode networking, the discardable system layer, setpriv, a python3 for
-# the in-sandbox exec agent) and a virtualenv in .venv with agentbox installed.
+# the in-sandbox exec agent, jq for the README's examples) and a virtualenv in .venv with agentbox installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES="python3 python3-venv slirp4netns fuse-overlayfs util-linux procps iproute2 ca-certificates"
+DEBIAN_PACKAGES="python3 python3-venv slirp4netns fuse-overlayfs util-linux procps iproute2 ca-certificates jq"
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   missing=""
   for p in $DEBIAN_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
@@ -19,6 +19,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# --prefer-binary: take the ripgrep wheel rather than building a newer sdist with cargo.
+# No --prefer-binary: pyproject.toml keeps every dependency to releases with wheels, and
+# installing exactly as `pip install .` does keeps that tested.
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q --prefer-binary -e ".${AGENTBOX_EXTRAS:-}"
+.venv/bin/python -m pip install -q -e ".${AGENTBOX_EXTRAS:-}"

@@ -3,6 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 AGENTBOX_EXTRAS="[test]" bash scripts/setup.sh
+# systemd-analyze, to verify deploy/agentbox.service (tests/test_packaging.py).
+if ! command -v systemd-analyze >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null
+fi
 # The AIO SDK declares a heavy cloud SDK it does not import; install it without dependencies.
 .venv/bin/python -m pip install -q --no-deps "agent-sandbox==0.0.30"
 .venv/bin/ruff check agentbox tests bench
