@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentbox.config import SECRET_FIELDS, MachineConfig, Settings
-from agentbox.ids import new_id
+from agentbox.ids import SESSION_ID_RULE, is_session_id, new_id
 from agentbox.machines.base import Machine
 from agentbox.machines.cgroups import Limits
-from agentbox.machines.errors import MachineDenied, MachineNotFound
+from agentbox.machines.errors import MachineDenied, MachineNotFound, PathEscape
 from agentbox.machines.local import LocalMachine
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
 from agentbox.secrets import SecretBox, redact
@@ -124,7 +124,7 @@ class Registry:
         return self.config(name)
 
     def session_dir(self, session_id: str) -> Path:
-        return self.settings.home / "sessions" / session_id
+        return self.settings.home / "sessions" / checked_session(session_id)
 
     # the open flow --------------------------------------------------------------------
 
@@ -138,7 +138,7 @@ class Registry:
     ) -> Entry:
         config = self.config(name)
         self.check(config, level)
-        sid = (session_id or DEFAULT_SESSION) if config.per_session else None
+        sid = checked_session(session_id or DEFAULT_SESSION) if config.per_session else None
         key = (config.name, sid)
         entry = self._entries.get(key)
         if entry is not None and entry.state == "running":
@@ -185,7 +185,7 @@ class Registry:
         is open, else an unstarted one whose path map works (the workspace is a host folder), so
         it can be described (a system prompt's machine line, listing, AGENTS.md) for nothing."""
         config = self.config(name)
-        sid = (session_id or DEFAULT_SESSION) if config.per_session else None
+        sid = checked_session(session_id or DEFAULT_SESSION) if config.per_session else None
         entry = self._entries.get((config.name, sid))
         if entry is not None:
             return entry.machine
@@ -264,7 +264,7 @@ class Registry:
 
     def entry(self, session_id: str | None, name: str | None = None) -> Entry | None:
         config = self.config(name)
-        sid = (session_id or DEFAULT_SESSION) if config.per_session else None
+        sid = checked_session(session_id or DEFAULT_SESSION) if config.per_session else None
         return self._entries.get((config.name, sid))
 
     def entries(self) -> list[Entry]:
@@ -348,6 +348,17 @@ class Registry:
             with contextlib.suppress(Exception):
                 await entry.machine.close()
         self._entries.clear()
+
+
+def checked_session(session_id: str) -> str:
+    """`session_id` if it may name a session directory (`ids.is_session_id`), else `PathEscape`.
+
+    Every path of a session is made from its id here, so this is the one check: the HTTP
+    layer, MCP and the CLI all reach a session's files through the registry.
+    """
+    if not is_session_id(session_id):
+        raise PathEscape(f"invalid session id {session_id!r}: {SESSION_ID_RULE}", path=str(session_id))
+    return session_id
 
 
 def sandbox_config(config: MachineConfig, env: dict[str, str]) -> SandboxConfig:
