@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import socket
+import stat as stat_mod
 import struct
 import subprocess
 import time
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.machines import bwrap as bwrap_mod
+from agentbox.machines import seccomp
 from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
 from agentbox.machines.errors import MachineUnavailable
@@ -61,6 +63,9 @@ LAUNCH_ENV = {"PATH": SANDBOX_PATH}
 AGENT_SOURCE = (Path(__file__).parent / "exec_agent.py").read_text()
 #: Bytes read from a command pipe per wakeup.
 PIPE_CHUNK = 65536
+
+#: Mode of a sandbox's per-lifetime directory (`run/`, owned by the sandbox uid).
+RUN_DIR_MODE = 0o700
 
 MNT_DETACH = 2
 #: File in a system layer's mount directory naming the server pid that owns it.
@@ -99,6 +104,7 @@ class SandboxHost:
             (p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists()), None
         )
         self.libc = ctypes.CDLL(None, use_errno=True)
+        self._seccomp: bytes | None = None
         self.merged_root = bwrap_mod.runtime_dir() / "mnt" if self.root else None
         if self.merged_root is not None:
             # Searchable, not listable: bwrap (as the sandbox uid) resolves the mounts by path.
@@ -109,21 +115,27 @@ class SandboxHost:
     def check_reachable(self, path: Path) -> None:
         """bwrap resolves bind sources by path as the sandbox uid, even for --bind-fd.
 
-        So every directory above a session's files must be searchable by that uid (the
-        default root home, /var/lib/agentbox, is); say so plainly instead of failing later.
+        (It reads the path back from /proc/self/fd/N and mounts that.) So every directory
+        above a session's files must be searchable by that uid, or its group (a home that
+        agentbox prepared is `root:<sandbox gid>` 0710); say so plainly instead of failing later.
         """
         if not self.root:
             return
-        for p in [path, *path.parents]:
+        blocking = unsearchable_parent(path, self.uid, self.gid)
+        if blocking is not None:
+            raise MachineUnavailable(
+                f"{blocking} is not searchable by the sandbox uid {self.uid}; sandboxes under it cannot "
+                f"start. Use an AGENTBOX_HOME whose parents are (e.g. /var/lib/agentbox), or `chmod o+x {blocking}`"
+            )
+
+    def no_setid_filter(self) -> bytes:
+        """The seccomp program of `seccomp.py`, built once; a sandbox never starts without it."""
+        if self._seccomp is None:
             try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            if st.st_uid != self.uid and not st.st_mode & 0o001:
-                raise MachineUnavailable(
-                    f"{p} is not searchable by the sandbox uid {self.uid}; sandboxes under it cannot start. "
-                    f"Use an AGENTBOX_HOME whose parents are (e.g. /var/lib/agentbox), or `chmod o+x {p}`"
-                )
+                self._seccomp = seccomp.no_setid_filter()
+            except seccomp.SeccompUnavailable as exc:
+                raise MachineUnavailable(f"cannot build the sandbox's seccomp filter: {exc}") from exc
+        return self._seccomp
 
     def system_layer(self) -> tuple[bool, str]:
         if not self.root:
@@ -329,11 +341,18 @@ class SandboxMachine(HostFiles):
         return self._ready
 
     def _prepare_dirs(self) -> None:
+        """The session's workspace and this lifetime's /tmp, $HOME and /var, given to the sandbox uid.
+
+        `run/` is the sandbox uid's alone (0700): bwrap, as that uid, passes through it to bind
+        them, and no other host user can reach what a sandbox leaves in /tmp or $HOME. /tmp
+        itself stays 1777, as programs inside expect of /tmp.
+        """
         for d in (self.workspace, self.run / "tmp", self.run / "home", self.run / "var"):
             d.mkdir(parents=True, exist_ok=True)
             self.give(d)
         os.chmod(self.run / "tmp", 0o1777)
-        os.chmod(self.run, 0o711)
+        self.give(self.run)
+        os.chmod(self.run, RUN_DIR_MODE)
 
     async def _launch(self) -> None:
         host, config = self.host, self.config
@@ -351,9 +370,9 @@ class SandboxMachine(HostFiles):
             opened.append(fd)
             return fd
 
-        def data_fd(text: str) -> int:
+        def data_fd(text: str | bytes) -> int:
             fd = os.memfd_create("agentbox", 0)
-            os.write(fd, text.encode())
+            os.write(fd, text.encode() if isinstance(text, str) else text)
             os.lseek(fd, 0, os.SEEK_SET)
             opened.append(fd)
             return fd
@@ -367,6 +386,7 @@ class SandboxMachine(HostFiles):
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
             "--proc", "/proc", "--dev", "/dev",
+            "--seccomp", str(data_fd(host.no_setid_filter())),  # see machines/seccomp.py
         ]  # fmt: skip
         if self.layer_on:
             merged = await self._mount_layer()
@@ -717,6 +737,24 @@ class SandboxMachine(HostFiles):
         if self._group is not None:
             return len(self._group.pids()) > self._baseline
         return False
+
+
+def unsearchable_parent(path: Path, uid: int, gid: int) -> Path | None:
+    """The first existing directory of `path` and its parents that `uid`/`gid` cannot search."""
+    for p in [path, *path.parents]:
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid == uid:
+            bit = stat_mod.S_IXUSR
+        elif st.st_gid == gid:
+            bit = stat_mod.S_IXGRP
+        else:
+            bit = stat_mod.S_IXOTH
+        if not st.st_mode & bit:
+            return p
+    return None
 
 
 def _read_info(fd: int) -> dict[str, Any]:
