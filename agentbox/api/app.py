@@ -25,7 +25,7 @@ from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2
 from agentbox.api.envelope import BodyError, body_errors, error_response, query_error
 from agentbox.api.sandboxes import Sandboxes
 from agentbox.config import Settings
-from agentbox.home import opened_home
+from agentbox.home import HomeClaim, opened_home
 from agentbox.machines.errors import MachineError
 from agentbox.mcp import McpHttp
 from agentbox.store.files import FileStore
@@ -54,12 +54,12 @@ def unauthorized() -> JSONResponse:
     )
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     mcp_http = McpHttp()  # `/mcp`: the tools over MCP (streamable HTTP), see agentbox/mcp.py
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with opened_home(settings) as (db, registry):
+        async with opened_home(settings, claim) as (db, registry):
             await registry.recover()
             registry.start_janitor()
             app.state.db = db
