@@ -66,6 +66,8 @@ PIPE_CHUNK = 65536
 
 #: Mode of a sandbox's per-lifetime directory (`run/`, owned by the sandbox uid).
 RUN_DIR_MODE = 0o700
+#: Mode of a system layer's mount directory (`root:<sandbox gid>`): only the sandbox group passes.
+LAYER_DIR_MODE = 0o710
 
 MNT_DETACH = 2
 #: File in a system layer's mount directory naming the server pid that owns it.
@@ -482,6 +484,10 @@ class SandboxMachine(HostFiles):
         assert host.merged_root is not None and host.fuse is not None
         merged = host.merged_root / self.sandbox_id
         merged.mkdir(parents=True, exist_ok=True)
+        # The layer holds the host's setuid programs (squashed to the sandbox uid): only the
+        # sandbox group may pass (bwrap binds by path as that uid), and the mounts are nosuid.
+        os.chown(merged, 0, host.gid)
+        os.chmod(merged, LAYER_DIR_MODE)
         (merged / OWNER_FILE).write_text(str(os.getpid()))
         for name, lower in (("usr", Path("/usr")), ("sys", host.base.root)):
             upper, work, point = self.run / "upper" / name, self.run / "work" / name, merged / name
@@ -489,7 +495,7 @@ class SandboxMachine(HostFiles):
                 d.mkdir(parents=True, exist_ok=True)
             opts = (
                 f"lowerdir={lower},upperdir={upper},workdir={work},"
-                f"squash_to_uid={host.uid},squash_to_gid={host.gid},allow_other"
+                f"squash_to_uid={host.uid},squash_to_gid={host.gid},allow_other,nosuid,nodev"
             )
             proc = subprocess.Popen(
                 [host.fuse, "-f", "-o", opts, str(point)], stdin=subprocess.DEVNULL,
