@@ -176,6 +176,7 @@ async def start_platform(db: Database, registry: Registry, files: FileStore) -> 
     """Build the worker and its stores on the server's database and registry, and start it
     (which recovers the turns an earlier process left open)."""
     store = SessionStore(db, SecretBox(registry.settings.home))
+    await store.seal_stored()  # sessions from before secrets were sealed
     bus = EventBus(store)
     approvals = Approvals(ApprovalsRepo(db))
     changes = ChangeSets(ChangesRepo(db))

@@ -280,6 +280,35 @@ class SessionStore:
 
         return map_secrets(options, servers, encrypt)
 
+    async def seal_stored(self) -> int:
+        """Seal the secrets of sessions stored before secrets were sealed; how many changed.
+
+        Their `session.created` events are redacted too, and the old bytes are wiped from the
+        file (`secure_delete`, then a WAL checkpoint), so no plaintext stays on disk. Idempotent.
+        """
+
+        def work(conn: sqlite3.Connection) -> int:
+            changed = 0
+            rows = conn.execute("SELECT id, model_options, mcp_servers FROM sessions").fetchall()
+            for row in rows:
+                options, servers = json.loads(row["model_options"]), json.loads(row["mcp_servers"])
+                sealed = self.seal(options, servers)
+                if sealed == (options, servers):
+                    continue
+                conn.execute(
+                    "UPDATE sessions SET model_options = ?, mcp_servers = ? WHERE id = ?",
+                    (_json(sealed[0]), _json(sealed[1]), row["id"]),
+                )
+                _redact_created_event(conn, row["id"])
+                changed += 1
+            return changed
+
+        await self.db.execute("PRAGMA secure_delete = ON")
+        changed = await self.db.transaction(work)
+        if changed:
+            await self.db.fetchone("PRAGMA wal_checkpoint(TRUNCATE)")
+        return changed
+
     def reveal(self, session: Session) -> Session:
         """`session` with its secrets in plaintext: only for building its provider and MCP clients."""
 
@@ -670,6 +699,20 @@ class SessionStore:
 
 
 # ---------------------------------------------------------------------- in-transaction helpers
+
+
+def _redact_created_event(conn: sqlite3.Connection, session_id: str) -> None:
+    """Redact the secrets a `session.created` event recorded before they were redacted there."""
+    row = conn.execute(
+        "SELECT id, data FROM events WHERE session_id = ? AND type = 'session.created'", (session_id,)
+    ).fetchone()
+    if row is None:
+        return
+    data = json.loads(row["data"])
+    data["model_options"], data["mcp_servers"] = map_secrets(
+        data.get("model_options") or {}, data.get("mcp_servers") or [], lambda _: REDACTED
+    )
+    conn.execute("UPDATE events SET data = ? WHERE id = ?", (_json(data), row["id"]))
 
 
 def insert_event(

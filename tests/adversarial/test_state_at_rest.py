@@ -213,3 +213,41 @@ def test_the_system_layer_with_the_hosts_setuid_programs_is_out_of_reach_and_nos
     for layer in layers:
         assert "nosuid" in mounts[str(layer / "usr")].split(","), mounts[str(layer / "usr")]
         assert as_other_user("stat", str(layer / "usr" / "bin" / "su")).returncode != 0, layer
+
+
+def test_secrets_stored_before_sealing_are_sealed_and_wiped_at_start(
+    tmp_path_factory: pytest.TempPathFactory, recorder: tuple[str, list[dict[str, str]]]
+) -> None:
+    """A home written by an agentbox that kept session secrets in plaintext (here: put back
+    into the row and its `session.created` event by hand) holds none after the next start."""
+    import sqlite3
+
+    from conftest import traversable
+
+    home = traversable(tmp_path_factory.mktemp("legacy"), tmp_path_factory) / "home"
+    home.mkdir()
+    first = start_server(home, env={"AGENTBOX_NETWORK": "off"})
+    try:
+        created = secret_session(first, recorder[0])
+    finally:
+        stop_server(first)
+    plain_servers = [{"name": "remote", "url": "http://x/mcp", "headers": {"Authorization": MCP_TOKEN}}]
+    with sqlite3.connect(home / "agentbox.db") as conn:
+        conn.execute(
+            "UPDATE sessions SET model_options = ?, mcp_servers = ? WHERE id = ?",
+            (json.dumps({"api_key": MODEL_KEY}), json.dumps(plain_servers), created["id"]),
+        )
+        conn.execute(
+            "UPDATE events SET data = ? WHERE session_id = ? AND type = 'session.created'",
+            (json.dumps({"mcp_servers": plain_servers}), created["id"]),
+        )
+    second = start_server(home, env={"AGENTBOX_NETWORK": "off"})
+    try:
+        with second.client() as client:
+            shown = client.get(f"/v1/sessions/{created['id']}/events").text
+        assert MCP_TOKEN not in shown
+        stored = b"".join(p.read_bytes() for p in home.iterdir() if p.name.startswith("agentbox.db"))
+        for secret in (MODEL_KEY, MCP_TOKEN):
+            assert secret.encode() not in stored, secret
+    finally:
+        stop_server(second)
