@@ -195,10 +195,15 @@ def mcp_command(
 @app.command("encrypt-secret")
 def encrypt_secret(value: Annotated[str, typer.Argument(help="A password, key or token to store.")]) -> None:
     """Print `enc:...` for a machine's secret field in agentbox.toml (key under AGENTBOX_HOME)."""
+    from agentbox.home import HomeError, prepare_home
     from agentbox.secrets import SecretBox
 
     settings = config_mod.load()
-    settings.home.mkdir(parents=True, exist_ok=True)
+    try:
+        prepare_home(settings)
+    except HomeError as exc:
+        typer.echo(f"agentbox encrypt-secret: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(SecretBox(settings.home).encrypt(value))
 
 

@@ -296,6 +296,8 @@ class Registry:
         if self.markers is None:
             return recovered
         for marker in await self.markers.live():
+            if not is_session_id(marker.session_id):  # written before ids were checked whole
+                continue
             run = self.session_dir(marker.session_id) / "run" / marker.machine
             shutil.rmtree(run, ignore_errors=True)
             recovered.append(marker.session_id)
