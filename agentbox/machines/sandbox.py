@@ -5,7 +5,9 @@ overlay), a curated `/etc` and a small `/var` (see `sysroot.py`), `/workspace` b
 the session's persistent directory, `/tmp` and `/root` (`$HOME`) from directories that live
 as long as this sandbox, its own `/proc` and `/dev`, and new user, pid, ipc, uts, cgroup
 and network namespaces. Inside, processes appear as root but are an unprivileged host uid
-with no capabilities; nothing of the server's environment reaches them.
+with no capabilities; nothing of the server's environment reaches them. A seccomp filter
+refuses every setuid or setgid mode (`seccomp.py`), and a lifetime's `run/` (its /tmp and
+$HOME) is the sandbox uid's alone, so what a sandbox makes is no way into the host.
 
 Commands are started by the exec agent (`exec_agent.py`), a long-lived process inside the
 sandbox, so a command costs one `posix_spawn`, not a new bwrap. The server creates each

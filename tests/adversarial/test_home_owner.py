@@ -9,6 +9,7 @@ a home the sandbox uid cannot reach is refused at start.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -160,7 +161,7 @@ def test_a_home_the_sandbox_uid_cannot_reach_is_refused_at_start() -> None:
         assert str(parent) in reason and "chmod" in reason
         assert oct(parent.stat().st_mode & 0o777) == oct(0o700)  # left as it was
     finally:
-        subprocess.run(["rm", "-rf", str(parent)], check=True)
+        shutil.rmtree(parent)
 
 
 def test_a_private_home_of_its_own_is_made_reachable_for_the_sandbox_uid_only(sandbox_tmp: Path) -> None:
