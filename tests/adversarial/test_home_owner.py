@@ -172,3 +172,17 @@ def test_a_private_home_of_its_own_is_made_reachable_for_the_sandbox_uid_only(sa
         assert home.stat().st_mode & 0o007 == 0  # still nothing for other users
     finally:
         stop_server(server)
+
+
+def test_a_home_owned_by_a_process_that_does_not_serve_is_refused_with_its_pid(sandbox_tmp: Path) -> None:
+    """Another exec, mcp or run owns the home: there is no server to go through, so exec refuses."""
+    from agentbox.config import load
+    from agentbox.home import claim_home
+
+    home = sandbox_tmp / "home"
+    with claim_home(load(env=cli_env(home))):
+        done = agentbox(home, "exec", "--session", "s1", "--", "true")
+        assert f"pid {os.getpid()}" in one_line_refusal(done)
+        assert not (home / "sessions").exists()
+    done = agentbox(home, "exec", "--session", "s1", "--", "sh", "-c", "echo free")
+    assert done.stdout == b"free\n", done.stderr.decode()[-2000:]
