@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -56,10 +58,13 @@ def serve(
     insecure: Annotated[bool, typer.Option(help="Allow a non-loopback bind without an API key.")] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
 ) -> None:
-    """Serve the sandbox API (v2 + AIO v1) on the embedded defaults."""
-    import uvicorn
+    """Serve the sandbox API (v2 + AIO v1) on the embedded defaults.
 
+    The server owns its home (`agentbox.home`): a second one on the same home is refused
+    before anything starts, and once listening it records its URL for `exec`, `mcp`, `run`.
+    """
     from agentbox.api.app import create_app
+    from agentbox.home import HomeError, claim_home
 
     settings = config_mod.load()
     settings.bind_host = host
@@ -67,8 +72,40 @@ def serve(
     if refusal:
         typer.echo(refusal, err=True)
         raise typer.Exit(2)
-    typer.echo(f"agentbox serving on http://{host}:{port} (home {settings.home})", err=True)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    try:
+        claim = claim_home(settings)
+    except HomeError as exc:
+        typer.echo(f"agentbox serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    with claim:
+        typer.echo(f"agentbox serving on http://{host}:{port} (home {settings.home})", err=True)
+        url = f"http://{reachable_host(host)}:{port}"
+        if not _serve(create_app(settings, claim), host, port, log_level, lambda: claim.announce(url)):
+            raise typer.Exit(3)
+
+
+def reachable_host(host: str) -> str:
+    """How a client on this machine reaches a server bound to `host` (a wildcard: loopback)."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _serve(app: object, host: str, port: int, log_level: str, on_listening: Callable[[], None]) -> bool:
+    """uvicorn.run, calling `on_listening` once the socket accepts; False if startup failed."""
+    import uvicorn
+
+    class Announcing(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                on_listening()
+
+    server = Announcing(uvicorn.Config(app, host=host, port=port, log_level=log_level))  # type: ignore[arg-type]
+    server.run()
+    return bool(server.started)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -80,17 +117,48 @@ def exec(
     ] = None,
     cwd: Annotated[str | None, typer.Option(help="Working directory inside the machine.")] = None,
 ) -> None:
-    """Run one command in a session's sandbox, stream its output, exit with its code."""
-    code = asyncio.run(_exec(command, session, machine, cwd))
+    """Run one command in a session's sandbox, stream its output, exit with its code.
+
+    On a home that `agentbox serve` owns, the command runs in that server's sandbox, through
+    its command API (`/sandboxes/{session}/v2/commands`); otherwise this process owns the home
+    for the while and starts the sandbox itself.
+    """
+    from agentbox.home import HomeBusy, HomeError
+
+    try:
+        code = asyncio.run(_exec(command, session, machine, cwd))
+    except HomeBusy as exc:
+        if exc.server is None or machine is not None:
+            typer.echo(f"agentbox exec: {exc}", err=True)
+            raise typer.Exit(2) from None
+        code = _exec_remote(command, session, cwd, exc.server.url)
+    except HomeError as exc:
+        typer.echo(f"agentbox exec: {exc}", err=True)
+        raise typer.Exit(2) from None
     raise typer.Exit(code)
+
+
+def _exec_remote(argv: list[str], session: str, cwd: str | None, url: str) -> int:
+    from agentbox import cli_remote
+
+    try:
+        return asyncio.run(cli_remote.exec_command(argv, session, cwd, url, config_mod.load().api_key))
+    except cli_remote.RemoteError as exc:
+        typer.echo(f"agentbox exec: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 async def _exec(argv: list[str], session: str, machine_name: str | None, cwd: str | None) -> int:
     from agentbox.home import opened_home
     from agentbox.machines.base import ExecRequest, iter_output
+    from agentbox.machines.errors import MachineError
 
     async with opened_home(config_mod.load()) as (_, registry):
-        m = await registry.open(session, machine_name)
+        try:
+            m = await registry.open(session, machine_name)
+        except MachineError as exc:
+            typer.echo(f"agentbox exec: {exc}", err=True)
+            return 2
         request = (
             ExecRequest(argv=tuple(argv), cwd=cwd) if len(argv) > 1 else ExecRequest(command=argv[0], cwd=cwd)
         )
@@ -119,13 +187,18 @@ def mcp_command(
     ] = False,
 ) -> None:
     """Serve a session's tools over MCP on stdin/stdout (for Claude Code, Cursor, any MCP client)."""
+    from agentbox.home import HomeBusy, HomeError
     from agentbox.machines.errors import MachineError
     from agentbox.mcp import ChoiceError, serve_stdio
 
     settings = config_mod.load()
     try:
         asyncio.run(serve_stdio(settings, session, toolset, machine, client_approves=client_approves))
-    except (ChoiceError, MachineError) as exc:
+    except HomeBusy as exc:
+        hint = f": point the MCP client at {exc.server.url}/mcp instead" if exc.server else ""
+        typer.echo(f"agentbox mcp: {exc}{hint}", err=True)
+        raise typer.Exit(2) from None
+    except (ChoiceError, MachineError, HomeError) as exc:
         typer.echo(f"agentbox mcp: {exc}", err=True)
         raise typer.Exit(2) from None
 
@@ -133,10 +206,15 @@ def mcp_command(
 @app.command("encrypt-secret")
 def encrypt_secret(value: Annotated[str, typer.Argument(help="A password, key or token to store.")]) -> None:
     """Print `enc:...` for a machine's secret field in agentbox.toml (key under AGENTBOX_HOME)."""
+    from agentbox.home import HomeError, prepare_home
     from agentbox.secrets import SecretBox
 
     settings = config_mod.load()
-    settings.home.mkdir(parents=True, exist_ok=True)
+    try:
+        prepare_home(settings)
+    except HomeError as exc:
+        typer.echo(f"agentbox encrypt-secret: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(SecretBox(settings.home).encrypt(value))
 
 
@@ -199,7 +277,7 @@ def run(
         instructions=instructions, options=tuple(option or ()), machine=machine,
     )  # fmt: skip
     if url is None:
-        raise typer.Exit(asyncio.run(cli_run.run_turn(opts, Console())))
+        raise typer.Exit(_in_process("run", cli_run.run_turn(opts, Console())))
     raise typer.Exit(asyncio.run(cli_remote.run_turn(opts, Console(), url, api_key)))
 
 
@@ -211,7 +289,7 @@ def sessions(url: UrlOption = None, api_key: ApiKeyOption = None) -> None:
     from agentbox import cli_remote, cli_run
 
     if url is None:
-        raise typer.Exit(asyncio.run(cli_run.list_sessions(Console())))
+        raise typer.Exit(_in_process("sessions", cli_run.list_sessions(Console())))
     raise typer.Exit(asyncio.run(cli_remote.list_sessions(Console(), url, api_key)))
 
 
@@ -228,7 +306,7 @@ def events(
     from agentbox import cli_remote, cli_run
 
     if url is None:
-        raise typer.Exit(asyncio.run(cli_run.print_events(Console(), session_id, after)))
+        raise typer.Exit(_in_process("events", cli_run.print_events(Console(), session_id, after)))
     raise typer.Exit(asyncio.run(cli_remote.print_events(Console(), session_id, after, url, api_key)))
 
 
@@ -250,6 +328,21 @@ def doctor(
     else:
         doctor_mod.render(checks, Console())
     raise typer.Exit(0 if doctor_mod.essential_ok(checks) else 1)
+
+
+def _in_process(command: str, work: Coroutine[Any, Any, int]) -> int:
+    """Run `work` on the home, owned by this process for the while; when another process owns it
+    (a server: the message names its URL, for `--url`), one line and the refused exit status."""
+    from agentbox.cli_run import EXIT_REFUSED
+    from agentbox.home import HomeBusy, HomeError
+
+    try:
+        return asyncio.run(work)
+    except HomeError as exc:
+        server = exc.server if isinstance(exc, HomeBusy) else None
+        hint = f": use --url {server.url}" if server is not None else ""
+        typer.echo(f"agentbox {command}: {exc}{hint}", err=True)
+        return EXIT_REFUSED
 
 
 def main() -> None:

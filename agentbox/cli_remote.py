@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -298,3 +300,46 @@ async def print_events(console: Console, session_id: str, after: int, url: str, 
         console.print(f"agentbox events: {escape(str(exc))}", highlight=False, soft_wrap=True)
         return EXIT_REFUSED
     return 0
+
+
+#: Seconds each poll of a running command waits for it to end (its output is printed between polls).
+EXEC_POLL_WAIT_S = 1.0
+
+
+async def exec_command(argv: list[str], session: str, cwd: str | None, url: str, api_key: str | None) -> int:
+    """`agentbox exec` through a server: the command's exit code, its output printed as it grows.
+
+    The command runs in the server's sandbox of `session` (`POST /sandboxes/{session}/v2/commands`,
+    async), then is polled with `?wait=` until it ends. Output the server had to cut (head and
+    tail kept) is no longer streamed; a note on stderr says so.
+    """
+    command = argv[0] if len(argv) == 1 else shlex.join(argv)
+    base = f"/sandboxes/{session}/v2/commands"
+    async with connected(url, api_key) as remote:
+        body = {"command": command, "cwd": cwd, "mode": "async"}
+        data = (await remote.call("POST", base, body=body))["data"]
+        shown = {"stdout": 0, "stderr": 0}
+        while True:
+            _print_new(data, shown)
+            if data["status"] != "running":
+                break
+            params = {"wait": EXEC_POLL_WAIT_S}
+            data = (await remote.call("GET", f"{base}/{data['command_id']}", params=params))["data"]
+    if data.get("error"):
+        raise RemoteError(f"the command could not run: {data['error']}")
+    return int(data["exit_code"]) if data.get("exit_code") is not None else 1
+
+
+def _print_new(data: dict[str, Any], shown: dict[str, int]) -> None:
+    """Write the part of each stream not written yet (unless the server cut it meanwhile)."""
+    for name, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+        text = str(data.get(name) or "")
+        if data.get(f"{name}_truncated"):
+            if shown[name] >= 0:
+                sys.stderr.write(f"[agentbox: {name} was cut by the server; the rest is not shown]\n")
+            shown[name] = -1
+            continue
+        if shown[name] >= 0 and len(text) > shown[name]:
+            out.buffer.write(text[shown[name] :].encode())
+            out.flush()
+            shown[name] = len(text)

@@ -6,6 +6,12 @@ last id seen. The ULID part is written in lowercase Crockford base32 (26 charact
 are compared as exact strings, so only that canonical form is an id (`is_id` refuses the
 uppercase spelling).
 
+A session id is also a directory name (`sessions/<id>/` under AGENTBOX_HOME), and callers may
+name their own sessions (`default`, `s1`), so `is_session_id` accepts more than `ses_` ids:
+1-128 letters, digits, `_`, `.`, `-`, starting with a letter or digit (`SESSION_ID_RULE`),
+matched whole (no `..`, no `/`, no trailing newline). The registry checks it once, where an
+id becomes a path; the HTTP layer and the CLI ask the same function for their messages.
+
 Within one process ids are strictly increasing, even when many are made in the same
 millisecond or the wall clock steps back: each new ULID is at least the previous one + 1.
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import re
 import threading
+from typing import TypeGuard
 
 from ulid import ULID
 
@@ -35,6 +42,11 @@ _ULID_PART = re.compile(r"[0-7][0-9a-hjkmnp-tv-z]{25}")
 
 _ULID_MAX = (1 << 128) - 1
 
+#: A session id as a directory name: see the module docstring.
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+#: What `is_session_id` accepts, in words (for error messages).
+SESSION_ID_RULE = "1-128 letters, digits, '_', '.', '-', starting with a letter or digit"
+
 _lock = threading.Lock()
 _last = 0
 
@@ -55,6 +67,11 @@ def is_id(value: object, prefix: str) -> bool:
     if not isinstance(value, str) or not value.startswith(prefix + "_"):
         return False
     return _ULID_PART.fullmatch(value[len(prefix) + 1 :]) is not None
+
+
+def is_session_id(value: object) -> TypeGuard[str]:
+    """Whether `value` may name a session (and so a directory under the home): matched whole."""
+    return isinstance(value, str) and _SESSION_ID.fullmatch(value) is not None
 
 
 def _after(previous: int, candidate: int) -> int:

@@ -60,9 +60,9 @@ from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from agentbox import __version__
-from agentbox.api.sandboxes import SESSION_ID_PATTERN
 from agentbox.config import Settings
 from agentbox.home import opened_home
+from agentbox.ids import SESSION_ID_RULE, is_session_id
 from agentbox.machines.errors import MachineError
 from agentbox.machines.registry import DEFAULT_SESSION, Registry
 from agentbox.store.approvals import ApprovalsRepo
@@ -111,11 +111,8 @@ class ChoiceError(ValueError):
 
 def check_session(session_id: str) -> str:
     """The session id, if it is one (it becomes a directory name); else `ChoiceError`."""
-    if not SESSION_ID_PATTERN.match(session_id):
-        raise ChoiceError(
-            f"invalid session id {session_id!r}: 1-128 characters of letters, digits, '_', '.', '-', "
-            "starting with a letter or digit"
-        )
+    if not is_session_id(session_id):
+        raise ChoiceError(f"invalid session id {session_id!r}: {SESSION_ID_RULE}")
     return session_id
 
 

@@ -1,5 +1,8 @@
 """Secret fields of machine configuration (passwords, private keys, API tokens), encrypted at rest.
 
+The same key seals a session's secrets (its model `api_key`, MCP header and secret-looking
+MCP env values; see `agentbox.store.sessions`), so the database never holds them in plaintext.
+
 Seed 004: secret fields are stored encrypted, decrypted when the configuration is loaded,
 and ordinary queries never return plaintext. A stored secret is `enc:<Fernet token>`, so a
 loader can tell an encrypted value from one a person typed into `agentbox.toml` by hand.

@@ -358,7 +358,7 @@ class Worker:
 
     async def _work(self, session: Session, turn: Turn, before: Turn) -> TurnEnded:
         try:
-            model = self.models(session)
+            model = self.models(self.store.reveal(session))
         except (UnknownModel, ModelError) as exc:
             return Failed("model_unavailable", str(exc))
         host = self._tool_host(session, turn, await self._mcp_tools(session, turn))
@@ -506,7 +506,7 @@ class Worker:
                 where = None  # no longer configured: its own stdio servers have nowhere to run
             operator = self.registry.settings.mcp_servers
             mcp = self._mcp[session.id] = McpTools(
-                list(session.mcp_servers),
+                list(self.store.reveal(session).mcp_servers),
                 operator,
                 lambda: self._machine(session),
                 self._session_reach(session),
@@ -556,7 +556,7 @@ class Worker:
                 same = spec.model.partition(":")[0] == session.model.partition(":")[0]
                 options = session.model_options if same else {}
                 chosen = dataclasses.replace(session, model=spec.model, model_options=options)
-            return RetryingModel(self.models(chosen), self.config.retry, retrying)
+            return RetryingModel(self.models(self.store.reveal(chosen)), self.config.retry, retrying)
 
         canonical = canonical_names(session.toolset)
         return Subagents(

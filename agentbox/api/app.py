@@ -28,7 +28,7 @@ from agentbox.api.envelope import BodyError, BodyRefused, body_errors, error_res
 from agentbox.api.guard import Guard, GuardMiddleware
 from agentbox.api.sandboxes import Sandboxes
 from agentbox.config import Settings
-from agentbox.home import opened_home
+from agentbox.home import HomeClaim, opened_home
 from agentbox.machines.errors import MachineError
 from agentbox.mcp import McpHttp
 from agentbox.store.files import FileStore
@@ -57,12 +57,12 @@ def unauthorized() -> JSONResponse:
     )
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     mcp_http = McpHttp()  # `/mcp`: the tools over MCP (streamable HTTP), see agentbox/mcp.py
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with opened_home(settings) as (db, registry):
+        async with opened_home(settings, claim) as (db, registry):
             await registry.recover()
             registry.start_janitor()
             app.state.db = db

@@ -42,9 +42,8 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from agentbox.api.envelope import BodyTooLarge, body_errors, capped, failure, query_error
-from agentbox.api.sandboxes import SESSION_ID_PATTERN
 from agentbox.api.v2_fs import attachment
-from agentbox.ids import FILE, is_id
+from agentbox.ids import FILE, SESSION_ID_RULE, is_id, is_session_id
 from agentbox.store.files import MAX_FILE_BYTES, FileNotFound, FileStore, FileTooLarge, InvalidFile
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.files import RangeNotSatisfiable, parse_range
@@ -196,14 +195,8 @@ async def store_upload(store: FileStore, form: FormData) -> Any:
     if not isinstance(part, UploadFile):
         return form_error("`file` must be a file part (with a file name)", "file_type", "file")
     session_id = form.get("session_id") or None
-    if session_id is not None and (
-        not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id)
-    ):
-        return form_error(
-            "a session id is 1-128 letters, digits, '_', '.', '-', starting with a letter or digit",
-            "value_error",
-            "session_id",
-        )
+    if session_id is not None and not is_session_id(session_id):
+        return form_error(f"a session id is {SESSION_ID_RULE}", "value_error", "session_id")
     name = posixpath.basename(part.filename or "")
     try:
         return await store.put_stream(spooled_chunks(part), name, session_id=session_id, source="upload")

@@ -54,6 +54,7 @@ from agentbox.agent.worker import NO_MACHINE, Worker
 from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error
 from agentbox.machines.errors import MachineNotFound
 from agentbox.machines.registry import Registry
+from agentbox.secrets import SecretBox
 from agentbox.store.approvals import ApprovalNotFound, ApprovalNotPending, ApprovalsRepo
 from agentbox.store.changes import (
     ChangeSet,
@@ -175,7 +176,8 @@ class Platform:
 async def start_platform(db: Database, registry: Registry, files: FileStore) -> Platform:
     """Build the worker and its stores on the server's database and registry, and start it
     (which recovers the turns an earlier process left open)."""
-    store = SessionStore(db)
+    store = SessionStore(db, SecretBox(registry.settings.home))
+    await store.seal_stored()  # sessions from before secrets were sealed
     bus = EventBus(store)
     approvals = Approvals(ApprovalsRepo(db))
     changes = ChangeSets(ChangesRepo(db))

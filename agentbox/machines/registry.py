@@ -48,11 +48,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentbox.config import SECRET_FIELDS, MachineConfig, Settings
-from agentbox.ids import new_id
+from agentbox.ids import SESSION_ID_RULE, is_session_id, new_id
 from agentbox.machines import disk
 from agentbox.machines.base import Machine
 from agentbox.machines.cgroups import Limits
-from agentbox.machines.errors import CapacityExceeded, MachineDenied, MachineNotFound, MachineUnavailable
+from agentbox.machines.errors import (
+    CapacityExceeded,
+    MachineDenied,
+    MachineNotFound,
+    MachineUnavailable,
+    PathEscape,
+)
 from agentbox.machines.local import LocalMachine
 from agentbox.machines.sandbox import (
     DEFAULT_HOME_MB,
@@ -166,7 +172,7 @@ class Registry:
         return self.config(name)
 
     def session_dir(self, session_id: str) -> Path:
-        return self.settings.home / "sessions" / session_id
+        return self.settings.home / "sessions" / checked_session(session_id)
 
     # the open flow --------------------------------------------------------------------
 
@@ -180,7 +186,7 @@ class Registry:
     ) -> Entry:
         config = self.config(name)
         self.check(config, level)
-        sid = (session_id or DEFAULT_SESSION) if config.per_session else None
+        sid = checked_session(session_id or DEFAULT_SESSION) if config.per_session else None
         key = (config.name, sid)
         entry = self._entries.get(key)
         if entry is not None and entry.state == "running":
@@ -226,7 +232,7 @@ class Registry:
         is open, else an unstarted one whose path map works (the workspace is a host folder), so
         it can be described (a system prompt's machine line, listing, AGENTS.md) for nothing."""
         config = self.config(name)
-        sid = (session_id or DEFAULT_SESSION) if config.per_session else None
+        sid = checked_session(session_id or DEFAULT_SESSION) if config.per_session else None
         entry = self._entries.get((config.name, sid))
         if entry is not None:
             return entry.machine
@@ -398,7 +404,7 @@ class Registry:
 
     def entry(self, session_id: str | None, name: str | None = None) -> Entry | None:
         config = self.config(name)
-        sid = (session_id or DEFAULT_SESSION) if config.per_session else None
+        sid = checked_session(session_id or DEFAULT_SESSION) if config.per_session else None
         return self._entries.get((config.name, sid))
 
     def entries(self) -> list[Entry]:
@@ -436,6 +442,8 @@ class Registry:
         if self.markers is None:
             return recovered
         for marker in await self.markers.live():
+            if not is_session_id(marker.session_id):  # written before ids were checked whole
+                continue
             run = self.session_dir(marker.session_id) / "run" / marker.machine
             shutil.rmtree(run, ignore_errors=True)
             recovered.append(marker.session_id)
@@ -496,6 +504,17 @@ class Registry:
 def memory_mb(config: MachineConfig) -> int:
     """The memory limit of this entry's sandboxes, in MiB (0: none)."""
     return int(config.options.get("memory_mb", DEFAULT_MEMORY_MB) or 0)
+
+
+def checked_session(session_id: str) -> str:
+    """`session_id` if it may name a session directory (`ids.is_session_id`), else `PathEscape`.
+
+    Every path of a session is made from its id here, so this is the one check: the HTTP
+    layer, MCP and the CLI all reach a session's files through the registry.
+    """
+    if not is_session_id(session_id):
+        raise PathEscape(f"invalid session id {session_id!r}: {SESSION_ID_RULE}", path=str(session_id))
+    return session_id
 
 
 def sandbox_config(config: MachineConfig, env: dict[str, str]) -> SandboxConfig:

@@ -5,7 +5,9 @@ overlay), a curated `/etc` and a small `/var` (see `sysroot.py`), `/workspace` b
 the session's persistent directory, `/tmp` and `/root` (`$HOME`) from directories that live
 as long as this sandbox, its own `/proc` and `/dev`, and new user, pid, ipc, uts, cgroup
 and network namespaces. Inside, processes appear as root but are an unprivileged host uid
-with no capabilities; nothing of the server's environment reaches them.
+with no capabilities; nothing of the server's environment reaches them. A seccomp filter
+refuses every setuid or setgid mode (`seccomp.py`), and a lifetime's `run/` (its /tmp and
+$HOME) is the sandbox uid's alone, so what a sandbox makes is no way into the host.
 
 Commands are started by the exec agent (`exec_agent.py`), a long-lived process inside the
 sandbox, so a command costs one `posix_spawn`, not a new bwrap. The server creates each
@@ -45,6 +47,7 @@ import os
 import shutil
 import signal
 import socket
+import stat as stat_mod
 import struct
 import subprocess
 import time
@@ -53,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.machines import bwrap as bwrap_mod
+from agentbox.machines import seccomp
 from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
 from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
@@ -90,6 +94,11 @@ LAUNCH_ENV = {"PATH": SANDBOX_PATH}
 AGENT_SOURCE = (Path(__file__).parent / "exec_agent.py").read_text()
 #: Bytes read from a command pipe per wakeup.
 PIPE_CHUNK = 65536
+
+#: Mode of a sandbox's per-lifetime directory (`run/`, owned by the sandbox uid).
+RUN_DIR_MODE = 0o700
+#: Mode of a system layer's mount directory (`root:<sandbox gid>`): only the sandbox group passes.
+LAYER_DIR_MODE = 0o710
 
 MNT_DETACH = 2
 #: File in a system layer's mount directory naming the server that owns it (`owner_token`).
@@ -169,6 +178,7 @@ class SandboxHost:
         self.libc = ctypes.CDLL(None, use_errno=True)
         rg = ripgrep_binary()
         self.rg = str(reachable_copy(rg, bwrap_mod.runtime_dir())) if self.root else rg
+        self._seccomp: bytes | None = None
         self.merged_root = bwrap_mod.runtime_dir() / "mnt" if self.root else None
         if self.merged_root is not None:
             # Searchable, not listable: bwrap (as the sandbox uid) resolves the mounts by path.
@@ -181,21 +191,27 @@ class SandboxHost:
     def check_reachable(self, path: Path) -> None:
         """bwrap resolves bind sources by path as the sandbox uid, even for --bind-fd.
 
-        So every directory above a session's files must be searchable by that uid (the
-        default root home, /var/lib/agentbox, is); say so plainly instead of failing later.
+        (It reads the path back from /proc/self/fd/N and mounts that.) So every directory
+        above a session's files must be searchable by that uid, or its group (a home that
+        agentbox prepared is `root:<sandbox gid>` 0710); say so plainly instead of failing later.
         """
         if not self.root:
             return
-        for p in [path, *path.parents]:
+        blocking = unsearchable_parent(path, self.uid, self.gid)
+        if blocking is not None:
+            raise MachineUnavailable(
+                f"{blocking} is not searchable by the sandbox uid {self.uid}; sandboxes under it cannot "
+                f"start. Use an AGENTBOX_HOME whose parents are (e.g. /var/lib/agentbox), or `chmod o+x {blocking}`"
+            )
+
+    def no_setid_filter(self) -> bytes:
+        """The seccomp program of `seccomp.py`, built once; a sandbox never starts without it."""
+        if self._seccomp is None:
             try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            if st.st_uid != self.uid and not st.st_mode & 0o001:
-                raise MachineUnavailable(
-                    f"{p} is not searchable by the sandbox uid {self.uid}; sandboxes under it cannot start. "
-                    f"Use an AGENTBOX_HOME whose parents are (e.g. /var/lib/agentbox), or `chmod o+x {p}`"
-                )
+                self._seccomp = seccomp.no_setid_filter()
+            except seccomp.SeccompUnavailable as exc:
+                raise MachineUnavailable(f"cannot build the sandbox's seccomp filter: {exc}") from exc
+        return self._seccomp
 
     def system_layer(self) -> tuple[bool, str]:
         if not self.root:
@@ -444,12 +460,20 @@ class SandboxMachine(HostFiles):
         return self._ready
 
     def _prepare_dirs(self) -> None:
+        """The session's workspace and this lifetime's /var, given to the sandbox uid.
+
+        `run/` is the sandbox uid's alone (0700): bwrap, as that uid, passes through it to bind
+        what is in it, and no other host user can reach it. /tmp and $HOME are not here at all
+        (PRIVATE_DIRS).
+        """
         for d in (self.workspace, self.run / "var"):
             d.mkdir(parents=True, exist_ok=True)
             if self.host.root:
                 os.lchown(d, self.host.uid, self.host.gid)
+        if self.host.root:
+            os.lchown(self.run, self.host.uid, self.host.gid)
+        os.chmod(self.run, RUN_DIR_MODE)
         self.view.forget()
-        os.chmod(self.run, 0o711)
 
     async def _launch(self) -> None:
         host, config = self.host, self.config
@@ -467,9 +491,9 @@ class SandboxMachine(HostFiles):
             opened.append(fd)
             return fd
 
-        def data_fd(text: str) -> int:
+        def data_fd(text: str | bytes) -> int:
             fd = os.memfd_create("agentbox", 0)
-            os.write(fd, text.encode())
+            os.write(fd, text.encode() if isinstance(text, str) else text)
             os.lseek(fd, 0, os.SEEK_SET)
             opened.append(fd)
             return fd
@@ -484,6 +508,7 @@ class SandboxMachine(HostFiles):
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
             "--proc", "/proc", "--dev", "/dev",
+            "--seccomp", str(data_fd(host.no_setid_filter())),  # see machines/seccomp.py
         ]  # fmt: skip
         private = self._mount_private() if host.root else None
         if self.layer_on:
@@ -594,6 +619,10 @@ class SandboxMachine(HostFiles):
         assert self.host.merged_root is not None
         merged = self.host.merged_root / self.sandbox_id
         merged.mkdir(parents=True, exist_ok=True)
+        # The layer holds the host's setuid programs (squashed to the sandbox uid): only the
+        # sandbox group may pass (bwrap binds by path as that uid), and the mounts are nosuid.
+        os.chown(merged, 0, self.host.gid)
+        os.chmod(merged, LAYER_DIR_MODE)
         (merged / OWNER_FILE).write_text(owner_token())
         return merged
 
@@ -631,7 +660,7 @@ class SandboxMachine(HostFiles):
                 d.mkdir(parents=True, exist_ok=True)
             opts = (
                 f"lowerdir={lower},upperdir={upper},workdir={work},"
-                f"squash_to_uid={host.uid},squash_to_gid={host.gid},allow_other"
+                f"squash_to_uid={host.uid},squash_to_gid={host.gid},allow_other,nosuid,nodev"
             )
             proc = subprocess.Popen(
                 [host.fuse, "-f", "-o", opts, str(point)], stdin=subprocess.DEVNULL,
@@ -898,6 +927,24 @@ class SandboxMachine(HostFiles):
         if self._group is not None:
             return len(self._group.pids()) > self._baseline
         return False
+
+
+def unsearchable_parent(path: Path, uid: int, gid: int) -> Path | None:
+    """The first existing directory of `path` and its parents that `uid`/`gid` cannot search."""
+    for p in [path, *path.parents]:
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid == uid:
+            bit = stat_mod.S_IXUSR
+        elif st.st_gid == gid:
+            bit = stat_mod.S_IXGRP
+        else:
+            bit = stat_mod.S_IXOTH
+        if not st.st_mode & bit:
+            return p
+    return None
 
 
 def _read_info(fd: int) -> dict[str, Any]:

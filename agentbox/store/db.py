@@ -11,6 +11,10 @@ see in code. Here a lone `execute` commits by itself, and a transaction is alway
 `BEGIN IMMEDIATE`, which takes the write lock up front, so a transaction that reads then
 writes never fails half-way on a lock upgrade.
 
+The file and its `-wal` / `-shm` are the owner's alone (`DB_FILE_MODE`): SQLite gives the
+WAL and shared-memory files the database file's permissions, so the file is made (or
+narrowed, for a home from before) with that mode before SQLite opens it.
+
 Migrations are the files `migrations/NNN_name.sql`, applied in order, each in its own
 transaction together with its row in `schema_migrations`. Adding one is adding one file.
 A migration must not contain BEGIN / COMMIT (it already runs inside a transaction).
@@ -28,7 +32,9 @@ Every way the store itself fails (SQL errors stay `sqlite3.Error`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import os
 import re
 import sqlite3
 import time
@@ -47,6 +53,11 @@ Params = Sequence[Any] | Mapping[str, Any]
 
 #: Name of the database file under AGENTBOX_HOME.
 DB_FILE_NAME = "agentbox.db"
+
+#: Permission bits of the database file and its -wal / -shm: owner read/write only.
+DB_FILE_MODE = 0o600
+#: The files SQLite keeps beside the database in WAL mode.
+DB_SIDE_SUFFIXES = ("-wal", "-shm")
 
 #: Milliseconds a statement waits for another connection's write lock before `DatabaseBusy`.
 BUSY_TIMEOUT_MS = 5_000
@@ -212,6 +223,7 @@ class Database:
 
     def _open(self, migrations: Sequence[Migration]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _make_private(self.path)
         conn = sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout_ms / 1000)
         try:
             conn.row_factory = sqlite3.Row
@@ -231,6 +243,15 @@ class Database:
                 conn.execute("PRAGMA optimize")
             finally:
                 conn.close()
+
+
+def _make_private(path: Path) -> None:
+    """Create `path` mode `DB_FILE_MODE` if missing; narrow it and its side files if they are wider."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, DB_FILE_MODE))
+    for p in (path, *(path.with_name(path.name + suffix) for suffix in DB_SIDE_SUFFIXES)):
+        with contextlib.suppress(FileNotFoundError):
+            if p.stat().st_mode & 0o777 != DB_FILE_MODE:
+                os.chmod(p, DB_FILE_MODE)
 
 
 def migrate(conn: sqlite3.Connection, migrations: Sequence[Migration]) -> list[int]:

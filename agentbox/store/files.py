@@ -14,6 +14,9 @@ Every way the store refuses a file:
     ├── FileNotFound    no live file with that id (never stored, or deleted)
     └── InvalidFile     not a regular file, an unusable file name, an unknown source
 
+Blobs are the server's alone: the folder and its subfolders are `BLOBS_DIR_MODE`, each blob
+is `BLOB_FILE_MODE` (set on the partial, kept by the rename).
+
 Concurrency: blob moves, row inserts and deletes of one `FileStore` are serialized by one
 lock, so a delete can never remove a blob that a concurrent store of the same bytes is about
 to reference. Two server processes sharing a home do not share that lock (not supported).
@@ -42,6 +45,10 @@ MAX_FILE_BYTES = 100 * 1024 * 1024
 MAX_FILENAME_BYTES = 255
 #: Folder of the blobs under AGENTBOX_HOME.
 BLOBS_DIR_NAME = "blobs"
+#: Permission bits of the blobs folder and of its two-character subfolders.
+BLOBS_DIR_MODE = 0o700
+#: Permission bits of a blob (what `mkstemp` gives the partial it is renamed from).
+BLOB_FILE_MODE = 0o600
 #: Prefix of a blob being written; it never matches a sha256 name.
 PARTIAL_PREFIX = ".part-"
 #: Tuning, not a limit: bytes read or written per step while copying.
@@ -175,8 +182,11 @@ class FileStore:
         )
 
     def _new_partial(self) -> tuple[int, Path]:
-        self.blobs.mkdir(parents=True, exist_ok=True)
+        self.blobs.mkdir(BLOBS_DIR_MODE, parents=True, exist_ok=True)
+        if self.blobs.stat().st_mode & 0o777 != BLOBS_DIR_MODE:  # a home from before
+            os.chmod(self.blobs, BLOBS_DIR_MODE)
         fd, name = tempfile.mkstemp(prefix=PARTIAL_PREFIX, dir=self.blobs)
+        os.fchmod(fd, BLOB_FILE_MODE)  # what mkstemp gives already; said here, not assumed
         return fd, Path(name)
 
     def _copy_file(self, source: Path, max_bytes: int) -> _Blob:
@@ -256,7 +266,7 @@ class FileStore:
         final = self.blob_path(blob.sha256)
         if final.exists():
             return False
-        final.parent.mkdir(exist_ok=True)
+        final.parent.mkdir(BLOBS_DIR_MODE, exist_ok=True)
         os.replace(blob.partial, final)
         _fsync_dir(final.parent)
         return True

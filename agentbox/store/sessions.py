@@ -15,6 +15,14 @@ becomes `aborted`, a tool call without a result gets an "interrupted" error resu
 Event `seq` is per session and gap-free: MAX(seq)+1 under the write lock of the same
 transaction (BEGIN IMMEDIATE), unique per session.
 
+Session secrets are encrypted at rest: a `model_options` value whose key looks secret
+(`SECRET_OPTION_WORDS`: `api_key`, ...), every value of a `headers` table (model options, or
+an MCP server's), and an MCP server's `env` value whose name looks secret (`GITHUB_TOKEN`)
+are stored as `enc:` tokens under the home's machine-secret key (`agentbox.secrets`). A
+`Session` read back carries the tokens; `SessionStore.reveal` gives the plaintext to the one
+place that uses it (the worker, when it builds the provider and the MCP clients), and
+`Session.to_dict` (the API, `session.created`) shows `REDACTED` instead.
+
 Records are frozen dataclasses; timestamps stay the store's UTC ISO strings (the wire form).
 
 Every way this repository refuses:
@@ -30,13 +38,15 @@ Every way this repository refuses:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentbox import ids
+from agentbox.secrets import SecretBox, is_encrypted
 from agentbox.store.db import Database, timestamp
 
 TurnStatus = Literal["queued", "running", "awaiting_approval", "completed", "failed", "aborted"]
@@ -130,9 +140,11 @@ class Session:
     """None (the defaults), False (off) or {reserve_tokens, keep_recent_tokens}."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as shown (API, events): secrets in `model_options` redacted."""
+        """The record as shown (API, events): every session secret redacted."""
         data = dict(self.__dict__)
-        data["model_options"] = redact_options(self.model_options)
+        data["model_options"], data["mcp_servers"] = map_secrets(
+            self.model_options, self.mcp_servers, lambda _: REDACTED
+        )
         return data
 
 
@@ -142,17 +154,35 @@ REDACTED = "***"
 SECRET_OPTION_WORDS = ("key", "token", "secret", "password", "authorization")
 
 
-def redact_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """`options` with the values of secret-looking keys (and of `headers`) replaced by `REDACTED`."""
+def secret_name(name: str) -> bool:
+    """Whether an option, header or variable called `name` holds a secret by its name."""
+    return any(word in name.lower() for word in SECRET_OPTION_WORDS)
+
+
+def map_secrets(
+    options: Mapping[str, Any], servers: Sequence[Any], change: Callable[[Any], Any]
+) -> tuple[dict[str, Any], list[Any]]:
+    """Copies of a session's `model_options` and `mcp_servers` with `change` applied to each
+    secret (see the module docstring); the one definition of what a session secret is."""
+
+    def table(values: Mapping[str, Any], every: bool) -> dict[str, Any]:
+        return {k: change(v) if every or secret_name(k) else v for k, v in values.items()}
+
     shown: dict[str, Any] = {}
     for name, value in options.items():
         if name == "headers" and isinstance(value, dict):
-            shown[name] = {k: REDACTED for k in value}
-        elif any(word in name.lower() for word in SECRET_OPTION_WORDS):
-            shown[name] = REDACTED
+            shown[name] = table(value, every=True)
         else:
-            shown[name] = value
-    return shown
+            shown[name] = change(value) if secret_name(name) else value
+    servers_shown: list[Any] = []
+    for server in servers:
+        if isinstance(server, dict):
+            server = dict(server)
+            for key, every in (("headers", True), ("env", False)):
+                if isinstance(server.get(key), dict):
+                    server[key] = table(server[key], every)
+        servers_shown.append(server)
+    return shown, servers_shown
 
 
 @dataclass(frozen=True)
@@ -238,8 +268,57 @@ class Submission:
 class SessionStore:
     """The `sessions`, `turns`, `events` and `messages` tables of one database."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, secrets: SecretBox | None = None) -> None:
         self.db = db
+        #: The key of session secrets: the home's (the database's folder) unless given.
+        self.secrets = secrets or SecretBox(db.path.parent)
+
+    def seal(self, options: Mapping[str, Any], servers: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+        """`model_options` and `mcp_servers` as stored: every secret string encrypted."""
+
+        def encrypt(value: Any) -> Any:
+            plain = isinstance(value, str) and not is_encrypted(value)
+            return self.secrets.encrypt(value) if plain else value
+
+        return map_secrets(options, servers, encrypt)
+
+    async def seal_stored(self) -> int:
+        """Seal the secrets of sessions stored before secrets were sealed; how many changed.
+
+        Their `session.created` events are redacted too, and the old bytes are wiped from the
+        file (`secure_delete`, then a WAL checkpoint), so no plaintext stays on disk. Idempotent.
+        """
+
+        def work(conn: sqlite3.Connection) -> int:
+            changed = 0
+            rows = conn.execute("SELECT id, model_options, mcp_servers FROM sessions").fetchall()
+            for row in rows:
+                options, servers = json.loads(row["model_options"]), json.loads(row["mcp_servers"])
+                sealed = self.seal(options, servers)
+                if sealed == (options, servers):
+                    continue
+                conn.execute(
+                    "UPDATE sessions SET model_options = ?, mcp_servers = ? WHERE id = ?",
+                    (_json(sealed[0]), _json(sealed[1]), row["id"]),
+                )
+                _redact_created_event(conn, row["id"])
+                changed += 1
+            return changed
+
+        await self.db.execute("PRAGMA secure_delete = ON")
+        changed = await self.db.transaction(work)
+        if changed:
+            await self.db.fetchone("PRAGMA wal_checkpoint(TRUNCATE)")
+        return changed
+
+    def reveal(self, session: Session) -> Session:
+        """`session` with its secrets in plaintext: only for building its provider and MCP clients."""
+
+        def decrypt(value: Any) -> Any:
+            return self.secrets.decrypt(value) if is_encrypted(value) else value
+
+        options, servers = map_secrets(session.model_options, session.mcp_servers, decrypt)
+        return dataclasses.replace(session, model_options=options, mcp_servers=servers)
 
     # ------------------------------------------------------------------ sessions
 
@@ -259,6 +338,7 @@ class SessionStore:
     ) -> tuple[Session, list[Event]]:
         """A new session and its `session.created` event (validation of values is the caller's)."""
         session_id, now = ids.new_id(ids.SESSION), timestamp()
+        model_options, mcp_servers = self.seal(model_options or {}, mcp_servers)
 
         def write(conn: sqlite3.Connection) -> tuple[Session, list[Event]]:
             conn.execute(
@@ -621,6 +701,20 @@ class SessionStore:
 
 
 # ---------------------------------------------------------------------- in-transaction helpers
+
+
+def _redact_created_event(conn: sqlite3.Connection, session_id: str) -> None:
+    """Redact the secrets a `session.created` event recorded before they were redacted there."""
+    row = conn.execute(
+        "SELECT id, data FROM events WHERE session_id = ? AND type = 'session.created'", (session_id,)
+    ).fetchone()
+    if row is None:
+        return
+    data = json.loads(row["data"])
+    data["model_options"], data["mcp_servers"] = map_secrets(
+        data.get("model_options") or {}, data.get("mcp_servers") or [], lambda _: REDACTED
+    )
+    conn.execute("UPDATE events SET data = ? WHERE id = ?", (_json(data), row["id"]))
 
 
 def insert_event(
