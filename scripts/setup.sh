@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Prepare a fresh Debian/Ubuntu machine (as root) to run agentbox: the system packages the
 # sandbox uses (user-mode networking, the discardable system layer, setpriv, a python3 for
-# the in-sandbox exec agent, jq for the README's examples) and a virtualenv in .venv with agentbox installed.
+# the in-sandbox exec agent, mkfs.ext4 and losetup for the workspace images, libseccomp for the
+# sandbox filter, jq for the README's examples) and a virtualenv in .venv with agentbox installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES="python3 python3-venv slirp4netns fuse-overlayfs util-linux procps iproute2 ca-certificates jq"
+DEBIAN_PACKAGES="python3 python3-venv slirp4netns fuse-overlayfs util-linux mount e2fsprogs libseccomp2 procps iproute2 ca-certificates jq"
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   missing=""
   for p in $DEBIAN_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
