@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOX_DEADLINE, Server, start_server, stop_server
 
+from agentbox.machines.sandbox import owner_token
+
 #: The uid/gid an ordinary host user has in these checks (nobody).
 OTHER_UID = 65534
 
@@ -70,13 +72,22 @@ def recorder() -> Iterator[tuple[str, list[dict[str, str]]]]:
     httpd.shutdown()
 
 
+def open_to(home: Path, url: str) -> dict[str, str]:
+    """Server env whose config lets sessions reach the loopback `url` (operator's `model_endpoints`)."""
+    config = home.parent / "agentbox.toml"
+    config.write_text(f'model_endpoints = ["{url}"]\n')
+    return {"AGENTBOX_NETWORK": "off", "AGENTBOX_CONFIG": str(config)}
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, recorder: tuple[str, list[dict[str, str]]]
+) -> Iterator[Server]:
     from conftest import traversable
 
     home = traversable(tmp_path_factory.mktemp("at-rest"), tmp_path_factory) / "home"
     home.mkdir()
-    s = start_server(home, env={"AGENTBOX_NETWORK": "off"})
+    s = start_server(home, env=open_to(home, recorder[0]))
     yield s
     stop_server(s)
 
@@ -190,11 +201,15 @@ def test_sandbox_tmp_and_home_are_out_of_reach_on_the_host_but_tmp_behaves_insid
     )
     assert result["stdout"] == "1777\nok\n", result
     run = server.home / "sessions" / "private" / "run"
-    tmp = next(run.glob("*/tmp"))
-    for target in (tmp / "t", tmp.parent / "home" / "h", tmp):
-        assert target.exists()
-        assert as_other_user("stat", str(target)).returncode != 0, target
-    assert mode(tmp.parent) & 0o007 == 0, oct(mode(tmp.parent))
+    assert not list(run.rglob("t")) and not list(run.rglob("h")), (
+        "a sandbox's /tmp or $HOME is on the host disk"
+    )
+    assert mode(run / "sandbox") & 0o077 == 0, oct(mode(run / "sandbox"))
+    mounts = [line.split() for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    private = [m[4] for m in mounts if m[4].endswith(("/tmp", "/home")) and "/mnt/sbx_" in m[4]]
+    assert private, "a root server mounts the sandboxes' /tmp and $HOME under its runtime directory"
+    for point in private:
+        assert as_other_user("stat", point).returncode != 0, point
 
 
 def test_the_system_layer_with_the_hosts_setuid_programs_is_out_of_reach_and_nosuid(server: Server) -> None:
@@ -203,7 +218,7 @@ def test_the_system_layer_with_the_hosts_setuid_programs_is_out_of_reach_and_nos
     run_in(server, "layer", "touch /usr/bin/su")  # a copy-up too: the upper dir holds one now
     layers = [
         d for d in Path("/run/agentbox/mnt").glob("sbx_*")
-        if (d / "owner").exists() and (d / "owner").read_text() == str(server.process.pid)
+        if (d / "owner").exists() and (d / "owner").read_text() == owner_token(server.process.pid)
     ]  # fmt: skip
     if not layers:
         pytest.skip("this host gives sandboxes no system layer")
@@ -226,7 +241,7 @@ def test_secrets_stored_before_sealing_are_sealed_and_wiped_at_start(
 
     home = traversable(tmp_path_factory.mktemp("legacy"), tmp_path_factory) / "home"
     home.mkdir()
-    first = start_server(home, env={"AGENTBOX_NETWORK": "off"})
+    first = start_server(home, env=open_to(home, recorder[0]))
     try:
         created = secret_session(first, recorder[0])
     finally:
@@ -241,7 +256,7 @@ def test_secrets_stored_before_sealing_are_sealed_and_wiped_at_start(
             "UPDATE events SET data = ? WHERE session_id = ? AND type = 'session.created'",
             (json.dumps({"mcp_servers": plain_servers}), created["id"]),
         )
-    second = start_server(home, env={"AGENTBOX_NETWORK": "off"})
+    second = start_server(home, env=open_to(home, recorder[0]))
     try:
         with second.client() as client:
             shown = client.get(f"/v1/sessions/{created['id']}/events").text
