@@ -330,3 +330,17 @@ async def test_search_in_file_is_zero_based(machine: LocalMachine, root: Path) -
     assert (err.error_type, err.operation) == ("bad_request", "search")
     assert (await failure(search_in_file(machine, str(root), "x"))).error_type == "invalid_target"
     assert (await failure(search_in_file(machine, str(root / "nope"), "x"))).error_type == "not_found"
+
+
+async def test_a_fifo_named_directly_is_refused_at_once(make_sandbox: SandboxFactory) -> None:
+    """rg reading a FIFO would wait for a writer until the timeout: refused before rg starts."""
+    from agentbox.machines.base import ExecRequest
+
+    machine = await make_sandbox()
+    await machine.exec(ExecRequest(command="mkfifo /workspace/fifo"))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for search in (grep(machine, "/workspace/fifo", "x"), search_in_file(machine, "/workspace/fifo", "x")):
+        refused = await failure(search)
+        assert refused.error_type == "invalid_path", refused
+    assert loop.time() - started < 5

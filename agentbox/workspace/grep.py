@@ -38,7 +38,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from agentbox.machines.base import ExecRequest
+from agentbox.machines.errors import PathEscape
 from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.hostview import data_kind_ok
 from agentbox.workspace.editor import MAX_EDIT_BYTES
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
 from agentbox.workspace.patterns import check_patterns
@@ -343,7 +345,10 @@ async def run_search(
         options.check(op, path)
         target = machine.view.resolve(path)
         shown = machine.view.resolve(path, follow=False)
-        is_dir = stat_mod.S_ISDIR(machine.view.stat(target).st_mode)  # ENOENT when missing
+        st = machine.view.stat(target)  # ENOENT when missing
+        if not data_kind_ok(st):  # rg would block on a FIFO until the timeout
+            raise PathEscape(f"{path} is a device, fifo or socket", path=path)
+        is_dir = stat_mod.S_ISDIR(st.st_mode)
         if file_only and is_dir:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         collector = MatchCollector(
