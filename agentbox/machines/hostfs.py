@@ -105,17 +105,10 @@ class HostFiles:
         self.view.remove(path, recursive=recursive)
 
     async def mkdir(self, path: str, *, parents: bool = False) -> None:
-        inside = self.view.absolute(path)
-        missing = [inside]
-        if parents:
-            while missing[-1] != "/" and not self.view.exists(os.path.dirname(missing[-1])):
-                missing.append(os.path.dirname(missing[-1]))
-        for directory in reversed(missing):
-            try:
-                self.view.mkdir(directory, owner=self.default_owner())
-            except FileExistsError:
-                if not parents or not stat_mod.S_ISDIR(self.view.stat(directory).st_mode):
-                    raise
+        if not parents:
+            self.view.mkdir(path, owner=self.default_owner())
+        elif not self.view.exists(path) or not stat_mod.S_ISDIR(self.view.stat(path).st_mode):
+            self.view.makedirs(path, owner=self.default_owner())
 
     async def rename(self, src: str, dst: str) -> None:
         self.view.rename(src, dst)

@@ -366,22 +366,32 @@ class HostView:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def resolve(self, path: str, *, follow: bool = True, missing_ok: bool = False) -> str:
+    def resolve(
+        self, path: str, *, follow: bool = True, missing_ok: bool = False, write: bool = False
+    ) -> str:
         """The canonical inside path: links on the way (and with `follow` a final one) resolved.
 
         With `missing_ok`, a directory on the way that does not exist (yet) ends the
         resolution: it and the rest are taken as written, since nothing below a missing
-        directory can be a link.
+        directory can be a link. `write` refuses a path on a read-only mount with EROFS.
         """
         try:
             with self.at(path, follow=follow) as at:
-                return at.inside
+                inside = at.inside
         except (FileNotFoundError, NotADirectoryError):
-            inside = self.absolute(path)
-            parent = posixpath.dirname(inside)
-            if not missing_ok or parent == inside:
+            asked = self.absolute(path)
+            parent = posixpath.dirname(asked)
+            if not missing_ok or parent == asked:
                 raise
-            return posixpath.join(self.resolve(parent, missing_ok=True), posixpath.basename(inside))
+            inside = posixpath.join(self.resolve(parent, missing_ok=True), posixpath.basename(asked))
+        mount = self.mount_for(inside)
+        if write and mount is not None and not mount.writable:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return inside
+
+    def is_mount_root(self, inside: str) -> bool:
+        """Whether `inside` is `/` or where the machine mounts a folder (never moved or removed)."""
+        return inside == "/" or any(inside == m.inside for m in self.mounts)
 
     def lstat(self, path: str) -> os.stat_result:
         with self.at(path, follow=False) as at:
@@ -468,10 +478,6 @@ class HostView:
         with self.opendir(path) as fd:
             return _children(fd)
 
-    def readlink(self, path: str) -> str:
-        with self.at(path, follow=False) as at:
-            return os.readlink(at.target, dir_fd=at.fd)
-
     def walk(
         self,
         path: str,
@@ -498,6 +504,19 @@ class HostView:
             os.mkdir(at.name, mode, dir_fd=at.fd)
             if owner is not None:
                 os.chown(at.name, *owner, dir_fd=at.fd, follow_symlinks=False)
+
+    def makedirs(self, path: str, mode: int = 0o755, owner: tuple[int, int] | None = None) -> None:
+        """Create `path` and its missing ancestors; an existing `path` is EEXIST, an ancestor a
+        concurrent creator made first is fine (unless it is not a directory)."""
+        missing = [self.absolute(path)]
+        while missing[-1] != "/" and not self.exists(posixpath.dirname(missing[-1])):
+            missing.append(posixpath.dirname(missing[-1]))
+        for directory in reversed(missing):
+            try:
+                self.mkdir(directory, mode, owner)
+            except FileExistsError:
+                if directory == missing[0] or not stat_mod.S_ISDIR(self.stat(directory).st_mode):
+                    raise
 
     def unlink(self, path: str) -> None:
         with self.at(path, follow=False, write=True) as at:
@@ -553,24 +572,9 @@ class HostView:
                 return
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
 
-    def symlink(self, target: str, path: str, owner: tuple[int, int] | None = None) -> None:
-        with self.at(path, follow=False, write=True) as at:
-            self._not_root(at, path)
-            os.symlink(target, at.name, dir_fd=at.fd)
-            if owner is not None:
-                os.chown(at.name, *owner, dir_fd=at.fd, follow_symlinks=False)
-
     def chown(self, path: str, uid: int, gid: int) -> None:
         with self.at(path, follow=False, write=True) as at:
             os.chown(at.target, uid, gid, dir_fd=at.fd, follow_symlinks=False)
-
-    def chmod(self, path: str, mode: int) -> None:
-        """Permission bits only (never setuid/setgid/sticky), on the file or directory itself."""
-        fd = self.open(path, os.O_RDONLY, follow=False)
-        try:
-            os.fchmod(fd, mode & 0o777)
-        finally:
-            os.close(fd)
 
     @staticmethod
     def _not_root(at: At, path: str) -> None:

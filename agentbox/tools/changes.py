@@ -59,7 +59,6 @@ from agentbox.store.changes import (
 from agentbox.tools.base import Operation
 from agentbox.tools.fingerprint import ABSENT, fingerprint
 from agentbox.workspace import files as ws_files
-from agentbox.workspace.editor import write_in_place
 from agentbox.workspace.errors import WorkspaceError, translate
 
 #: The trash folder, directly under the machine's root.
@@ -167,7 +166,7 @@ def check(machine: GovernedMachine, op: Operation) -> None:
     real = _real(machine, source, follow=follow)
     if machine.view.within_root(source) and not machine.view.within_root(real):
         raise Refused(f"refused: {source} leads outside the workspace through a link ({real})")
-    if op.kind in ("move", "rename", "delete") and real in _mount_points(machine):
+    if op.kind in ("move", "rename", "delete") and machine.view.is_mount_root(real):
         raise Refused(
             f"refused: {source} is where the machine mounts a folder; it cannot be {_past(op.kind)}"
         )
@@ -203,10 +202,6 @@ def _real(machine: GovernedMachine, inside: str, *, follow: bool) -> str:
         return machine.view.resolve(inside, follow=follow, missing_ok=True)
     except MachineError as exc:
         raise Refused(f"refused: {exc.message}") from exc
-
-
-def _mount_points(machine: GovernedMachine) -> set[str]:
-    return {mount.inside for mount in machine.view.mounts}
 
 
 def _past(kind: str) -> str:
@@ -269,7 +264,7 @@ def _write(machine: GovernedMachine, op: Operation) -> None:
             )
         _stale_check(machine, inside, op)
         _require_file(machine, inside, op.path)
-        write_in_place(machine, inside, data)
+        ws_files.write_in_place(machine, inside, data, owner=ws_files.new_owner(machine, None))
         return
     try:
         fd = machine.view.open(inside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -300,7 +295,7 @@ def _edit(machine: GovernedMachine, op: Operation) -> None:
         raise Refused(f"{STALE}: {op.path} no longer exists (nothing was changed)")
     _require_file(machine, inside, op.path)
     _stale_check(machine, inside, op)
-    write_in_place(machine, inside, data)
+    ws_files.write_in_place(machine, inside, data, owner=ws_files.new_owner(machine, None))
 
 
 def _require_file(machine: GovernedMachine, inside: str, path: str) -> None:

@@ -39,12 +39,12 @@ from agentbox.tools.read import (
     escape_message,
     escapes,
     is_dir,
-    lstat_or_none,
     problem,
     remember,
     resolve,
 )
 from agentbox.workspace.editor import TextFile, checked_encode, occurrence_lines, read_capped
+from agentbox.workspace.files import lstat_or_none
 
 Mode = Literal["replace", "append", "multi_replace", "move", "rename", "delete"]
 
@@ -189,17 +189,12 @@ def plan_text_edit(machine: Any, p: EditParams) -> Operation:
 # --- files and folders ------------------------------------------------------------------------
 
 
-def is_mount_point(machine: Any, inside: str) -> bool:
-    """True for the directory where the machine mounts a folder (/workspace, /tmp)."""
-    return inside == "/" or any(inside == m.inside for m in machine.view.mounts)
-
-
 def source(machine: Any, path: str, mode: str) -> Resolved:
     """The file or folder to move or delete: a final symlink is the link itself."""
     src = resolve(machine, path, write=True, follow=False)
     if escapes(machine, src):
         raise Refused(escape_message(src))
-    if src.inside in ("/", machine.root) or is_mount_point(machine, src.inside):
+    if src.inside == machine.root or machine.view.is_mount_root(src.inside):
         raise Refused(f"{src.inside} is the workspace root or a mount point; it cannot be {mode}d.")
     if lstat_or_none(machine, src.inside) is None:
         raise Refused(f"{src.requested} does not exist.")

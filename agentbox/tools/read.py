@@ -52,6 +52,7 @@ from agentbox.tools.documents import (
 from agentbox.tools.fingerprint import fingerprint
 from agentbox.workspace.editor import display_lines, numbered
 from agentbox.workspace.errors import WorkspaceError, translate
+from agentbox.workspace.files import lstat_or_none
 
 #: Characters one read returns (seed 001: 6000 characters by default, continued by nextOffset).
 READ_WINDOW_CHARS = 6000
@@ -80,19 +81,7 @@ class Resolved:
 def resolve(machine: Any, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
     """Resolve `path` through the machine's descriptor view; raises what the view raises."""
     requested = machine.view.absolute(path)
-    inside = machine.view.resolve(path, follow=follow, missing_ok=True)
-    mount = machine.view.mount_for(inside)
-    if write and mount is not None and not mount.writable:
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
-    return Resolved(requested, inside)
-
-
-def lstat_or_none(machine: Any, inside: str, *, follow: bool = False) -> os.stat_result | None:
-    """The file at `inside` (with `follow`, what a final link leads to), None when missing."""
-    try:
-        return machine.view.stat(inside) if follow else machine.view.lstat(inside)
-    except FileNotFoundError:
-        return None
+    return Resolved(requested, machine.view.resolve(path, follow=follow, missing_ok=True, write=write))
 
 
 def is_dir(machine: Any, inside: str) -> bool:
@@ -175,12 +164,7 @@ def remember(ctx: ToolContext, op: Operation) -> None:
 
 def read_capped(machine: Any, inside: str, limit: int) -> bytes:
     """All bytes of a regular file (opened by descriptor, never through a swapped-in link), at most `limit`."""
-    fd = machine.view.open(inside, os.O_RDONLY)
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise OSError(errno.EFBIG, f"the file grew past {limit} bytes while being read", inside)
-    return data
+    return bytes(machine.view.read_bytes(inside, limit))
 
 
 def sniff(machine: Any, inside: str) -> bytes:

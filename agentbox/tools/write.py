@@ -28,13 +28,13 @@ from agentbox.tools.read import (
     Resolved,
     escape_message,
     escapes,
-    lstat_or_none,
     problem,
     read_capped,
     remember,
     resolve,
 )
 from agentbox.workspace.editor import MAX_EDIT_BYTES
+from agentbox.workspace.files import lstat_or_none
 
 #: Largest content one write plans, in UTF-8 bytes (the editor's limit: edits can follow).
 MAX_WRITE_BYTES = MAX_EDIT_BYTES

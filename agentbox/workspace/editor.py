@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from agentbox.machines.hostfs import HostFiles
+from agentbox.workspace import files
 from agentbox.workspace.errors import WorkspaceError, bad_request, operation
 
 #: Previous versions kept per file; the oldest is dropped past this.
@@ -245,30 +246,13 @@ def readable_or_none(machine: HostMachine, inside: str, path: str) -> bytes | No
 
 def write_in_place(machine: HostMachine, inside: str, data: bytes) -> None:
     """Write through the existing inode (links, watchers and owners stay); create if absent."""
-    try:
-        fd = machine.view.open(inside, os.O_WRONLY)
-        created = False
-    except FileNotFoundError:
-        fd = machine.view.open(inside, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        created = True
-    with os.fdopen(fd, "wb") as f:
-        if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), inside)
-        f.truncate(0)
-        f.write(data)
-        owner = machine.default_owner()
-        if created and owner is not None:
-            os.fchown(f.fileno(), *owner)
+    files.write_in_place(machine, inside, data, owner=files.new_owner(machine, None))
 
 
 def make_parents(machine: HostMachine, inside: str) -> None:
-    missing = []
     parent = posixpath.dirname(inside)
-    while parent != "/" and not machine.view.exists(parent):
-        missing.append(parent)
-        parent = posixpath.dirname(parent)
-    for directory in reversed(missing):
-        machine.view.mkdir(directory, owner=machine.default_owner())
+    if not machine.view.exists(parent):
+        machine.view.makedirs(parent, owner=files.new_owner(machine, None))
 
 
 def checked_encode(file: TextFile, text: str, op: str, path: str) -> bytes:
@@ -446,10 +430,7 @@ class Target:
 
 def target(machine: HostMachine, path: str, *, write: bool) -> Target:
     view = machine.view
-    inside = view.resolve(path, missing_ok=True)  # `create` makes the missing parents
-    mount = view.mount_for(inside)
-    if write and mount is not None and not mount.writable:
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    inside = view.resolve(path, missing_ok=True, write=write)  # `create` makes the missing parents
     shown = view.resolve(path, follow=False, missing_ok=True)
     return Target(inside, (machine.name, inside), shown)
 

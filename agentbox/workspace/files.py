@@ -417,7 +417,7 @@ def write_file(
     """
     with operation("write", path):
         if user is None:
-            _write_in_place(machine, path, data, append=append, owner=new_owner(machine, None))
+            write_in_place(machine, path, data, append=append, owner=new_owner(machine, None))
         else:
             owner = machine.owner_of(user)
             existing = _existing_file(machine, path)
@@ -429,9 +429,11 @@ def write_file(
         return WriteResult(shown_path(machine, path), len(data))
 
 
-def _write_in_place(
-    machine: HostMachine, path: str, data: bytes, *, append: bool, owner: Owner | None
+def write_in_place(
+    machine: HostMachine, path: str, data: bytes, *, append: bool = False, owner: Owner | None = None
 ) -> None:
+    """Write through the existing inode (links, watchers and owners stay); create it for
+    `owner` if absent. A file is truncated only once it is known to be a regular file."""
     flags = os.O_WRONLY | (os.O_APPEND if append else 0)
     try:
         fd = machine.view.open(path, flags)
@@ -475,19 +477,10 @@ def mkdir(machine: HostMachine, path: str, *, parents: bool = False, user: str |
             if parents and stat_mod.S_ISDIR(existing.st_mode):
                 return MkdirResult(shown_path(machine, path), created=False)
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
-        missing = [target]
         if parents:
-            while (
-                missing[-1] != "/"
-                and lstat_or_none(machine, posixpath.dirname(missing[-1]), follow=True) is None
-            ):
-                missing.append(posixpath.dirname(missing[-1]))
-        for directory in reversed(missing):
-            try:
-                view.mkdir(directory, 0o755, owner=owner)
-            except FileExistsError:  # created meanwhile by someone else: fine only for ancestors
-                if directory == target or not stat_mod.S_ISDIR(view.stat(directory).st_mode):
-                    raise
+            view.makedirs(target, 0o755, owner=owner)
+        else:
+            view.mkdir(target, 0o755, owner=owner)
         return MkdirResult(shown_path(machine, path), created=True)
 
 
@@ -849,7 +842,7 @@ def remove(machine: HostMachine, path: str, *, recursive: bool = False) -> str:
     """
     with operation("remove", path):
         shown = shown_path(machine, path)
-        if shown in ("/", machine.root) or any(shown == m.inside for m in machine.view.mounts):
+        if shown == machine.root or machine.view.is_mount_root(shown):
             raise wrong_kind("remove", path, f"{shown} is the root of the machine or of a mount")
         machine.view.remove(shown, recursive=recursive)  # by descriptor; never follows a link
         return shown
