@@ -148,3 +148,19 @@ def test_walk_never_enters_a_link_and_names_inside_paths(tmp_path: Path) -> None
         "/workspace/d/e/f.txt": False,
         "/workspace/d/out": True,
     }
+
+
+async def test_machine_read_is_bounded_at_its_limit(tmp_path: Path) -> None:
+    from agentbox.machines.hostfs import MAX_MACHINE_READ_BYTES
+    from agentbox.machines.local import LocalMachine
+
+    machine = LocalMachine("local", tmp_path)
+    for size, fits in ((MAX_MACHINE_READ_BYTES, True), (MAX_MACHINE_READ_BYTES + 1, False)):
+        with open(tmp_path / "sparse", "wb") as f:
+            f.truncate(size)
+        if fits:
+            assert len(await machine.read(str(tmp_path / "sparse"))) == size
+        else:
+            with pytest.raises(OSError) as info:
+                await machine.read(str(tmp_path / "sparse"))
+            assert info.value.errno == errno.EFBIG
