@@ -345,6 +345,15 @@ def _in_process(command: str, work: Coroutine[Any, Any, int]) -> int:
         return EXIT_REFUSED
 
 
+def _add_image_commands() -> None:
+    from agentbox.cli_image import app as image_app
+
+    app.add_typer(image_app, name="image")
+
+
+_add_image_commands()
+
+
 def main() -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     app()

@@ -184,6 +184,8 @@ class Settings:
     purge_days: float = DEFAULT_PURGE_DAYS
     sandbox_uid: int = 64999
     """Host uid (and gid) sandbox processes run as when the server is root."""
+    images_dir: Path | None = None
+    """Where images are kept (AGENTBOX_IMAGES); by default `images/` in the home."""
     max_sandboxes: int = DEFAULT_MAX_SANDBOXES
     """Live (running) sandboxes at once, over all sessions and machines; past it, idle ones are
     reclaimed and then a new one is refused (503, `capacity_exceeded`, Retry-After)."""
@@ -213,6 +215,10 @@ class Settings:
 
     def machine(self, name: str) -> MachineConfig | None:
         return self.machines.get(name)
+
+    @property
+    def images(self) -> Path:
+        return self.images_dir or self.home / "images"
 
 
 def builtin_machines() -> dict[str, MachineConfig]:
@@ -253,6 +259,7 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
         ),
         purge_days=float(env.get("AGENTBOX_PURGE_DAYS") or data.get("purge_days", DEFAULT_PURGE_DAYS)),
         sandbox_uid=int(env.get("AGENTBOX_SANDBOX_UID") or data.get("sandbox_uid", 64999)),
+        images_dir=Path(d) if (d := env.get("AGENTBOX_IMAGES") or data.get("images_dir")) else None,
         max_sandboxes=int(
             env.get("AGENTBOX_MAX_SANDBOXES") or data.get("max_sandboxes", DEFAULT_MAX_SANDBOXES)
         ),

@@ -41,7 +41,7 @@ def isolation(sandbox: Sandbox) -> dict[str, Any] | None:
     """How the machine is isolated, for the sandbox kind; None for shared machines."""
     machine = sandbox.machine
     if isinstance(machine, SandboxMachine):
-        return machine.host.capabilities(machine.config)
+        return machine.capabilities()
     return None
 
 

@@ -10,7 +10,10 @@
     ├── MachineUnavailable    the machine could not be opened or its transport broke
     ├── CapacityExceeded      the server already runs max_sandboxes sandboxes (or their memory
     │                         limits would pass max_sandbox_memory_mb): 503, retry after a while
-    └── OwnerUnsupported      `?user=` names an owner this machine cannot set
+    ├── OwnerUnsupported      `?user=` names an owner this machine cannot set
+    └── ImageError            an image (`images.py`) that is not built (ImageNotFound), held by
+                              a running sandbox (ImageInUse), asked for wrongly
+                              (InvalidImageSpec) or that failed to build (ImageBuildFailed)
 
 Ordinary filesystem failures stay `OSError`s with their errno; the workspace layer turns
 both families into one `WorkspaceError`.
@@ -57,4 +60,24 @@ class CapacityExceeded(MachineError):
 
 
 class OwnerUnsupported(MachineError):
+    pass
+
+
+class ImageError(MachineError):
+    """An image could not be found, changed or built (`images.py`)."""
+
+
+class ImageNotFound(ImageError):
+    pass
+
+
+class ImageInUse(ImageError):
+    """A running sandbox (or another build) holds the image: retry once it is done."""
+
+
+class InvalidImageSpec(ImageError):
+    """A name, profile or package list that cannot name an image."""
+
+
+class ImageBuildFailed(ImageError):
     pass

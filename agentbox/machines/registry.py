@@ -59,6 +59,7 @@ from agentbox.machines.errors import (
     MachineUnavailable,
     PathEscape,
 )
+from agentbox.machines.images import DEFAULT_IMAGE
 from agentbox.machines.local import LocalMachine
 from agentbox.machines.sandbox import (
     DEFAULT_HOME_MB,
@@ -143,7 +144,7 @@ class Registry:
     @property
     def sandbox_host(self) -> SandboxHost:
         if self._host is None:
-            self._host = SandboxHost(self.settings.home, uid=self.settings.sandbox_uid)
+            self._host = SandboxHost(self.settings.home, uid=self.settings.sandbox_uid, images=self.settings.images)
         return self._host
 
     def config(self, name: str | None) -> MachineConfig:
@@ -532,4 +533,7 @@ def sandbox_config(config: MachineConfig, env: dict[str, str]) -> SandboxConfig:
         env=env,
         tmp_mb=int(o.get("tmp_mb", DEFAULT_TMP_MB)),
         home_mb=int(o.get("home_mb", DEFAULT_HOME_MB)),
+        # Named: it must be there. Unnamed: `base` when built, else the host's /usr. "": the host's.
+        image=str(o["image"]) or None if "image" in o else DEFAULT_IMAGE,
+        image_required="image" in o and bool(o["image"]),
     )

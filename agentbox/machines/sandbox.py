@@ -1,7 +1,17 @@
 """The `sandbox` kind: one bubblewrap sandbox per session, isolated, root `/workspace`.
 
-A sandbox is a fresh tmpfs root with the host's `/usr` (read-only, or under a discardable
-overlay), a curated `/etc` and a small `/var` (see `sysroot.py`), `/workspace` bound from
+A sandbox's root is an image (`images.py`: a Debian tree built by mmdebstrap, the same
+for every sandbox of the machine entry) under a discardable writable layer: the kernel's
+overlayfs, mounted by bwrap inside the sandbox's user namespace (the image's files belong
+to the sandbox uid, so copy-up works there), or fuse-overlayfs where the kernel refuses
+(root servers only), or none (read-only). The layer's upper directory lives in the
+lifetime's `run/`, so system installs vanish when the sandbox is reclaimed.
+
+Where the machine's image is not built, the fallback is today's host-based root: a fresh
+tmpfs with the host's `/usr` (read-only, or under fuse-overlayfs), a curated `/etc` and a
+small `/var` (see `sysroot.py`). `GET /v2/sandbox` says which a sandbox got.
+
+Either way there is `/workspace` bound from
 the session's persistent directory, `/tmp` and `/root` (`$HOME`) from directories that live
 as long as this sandbox, its own `/proc` and `/dev`, and new user, pid, ipc, uts, cgroup
 and network namespaces. Inside, processes appear as root but are an unprivileged host uid
@@ -60,14 +70,13 @@ from agentbox.machines import seccomp
 from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
 from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
-from agentbox.machines.errors import MachineUnavailable
+from agentbox.machines.errors import ImageError, MachineUnavailable
 from agentbox.machines.exec_agent import MAX_MESSAGE
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import Alias, HostView, Mount
+from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
 from agentbox.machines.sysroot import Base, ensure_base, hosts_file, resolv_conf
 
-#: Where a root host keeps the curated base system (rebuilt when the host's /etc or dpkg changes).
-SHARED_BASE_DIR = Path("/var/cache/agentbox")
 #: Seconds a sandbox may take from launch to its agent saying "ready".
 START_TIMEOUT = 20.0
 #: Host uid/gid sandbox processes run as when the server is root.
@@ -80,6 +89,11 @@ SANDBOX_HOME = "/root"
 #: server lets bwrap mount them inside. Either way the agent hands their descriptors to the
 #: server (`HostView.attach`), which reaches them like every other mount.
 PRIVATE_DIRS = ("/tmp", SANDBOX_HOME)
+#: On an image, the system directories the agent also hands over, so the file API reads them
+#: as the sandbox sees them (its own installs included); read-only through the API.
+IMAGE_SYSTEM_DIRS = ("/usr", "/etc")
+#: The writable system layer a sandbox can get, best first (`GET /v2/sandbox` names it).
+KERNEL_OVERLAY, FUSE_OVERLAY, NO_LAYER = "kernel-overlay", "fuse-overlayfs", "none"
 MS_NOSUID, MS_NODEV = 2, 4
 #: Default size limits of those tmpfs, in MiB (`tmp_mb` / `home_mb` in a machine's config).
 DEFAULT_TMP_MB = 1024
@@ -124,7 +138,7 @@ for parent in "$@"; do
 done
 for d in "$root"/*/; do
   [ "$(cat "$d/owner" 2>/dev/null)" = "$token" ] || continue
-  for m in usr sys tmp home; do umount -l "$d/$m" 2>/dev/null; rmdir "$d/$m" 2>/dev/null; done
+  for m in usr sys root tmp home; do umount -l "$d/$m" 2>/dev/null; rmdir "$d/$m" 2>/dev/null; done
   rm -f "$d/owner"; rmdir "$d" 2>/dev/null
 done
 for attempt in $(seq 100); do
@@ -156,20 +170,38 @@ class SandboxConfig:
     """Size of the sandbox's `/tmp` (a tmpfs inside it, counted in its memory limit)."""
     home_mb: int = DEFAULT_HOME_MB
     """Size of the sandbox's `$HOME` (`/root`, a tmpfs like `/tmp`)."""
+    image: str | None = DEFAULT_IMAGE
+    """The image the root is made of; None: the host's /usr (the fallback)."""
+    image_required: bool = False
+    """Whether the image was named in the config: then a missing image is an error, not a fallback."""
+
+
+@dataclass(frozen=True)
+class RootPlan:
+    """What one lifetime's root is made of, decided at its start."""
+
+    image: Image | None
+    image_detail: str
+    layer: str
+    """KERNEL_OVERLAY, FUSE_OVERLAY or NO_LAYER."""
+    layer_detail: str
 
 
 class SandboxHost:
     """What one server shares among its sandboxes: binaries, uid, cgroups, the base system."""
 
-    def __init__(self, home: Path, uid: int = DEFAULT_SANDBOX_UID, gid: int | None = None) -> None:
+    def __init__(
+        self, home: Path, uid: int = DEFAULT_SANDBOX_UID, gid: int | None = None, images: Path | None = None
+    ) -> None:
         self.home = home
         self.root = os.geteuid() == 0
         self.uid = uid if self.root else os.geteuid()
         self.gid = (gid if gid is not None else uid) if self.root else os.getegid()
         self.bwrap = bwrap_mod.usable_binary(bwrap_mod.runtime_dir() if self.root else None)
         self.cgroups = Cgroups()
-        # A cache keyed by host state: shared by every server on a root host.
-        self.base: Base = ensure_base(SHARED_BASE_DIR if self.root else home)
+        self.images = ImageStore(images or home / "images", self.uid, self.gid)
+        self._base: Base | None = None
+        self._kernel_overlay: dict[Path, bool] = {}
         self.fuse = shutil.which("fuse-overlayfs")
         self.slirp = shutil.which("slirp4netns")
         self.python = next(
@@ -187,6 +219,77 @@ class SandboxHost:
             release_orphaned_layers(self.merged_root, self.libc)
             release_orphaned_groups(self.cgroups)
             self._death_watch = watch_death(self.merged_root, self.cgroups.parents())
+
+    @property
+    def base(self) -> Base:
+        """The host-based fallback's curated /etc and /var, built at first use."""
+        if self._base is None:
+            self._base = ensure_base(self.home)
+        return self._base
+
+    def plan(self, config: SandboxConfig) -> RootPlan:
+        """The image and layer a sandbox of `config` starts on now."""
+        image, image_detail = self._image(config)
+        if not config.system_layer:
+            return RootPlan(image, image_detail, NO_LAYER, "disabled by configuration: the system is read-only")
+        if image is not None and self.kernel_overlay(image):
+            return RootPlan(image, image_detail, KERNEL_OVERLAY, "the kernel's overlayfs over the image, "
+                            "in the sandbox's user namespace; discarded when the sandbox is reclaimed")  # fmt: skip
+        fuse, fuse_detail = self.system_layer()
+        if fuse:
+            return RootPlan(image, image_detail, FUSE_OVERLAY, fuse_detail)
+        return RootPlan(image, image_detail, NO_LAYER, fuse_detail)
+
+    def _image(self, config: SandboxConfig) -> tuple[Image | None, str]:
+        if not config.image:
+            return None, "no image configured: the host's /usr, read-only or under a layer"
+        try:
+            image = self.images.get(config.image)
+        except ImageError as exc:
+            if config.image_required:
+                raise MachineUnavailable(exc.message) from exc
+            return None, f"{exc.message}; until then: the host's /usr"
+        if (image.manifest.uid, image.manifest.gid) != (self.uid, self.gid):
+            raise MachineUnavailable(
+                f"image {image.name!r} belongs to uid {image.manifest.uid}, but sandboxes here run as "
+                f"uid {self.uid}: rebuild it with `agentbox image build {image.name} --rebuild`"
+            )
+        self.check_reachable(image.rootfs)
+        return image, f"{image.name} ({image.manifest.profile}, {image.manifest.digest[:19]})"
+
+    def kernel_overlay(self, image: Image) -> bool:
+        """Whether bwrap may mount the kernel's overlayfs over `image` here (probed once)."""
+        if image.rootfs not in self._kernel_overlay:
+            self._kernel_overlay[image.rootfs] = self._probe_overlay(image.rootfs)
+        return self._kernel_overlay[image.rootfs]
+
+    def _probe_overlay(self, rootfs: Path) -> bool:
+        probe = self.images.root / f".probe-{os.getpid()}"
+        shutil.rmtree(probe, ignore_errors=True)
+        try:
+            for d in (probe, probe / "upper", probe / "work"):
+                d.mkdir(parents=True)
+                if self.root:
+                    os.lchown(d, self.uid, self.gid)
+            args = [
+                str(self.bwrap), "--unshare-user", "--unshare-pid", "--uid", "0", "--gid", "0",
+                "--overlay-src", str(rootfs), "--overlay", str(probe / "upper"), str(probe / "work"), "/",
+                "--proc", "/proc", "--dev", "/dev", "/bin/sh", "-c", ": > /usr/.agentbox-probe",
+            ]  # fmt: skip
+            done = subprocess.run(
+                self.as_sandbox_uid(args), stdin=subprocess.DEVNULL, capture_output=True, env=LAUNCH_ENV, timeout=30
+            )
+            return done.returncode == 0 and (probe / "upper" / "usr" / ".agentbox-probe").exists()
+        except (OSError, subprocess.SubprocessError):
+            return False
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+
+    def as_sandbox_uid(self, args: list[str]) -> list[str]:
+        """`args` run as the sandbox uid: through setpriv when the server is root (Popen can vfork)."""
+        if not self.root:
+            return args
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--inh-caps=-all", *args]
 
     def check_reachable(self, path: Path) -> None:
         """bwrap resolves bind sources by path as the sandbox uid, even for --bind-fd.
@@ -220,14 +323,29 @@ class SandboxHost:
             return False, "fuse-overlayfs or /dev/fuse missing: /usr, /etc, /var are read-only"
         return True, "fuse-overlayfs over /usr, /etc, /var; discarded when the sandbox is reclaimed"
 
-    def capabilities(self, config: SandboxConfig) -> dict[str, Any]:
-        layer, layer_detail = self.system_layer()
+    def capabilities(self, config: SandboxConfig, plan: RootPlan | None = None) -> dict[str, Any]:
+        """What a sandbox of `config` is and can do; `plan` is a running one's, else what it would get."""
+        if plan is None:
+            try:
+                plan = self.plan(config)
+            except MachineUnavailable as exc:
+                plan = RootPlan(None, exc.message, NO_LAYER, "the sandbox cannot start")
         return {
             "isolation": "bubblewrap",
             "bwrap": str(self.bwrap),
             "host_uid": self.uid,
-            "system_layer": layer and config.system_layer,
-            "system_layer_detail": layer_detail if config.system_layer else "disabled by configuration",
+            "privileges": "root" if self.root else "unprivileged",
+            "privileges_detail": (
+                "a root server: sandboxes run as their own uid, with cgroup limits where the host has them"
+                if self.root
+                else "an unprivileged server: sandboxes run as the server's own uid; no uid of their own, "
+                "no fuse-overlayfs, cgroup limits only in a cgroup delegated to this user"
+            ),
+            "image": plan.image.name if plan.image is not None else None,
+            "image_detail": plan.image_detail,
+            "system_layer": plan.layer != NO_LAYER,
+            "system_layer_kind": plan.layer,
+            "system_layer_detail": plan.layer_detail,
             "network": "on" if config.network and self.slirp else "off",
             "network_detail": (
                 "slirp4netns, host loopback unreachable"
@@ -372,6 +490,8 @@ class SandboxMachine(HostFiles):
         self.hostname = f"sbx-{sandbox_id[-12:]}".lower()
         self.owner = (host.uid, host.gid)
         self.users = {"root": self.owner, str(0): self.owner}
+        self.plan: RootPlan | None = None
+        """This lifetime's image and layer, decided at each start."""
         self.view = self._view()
         self.loop: asyncio.AbstractEventLoop = asyncio.get_event_loop()
         self.state = "stopped"
@@ -380,6 +500,7 @@ class SandboxMachine(HostFiles):
         self.running = 0
         self.network_on = False
         self.layer_on = False
+        self._lease: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._slirp: subprocess.Popen[bytes] | None = None
         self._ctl: socket.socket | None = None
@@ -399,18 +520,37 @@ class SandboxMachine(HostFiles):
         self._buffer = b""
 
     def _view(self) -> HostView:
-        base = self.host.base
-        mounts = [
-            Mount("/workspace", self.workspace),
-            Mount("/tmp", None),
-            Mount(SANDBOX_HOME, None),
-            Mount("/usr", Path("/usr"), writable=False, foreign=True),
-            Mount("/etc", base.etc, writable=False, foreign=True),
-        ]
-        aliases = [
-            Alias(f"/{d}", f"/usr/{d}") for d in ("bin", "sbin", "lib", "lib64") if Path(f"/{d}").is_symlink()
-        ]
+        """The server's view of this sandbox's files.
+
+        On an image, /usr and /etc are the sandbox's own (handed over by its agent, layer
+        included); on the host fallback they are the host's /usr and the curated /etc,
+        read with the rights any host user has there (`foreign`).
+        """
+        mounts = [Mount("/workspace", self.workspace), Mount("/tmp", None), Mount(SANDBOX_HOME, None)]
+        if self.plan is None:  # not started yet: the system directories come with a plan
+            return HostView(mounts, self.root, [], owner_uid=self.host.uid)
+        image = self.plan.image
+        if image is not None:
+            mounts += [Mount(d, None, writable=False) for d in IMAGE_SYSTEM_DIRS]
+            links = {d: os.readlink(image.rootfs / d) for d in ("bin", "sbin", "lib", "lib64")
+                     if (image.rootfs / d).is_symlink()}  # fmt: skip
+        else:
+            mounts += [
+                Mount("/usr", Path("/usr"), writable=False, foreign=True),
+                Mount("/etc", self.host.base.etc, writable=False, foreign=True),
+            ]
+            links = {d: os.readlink(f"/{d}") for d in ("bin", "sbin", "lib", "lib64") if Path(f"/{d}").is_symlink()}
+        aliases = [Alias(f"/{d}", f"/usr/{d}") for d, target in links.items() if target.lstrip("/") == f"usr/{d}"]
         return HostView(mounts, self.root, aliases, owner_uid=self.host.uid)
+
+    def _shared_dirs(self) -> tuple[str, ...]:
+        """What the agent opens inside and hands to the server at `R`, in this order."""
+        image = self.plan is not None and self.plan.image is not None
+        return PRIVATE_DIRS + (IMAGE_SYSTEM_DIRS if image else ())
+
+    def capabilities(self) -> dict[str, Any]:
+        """`SandboxHost.capabilities`, with the image and layer this lifetime got when it runs."""
+        return self.host.capabilities(self.config, self.plan if self.state == "running" else None)
 
     # lifecycle ---------------------------------------------------------------
 
@@ -466,7 +606,11 @@ class SandboxMachine(HostFiles):
         what is in it, and no other host user can reach it. /tmp and $HOME are not here at all
         (PRIVATE_DIRS).
         """
-        for d in (self.workspace, self.run / "var"):
+        self.plan = self.host.plan(self.config)
+        dirs = [self.workspace, self.run / "var"]
+        if self.plan.layer == KERNEL_OVERLAY:
+            dirs += [self.run / "upper", self.run / "upper" / "root", self.run / "work", self.run / "work" / "root"]
+        for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
             if self.host.root:
                 os.lchown(d, self.host.uid, self.host.gid)
@@ -474,16 +618,22 @@ class SandboxMachine(HostFiles):
             os.lchown(self.run, self.host.uid, self.host.gid)
         os.chmod(self.run, RUN_DIR_MODE)
         self.view.forget()
+        self.view = self._view()
 
     async def _launch(self) -> None:
-        host, config = self.host, self.config
-        if host.python is None:
+        host, config, plan = self.host, self.config, self.plan
+        assert plan is not None
+        if plan.image is None and host.python is None:
             raise MachineUnavailable("no python3 under the host's /usr for the exec agent")
+        if plan.image is not None:
+            try:
+                self._lease = host.images.lease(plan.image.name)
+            except ImageError as exc:
+                raise MachineUnavailable(exc.message) from exc
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         info_r, info_w = os.pipe()
         opened: list[int] = [child.fileno(), info_w]
-        layer, _ = host.system_layer()
-        self.layer_on = layer and config.system_layer
+        self.layer_on = plan.layer != NO_LAYER
         self.network_on = config.network and host.slirp is not None
 
         def fd_of(path: Path) -> int:
@@ -507,25 +657,15 @@ class SandboxMachine(HostFiles):
             "--as-pid-1",  # the agent is pid 1: no bwrap init inside holding bwrap's descriptors
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
-            "--proc", "/proc", "--dev", "/dev",
             "--seccomp", str(data_fd(host.no_setid_filter())),  # see machines/seccomp.py
         ]  # fmt: skip
         private = self._mount_private() if host.root else None
-        if self.layer_on:
-            merged = await self._mount_layer()
-            args += ["--bind-fd", str(fd_of(merged / "usr")), "/usr"]
-            args += ["--bind-fd", str(fd_of(merged / "sys" / "etc")), "/etc"]
-            args += ["--bind-fd", str(fd_of(merged / "sys" / "var")), "/var"]
-            args += ["--ro-bind", "/usr", AGENT_USR + "/usr"]
+        if plan.image is not None:
+            args += await self._image_root(plan, fd_of)
         else:
-            args += ["--ro-bind", "/usr", "/usr", "--ro-bind-fd", str(fd_of(host.base.etc)), "/etc"]
-            args += ["--bind-fd", str(fd_of(self.run / "var")), "/var"]
-        for d in ("bin", "sbin", "lib", "lib64"):
-            if Path(f"/{d}").is_symlink():
-                args += ["--symlink", os.readlink(f"/{d}"), f"/{d}"]
-            elif Path(f"/{d}").is_dir():
-                args += ["--ro-bind", f"/{d}", f"/{d}"]
+            args += await self._host_root(fd_of)
         args += [
+            "--proc", "/proc", "--dev", "/dev",
             "--ro-bind-data", str(data_fd(resolv_conf(self.network_on))), "/etc/resolv.conf",
             "--ro-bind-data", str(data_fd(hosts_file(self.hostname))), "/etc/hosts",
             "--ro-bind-data", str(data_fd(self.hostname + "\n")), "/etc/hostname",
@@ -534,17 +674,9 @@ class SandboxMachine(HostFiles):
             "--ro-bind", host.rg, SANDBOX_RG,
             "--chdir", "/workspace",
             "--info-fd", str(info_w),
-            *self._agent_command(), "-I", "-S", "-c", AGENT_SOURCE, str(child.fileno()), *PRIVATE_DIRS,
+            *self._agent_command(), "-I", "-S", "-c", AGENT_SOURCE, str(child.fileno()), *self._shared_dirs(),
         ]  # fmt: skip
-        if host.root:  # drop to the sandbox uid by exec, so Popen can vfork (no preexec_fn)
-            args = [
-                "setpriv",
-                f"--reuid={host.uid}",
-                f"--regid={host.gid}",
-                "--clear-groups",
-                "--inh-caps=-all",
-                *args,
-            ]
+        args = host.as_sandbox_uid(args)  # by exec, so Popen can vfork (no preexec_fn)
         self._group = host.cgroups.create(f"{self.sandbox_id}-{owner_token()}", config.limits)
         diag_r, diag_w = os.pipe2(os.O_CLOEXEC)
         try:
@@ -573,13 +705,46 @@ class SandboxMachine(HostFiles):
         info = await self.loop.run_in_executor(None, _read_info, info_r)
         self._child_pid = int(info.get("child-pid") or 0)
 
+    async def _image_root(self, plan: RootPlan, fd_of: Any) -> list[str]:
+        """bwrap arguments that make the image the root, under the planned layer."""
+        assert plan.image is not None
+        rootfs = str(plan.image.rootfs)
+        if plan.layer == KERNEL_OVERLAY:
+            upper, work = self.run / "upper" / "root", self.run / "work" / "root"
+            return ["--overlay-src", rootfs, "--overlay", str(upper), str(work), "/"]
+        if plan.layer == FUSE_OVERLAY:
+            merged = await self._mount_layer((("root", plan.image.rootfs),))
+            return ["--bind-fd", str(fd_of(merged / "root")), "/"]
+        return ["--ro-bind", rootfs, "/"]
+
+    async def _host_root(self, fd_of: Any) -> list[str]:
+        """bwrap arguments for the fallback root: the host's /usr, the curated /etc, a /var."""
+        host = self.host
+        if self.layer_on:
+            merged = await self._mount_layer((("usr", Path("/usr")), ("sys", host.base.root)))
+            args = ["--bind-fd", str(fd_of(merged / "usr")), "/usr"]
+            args += ["--bind-fd", str(fd_of(merged / "sys" / "etc")), "/etc"]
+            args += ["--bind-fd", str(fd_of(merged / "sys" / "var")), "/var"]
+            args += ["--ro-bind", "/usr", AGENT_USR + "/usr"]
+        else:
+            args = ["--ro-bind", "/usr", "/usr", "--ro-bind-fd", str(fd_of(host.base.etc)), "/etc"]
+            args += ["--bind-fd", str(fd_of(self.run / "var")), "/var"]
+        for d in ("bin", "sbin", "lib", "lib64"):
+            if Path(f"/{d}").is_symlink():
+                args += ["--symlink", os.readlink(f"/{d}"), f"/{d}"]
+            elif Path(f"/{d}").is_dir():
+                args += ["--ro-bind", f"/{d}", f"/{d}"]
+        return args
+
     def _agent_command(self) -> list[str]:
-        """How to start the agent's python: past the fuse layer when there is one.
+        """How to start the agent's python: the image's own, or the host's past the fuse layer.
 
         Loading python and its stdlib through a fresh fuse-overlayfs costs tens of
         milliseconds of cold lookups, so with the system layer the agent runs from a
         read-only bind of the host's /usr at AGENT_USR, through the host's own loader.
         """
+        if self.plan is not None and self.plan.image is not None:
+            return ["/usr/bin/python3"]
         assert self.host.python is not None
         direct = agent_loader(self.host.python)
         if not self.layer_on or direct is None:
@@ -644,8 +809,8 @@ class SandboxMachine(HostFiles):
             points[inside] = point
         return points
 
-    async def _mount_layer(self) -> Path:
-        """Mount the discardable system layer: fuse-overlayfs over /usr and over the base.
+    async def _mount_layer(self, lowers: tuple[tuple[str, Path], ...]) -> Path:
+        """Mount the discardable system layer with fuse-overlayfs: one mount per (name, lower).
 
         The mounts live in the host's mount namespace under a root-only directory and are
         handed to bwrap as descriptors; nothing is bind-mounted under AGENTBOX_HOME, so no
@@ -654,7 +819,7 @@ class SandboxMachine(HostFiles):
         host = self.host
         assert host.merged_root is not None and host.fuse is not None
         merged = self._layer_dir()
-        for name, lower in (("usr", Path("/usr")), ("sys", host.base.root)):
+        for name, lower in lowers:
             upper, work, point = self.run / "upper" / name, self.run / "work" / name, merged / name
             for d in (upper, work, point):
                 d.mkdir(parents=True, exist_ok=True)
@@ -777,6 +942,9 @@ class SandboxMachine(HostFiles):
         for fd in self._log_fds:
             os.close(fd)
         self._log_fds.clear()
+        if self._lease is not None:
+            os.close(self._lease)
+            self._lease = None
         if self._diagnostics is not None:
             self.loop.call_soon_threadsafe(self._diagnostics.close)
             self._diagnostics = None
@@ -810,7 +978,7 @@ class SandboxMachine(HostFiles):
         assert self._ctl is not None
         fds: list[int] = []
         try:
-            data, fds, _flags, _addr = socket.recv_fds(self._ctl, 1 << 20, len(PRIVATE_DIRS))
+            data, fds, _flags, _addr = socket.recv_fds(self._ctl, 1 << 20, len(self._shared_dirs()))
         except BlockingIOError:
             return
         except OSError:
@@ -829,7 +997,7 @@ class SandboxMachine(HostFiles):
             for fd in fds:  # only `R` carries descriptors
                 os.close(fd)
         if op == b"R":
-            for inside, fd in zip(PRIVATE_DIRS, fds, strict=False):
+            for inside, fd in zip(self._shared_dirs(), fds, strict=False):
                 self.view.attach(inside, fd)
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
@@ -1031,7 +1199,7 @@ def release_orphaned_layers(root: Path, libc: Any) -> None:
             continue
         if owner_alive(owner):
             continue
-        for point in (d / "usr", d / "sys", d / "tmp", d / "home"):
+        for point in (d / "usr", d / "sys", d / "root", d / "tmp", d / "home"):
             libc.umount2(bytes(point), MNT_DETACH)
             with contextlib.suppress(OSError):
                 point.rmdir()

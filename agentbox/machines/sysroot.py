@@ -3,8 +3,11 @@
 The curated `/etc` holds only what any unprivileged host user could read anyway (world
 readable files, symlinks), minus host identity (`machine-id`, `hostname`) and accounts of
 real people (uids 1000-65533 in `passwd` / `group`). It is built once per host state into
-`base/` under the agentbox home and reused by every sandbox; `/var` starts from the host's
-package databases (`/var/lib/dpkg`, `/var/lib/apt`) so that `apt-get` inside works.
+`base/<key>/` under the agentbox home and reused by every sandbox (an older key is removed);
+`/var` starts from the host's package databases (`/var/lib/dpkg`, `/var/lib/apt`, what of
+them the server may read) so that `apt-get` inside works.
+
+This is the fallback for a machine whose image (`images.py`) is not built.
 
 With a system layer (see `sandbox.py`) the sandbox writes over these through an overlay
 whose upper directory lives only as long as the sandbox.
@@ -12,6 +15,7 @@ whose upper directory lives only as long as the sandbox.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -67,11 +71,31 @@ def host_key() -> str:
     return h.hexdigest()[:16]
 
 
+#: Where servers before images kept the base on a root host; removed when found.
+LEGACY_BASE_DIR = Path("/var/cache/agentbox/base")
+
+
 def ensure_base(home: Path) -> Base:
-    """Build (once) and return the base for the current host state."""
+    """Build (once) and return the base for the current host state; drop bases of older states."""
     root = home / "base" / host_key()
-    if (root / ".complete").exists():
-        return Base(root)
+    if not (root / ".complete").exists():
+        _build_base(root)
+    for old in [*root.parent.iterdir(), *_legacy_bases()]:
+        if old != root and (old / ".complete").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    for legacy in (LEGACY_BASE_DIR, LEGACY_BASE_DIR.parent):
+        with contextlib.suppress(OSError):
+            legacy.rmdir()  # only once empty
+    return Base(root)
+
+
+def _legacy_bases() -> list[Path]:
+    if os.geteuid() != 0 or not LEGACY_BASE_DIR.is_dir():
+        return []
+    return list(LEGACY_BASE_DIR.iterdir())
+
+
+def _build_base(root: Path) -> None:
     tmp = root.with_name(root.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "usr").mkdir(parents=True)
@@ -80,7 +104,9 @@ def ensure_base(home: Path) -> Base:
         (tmp / "var" / d).mkdir(parents=True, exist_ok=True)
     for d in VAR_COPIES:
         if (Path("/var") / d).is_dir():
-            shutil.copytree(Path("/var") / d, tmp / "var" / d, symlinks=True, dirs_exist_ok=True)
+            shutil.copytree(
+                Path("/var") / d, tmp / "var" / d, symlinks=True, dirs_exist_ok=True, ignore=_unreadable
+            )
     (tmp / ".complete").touch()
     for p in [tmp, *tmp.rglob("*")]:
         if not p.is_symlink():
@@ -89,7 +115,11 @@ def ensure_base(home: Path) -> Base:
         tmp.rename(root)
     except OSError:  # another server built it meanwhile
         shutil.rmtree(tmp, ignore_errors=True)
-    return Base(root)
+
+
+def _unreadable(directory: str, names: list[str]) -> set[str]:
+    """What this server may not read (dpkg's lock, for a non-root one): left out, not fatal."""
+    return {n for n in names if not os.access(os.path.join(directory, n), os.R_OK)}
 
 
 def copy_curated_etc(src: Path, dst: Path) -> None:

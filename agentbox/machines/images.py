@@ -1,0 +1,417 @@
+"""Images: a sandbox's root filesystem, built from Debian packages, named and reused.
+
+An image is a plain directory tree plus its manifest, stored once under the images
+directory (`AGENTBOX_HOME/images/` unless configured):
+
+    images/<name>/rootfs/          the tree every sandbox of the image sees as its root
+    images/<name>/manifest.json    name, profile, packages with versions, size, digest, ...
+    images/.locks/<name>           flock: shared while a sandbox runs on it, exclusive to change it
+
+It is built by `mmdebstrap` (Debian's own chroot builder) as a tar stream, which the
+server unpacks itself. So a root and a non-root builder end with the same tree: every
+file owned by the uid that sandboxes run as (so that, mapped to root inside a sandbox's
+user namespace, the kernel's overlayfs can copy files up), no setuid or setgid bit, no
+device node, and the mount points a sandbox needs already present. The digest is the
+sha256 of that tar stream; a Docker machine imports the same tree.
+
+A build happens beside the images, in `images/.build-<name>/` (mmdebstrap's own
+temporary files included, so nothing lands outside the images directory), and the
+finished tree is renamed into place; a build that fails removes its directory. A build
+whose request (suite, mirrors, packages, owner) equals the manifest's is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat as stat_mod
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from agentbox.machines.errors import ImageBuildFailed, ImageInUse, ImageNotFound, InvalidImageSpec
+
+SUITE = "bookworm"
+#: Where packages come from: the release, its updates and its security fixes.
+DEFAULT_MIRRORS = (
+    "deb http://deb.debian.org/debian bookworm main",
+    "deb http://deb.debian.org/debian bookworm-updates main",
+    "deb http://deb.debian.org/debian-security bookworm-security main",
+)
+#: mmdebstrap's smallest variant that still has apt (Essential: plus apt), so a sandbox can install more.
+VARIANT = "apt"
+#: What each profile adds to the variant. `base` is what a coding agent needs first; `data` is
+#: the data-analysis and document toolset (Python's scientific stack, Node.js, LibreOffice,
+#: pandoc, LaTeX with CJK, ffmpeg, English and Chinese OCR).
+PROFILES: dict[str, tuple[str, ...]] = {
+    "base": ("python3", "python3-venv", "ca-certificates", "procps", "git", "curl"),
+    "data": (
+        "python3", "python3-venv", "python3-pip", "ca-certificates", "procps", "git", "curl",
+        "python3-pandas", "python3-numpy", "python3-matplotlib", "nodejs", "npm",
+        "libreoffice-nogui", "pandoc", "texlive-latex-recommended", "texlive-xetex", "ffmpeg",
+        "tesseract-ocr", "tesseract-ocr-eng", "tesseract-ocr-chi-sim", "tesseract-ocr-chi-tra",
+        "fonts-noto-cjk",
+    ),
+}  # fmt: skip
+#: The image the built-in `sandbox` machine runs on (the host's /usr when it is not built).
+DEFAULT_IMAGE = "base"
+#: An image name: a short lowercase word, usable as a directory and a Docker tag.
+NAME_RULE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+#: A Debian package name (Debian policy 5.6.1), optionally pinned `=version`.
+PACKAGE_RULE = re.compile(r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+~:-]+)?$")
+#: Most packages one build may ask for beyond its profile.
+MAX_INCLUDES = 256
+#: Seconds a build may take before it is stopped (the data profile takes about 3 minutes).
+BUILD_TIMEOUT = 3600
+#: Bytes read from mmdebstrap's tar stream at a time.
+CHUNK = 1 << 20
+#: Format of the manifest and of the tree's conventions; a change rebuilds every image.
+FORMAT = 1
+#: Mount points a sandbox binds over (present in the tree so a read-only root works too).
+MOUNT_POINTS = ("workspace", "proc", "dev", "tmp", "root", "run", ".agentbox/bin")
+MOUNT_FILES = (".agentbox/bin/rg", "etc/hosts", "etc/hostname", "etc/resolv.conf")
+#: apt options for the build and inside the image: apt in a sandbox runs as (mapped) root,
+#: since its `_apt` user has no uid there.
+APT_OPTIONS = ('APT::Sandbox::User "root"', 'Acquire::Retries "3"')
+MANIFEST = "manifest.json"
+ROOTFS = "rootfs"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a build is asked for; equal requests give equal images."""
+
+    name: str
+    profile: str = DEFAULT_IMAGE
+    include: tuple[str, ...] = ()
+    suite: str = SUITE
+    mirrors: tuple[str, ...] = DEFAULT_MIRRORS
+    uid: int = 0
+    gid: int = 0
+
+    def packages(self) -> list[str]:
+        return sorted(set(PROFILES[self.profile]) | set(self.include))
+
+    def key(self) -> str:
+        body = {"format": FORMAT, "suite": self.suite, "variant": VARIANT, "mirrors": list(self.mirrors),
+                "packages": self.packages(), "uid": self.uid, "gid": self.gid}  # fmt: skip
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    profile: str
+    include: list[str]
+    suite: str
+    request: str
+    """`Request.key()` of the build that made it."""
+    packages: dict[str, str]
+    """Every installed Debian package and its version."""
+    size: int
+    """Bytes on disk (hard links counted once)."""
+    digest: str
+    """`sha256:` of the root filesystem tar the build produced."""
+    created: float
+    build_seconds: float
+    uid: int
+    gid: int
+    format: int = FORMAT
+
+    @classmethod
+    def load(cls, path: Path) -> Manifest:
+        data = json.loads(path.read_text())
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
+class Image:
+    name: str
+    path: Path
+    manifest: Manifest
+
+    @property
+    def rootfs(self) -> Path:
+        return self.path / ROOTFS
+
+
+@dataclass
+class ImageStore:
+    """The images of one server (or of every server sharing the directory)."""
+
+    root: Path
+    uid: int = field(default_factory=os.geteuid)
+    """Owner of every file of an image: the uid sandboxes run as."""
+    gid: int = field(default_factory=os.getegid)
+
+    def check_name(self, name: str) -> str:
+        if not NAME_RULE.match(name or ""):
+            raise InvalidImageSpec(f"invalid image name {name!r}: lowercase letters, digits, '.', '_', '-'")
+        return name
+
+    def get(self, name: str) -> Image:
+        path = self.root / self.check_name(name)
+        try:
+            manifest = Manifest.load(path / MANIFEST)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ImageNotFound(
+                f"image {name!r} is not built: run `agentbox image build {name}`", path=name
+            ) from exc
+        return Image(name, path, manifest)
+
+    def find(self, name: str) -> Image | None:
+        with contextlib.suppress(ImageNotFound):
+            return self.get(name)
+        return None
+
+    def all(self) -> list[Image]:
+        if not self.root.is_dir():
+            return []
+        names = sorted(p.name for p in self.root.iterdir() if NAME_RULE.match(p.name))
+        return [image for n in names if (image := self.find(n)) is not None]
+
+    # use and removal -------------------------------------------------------------
+
+    def _lock_file(self, name: str) -> int:
+        locks = self.root / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        return os.open(locks / self.check_name(name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def lease(self, name: str) -> int:
+        """A descriptor holding a shared lock on the image: no rm or rebuild while it is open."""
+        fd = self._lock_file(name)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ImageInUse(
+                f"image {name!r} is being built or removed; try again when that is done"
+            ) from None
+        return fd
+
+    @contextlib.contextmanager
+    def exclusive(self, name: str, doing: str) -> Iterator[None]:
+        fd = self._lock_file(name)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise ImageInUse(
+                    f"image {name!r} is in use by a running sandbox (or another build): cannot {doing} it now"
+                ) from None
+            yield
+        finally:
+            os.close(fd)
+
+    def remove(self, name: str) -> None:
+        image = self.get(name)
+        with self.exclusive(name, "remove"):
+            trash = self.root / f".trash-{name}-{os.getpid()}"
+            image.path.rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    # building -----------------------------------------------------------------------
+
+    def request(self, name: str, profile: str, include: tuple[str, ...] = ()) -> Request:
+        self.check_name(name)
+        if profile not in PROFILES:
+            raise InvalidImageSpec(f"no profile {profile!r}: choose one of {', '.join(PROFILES)}")
+        include = tuple(p.strip() for p in include if p.strip())
+        if len(include) > MAX_INCLUDES:
+            raise InvalidImageSpec(f"{len(include)} packages to include: at most {MAX_INCLUDES}")
+        for p in include:
+            if not PACKAGE_RULE.match(p):
+                raise InvalidImageSpec(f"invalid Debian package name {p!r}")
+        return Request(name, profile, include, uid=self.uid, gid=self.gid)
+
+    def build(self, request: Request, progress: Progress = lambda _: None, rebuild: bool = False) -> Image:
+        """Build the image `request` names, or return it when the same request already built it."""
+        existing = self.find(request.name)
+        if existing is not None and existing.manifest.request == request.key() and not rebuild:
+            progress(f"image {request.name!r} is up to date")
+            return existing
+        if shutil.which("mmdebstrap") is None:
+            raise ImageBuildFailed(
+                "mmdebstrap is not installed: apt-get install mmdebstrap (scripts/setup.sh does)"
+            )
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self.exclusive(request.name, "rebuild"):
+            work = self.root / f".build-{request.name}"
+            shutil.rmtree(work, ignore_errors=True)  # what a killed build left
+            try:
+                manifest = _build_tree(request, work, progress)
+                _swap_in(work, self.root / request.name)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        progress(
+            f"image {request.name!r} built: {manifest.size / 1e6:.0f} MB in {manifest.build_seconds:.0f} s"
+        )
+        return self.get(request.name)
+
+
+def _swap_in(work: Path, target: Path) -> None:
+    old = target.with_name(f".old-{target.name}-{os.getpid()}")
+    if target.exists():
+        target.rename(old)
+    (work / "image").rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _build_tree(request: Request, work: Path, progress: Progress) -> Manifest:
+    """Run mmdebstrap into a tar stream and unpack it into `work/image/rootfs`."""
+    started = time.monotonic()
+    rootfs, tmp = work / "image" / ROOTFS, work / "tmp"
+    rootfs.mkdir(parents=True)
+    tmp.mkdir()
+    os.chmod(work, 0o700)  # the half-made tree is nobody's business
+    args = [
+        "mmdebstrap", f"--variant={VARIANT}", "--format=tar", "--skip=output/dev",
+        f"--include={','.join(request.packages())}",
+        # Also written into the image (etc/apt/apt.conf.d/99mmdebstrap), where they hold too.
+        *(f"--aptopt={option}" for option in APT_OPTIONS),
+        request.suite, "-", *request.mirrors,
+    ]  # fmt: skip
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+        "TMPDIR": str(tmp),
+        "LANG": "C.UTF-8",
+    }
+    progress(
+        f"building {request.name!r} ({request.profile}: {len(request.packages())} packages) with mmdebstrap"
+    )
+    debootstrap = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env
+    )
+    tar = subprocess.Popen(
+        ["tar", "-x", "-f", "-", "-C", str(rootfs), "--no-same-owner", "--numeric-owner", "--delay-directory-restore"],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert debootstrap.stdout and debootstrap.stderr and tar.stdin and tar.stderr
+    log: list[str] = []
+    reader = threading.Thread(target=_follow, args=(debootstrap.stderr, log, progress), daemon=True)
+    reader.start()
+    digest = hashlib.sha256()
+    timer = threading.Timer(BUILD_TIMEOUT, debootstrap.kill)
+    timer.start()
+    try:
+        while chunk := debootstrap.stdout.read(CHUNK):
+            digest.update(chunk)
+            try:
+                tar.stdin.write(chunk)
+            except BrokenPipeError:
+                debootstrap.kill()
+                break
+        with contextlib.suppress(BrokenPipeError):
+            tar.stdin.close()
+        code, tar_code = debootstrap.wait(), tar.wait()
+    except BaseException:
+        debootstrap.kill()
+        tar.kill()
+        debootstrap.wait()
+        tar.wait()
+        raise
+    finally:
+        timer.cancel()
+        reader.join(timeout=5)
+    tar_error = tar.stderr.read().decode(errors="replace").strip()
+    if code != 0:
+        raise ImageBuildFailed(f"mmdebstrap failed (exit {code}): {_reason(log)}")
+    if tar_code != 0:
+        raise ImageBuildFailed(f"unpacking the image failed: {_disk_hint(tar_error)}")
+    progress("preparing the tree for sandboxes")
+    try:
+        size = _prepare(rootfs, request.uid, request.gid)
+        packages = installed_packages(rootfs)
+        manifest = Manifest(
+            name=request.name, profile=request.profile, include=list(request.include), suite=request.suite,
+            request=request.key(), packages=packages, size=size, digest=f"sha256:{digest.hexdigest()}",
+            created=time.time(), build_seconds=round(time.monotonic() - started, 1),
+            uid=request.uid, gid=request.gid,
+        )  # fmt: skip
+        (work / "image" / MANIFEST).write_text(json.dumps(asdict(manifest), indent=1, sort_keys=True))
+    except OSError as exc:
+        raise ImageBuildFailed(f"preparing the image failed: {_disk_hint(str(exc))}") from exc
+    os.chmod(work / "image", 0o755)
+    return manifest
+
+
+def _follow(stream: object, log: list[str], progress: Progress) -> None:
+    for raw in stream:  # type: ignore[attr-defined]
+        line = raw.decode(errors="replace").rstrip()
+        if line:
+            log.append(line)
+            del log[:-200]
+            progress(line)
+
+
+def _reason(log: list[str]) -> str:
+    """The lines that say why: apt's `E:` errors first (an unknown package, an unreachable mirror)."""
+    errors = [line for line in log if line.startswith("E:")]
+    unknown = [
+        line for line in log if "Unable to locate package" in line or "has no installation candidate" in line
+    ]
+    picked = unknown or errors or log[-5:]
+    return _disk_hint(" | ".join(dict.fromkeys(picked))[-2000:] or "no output")
+
+
+def _disk_hint(text: str) -> str:
+    if "No space left on device" in text or os.strerror(errno.ENOSPC) in text:
+        return f"the disk is full ({text[-300:]})"
+    return text[-2000:] or "no output"
+
+
+def _prepare(rootfs: Path, uid: int, gid: int) -> int:
+    """Give every file to the sandbox uid, drop setuid/setgid bits, add the mount points; the size."""
+    for d in MOUNT_POINTS:
+        (rootfs / d).mkdir(parents=True, exist_ok=True)
+    for f in MOUNT_FILES:
+        p = rootfs / f
+        if p.is_symlink():
+            p.unlink()
+        p.touch(exist_ok=True)
+    os.chmod(rootfs / "root", 0o700)
+    os.chmod(rootfs / "tmp", 0o1777)
+    chown = os.geteuid() == 0
+    seen: set[int] = set()
+    size = 0
+
+    def visit(path: str) -> None:
+        nonlocal size
+        st = os.lstat(path)
+        if chown:
+            os.lchown(path, uid, gid)
+        if not stat_mod.S_ISLNK(st.st_mode) and st.st_mode & (stat_mod.S_ISUID | stat_mod.S_ISGID):
+            os.chmod(path, stat_mod.S_IMODE(st.st_mode) & ~(stat_mod.S_ISUID | stat_mod.S_ISGID))
+        if st.st_ino not in seen:
+            seen.add(st.st_ino)
+            size += st.st_blocks * 512
+
+    visit(str(rootfs))
+    for dirpath, dirnames, filenames in os.walk(rootfs):
+        for name in (*dirnames, *filenames):
+            visit(os.path.join(dirpath, name))
+    return size
+
+
+def installed_packages(rootfs: Path) -> dict[str, str]:
+    """Package → version of every installed package, from dpkg's status file."""
+    packages: dict[str, str] = {}
+    status = (rootfs / "var/lib/dpkg/status").read_text(errors="replace")
+    for stanza in status.split("\n\n"):
+        fields = dict(
+            line.split(": ", 1) for line in stanza.splitlines() if ": " in line and not line.startswith(" ")
+        )
+        if fields.get("Status", "").endswith(" installed") and "Package" in fields:
+            packages[fields["Package"]] = fields.get("Version", "")
+    return dict(sorted(packages.items()))
