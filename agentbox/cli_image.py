@@ -54,7 +54,11 @@ def build(
         with console.status(f"building {name}…") as status:
 
             def progress(line: str) -> None:
-                status.update(f"[bold]{name}[/bold] {time.monotonic() - started:5.0f} s  {line[:110]}")
+                text = f"{name} {time.monotonic() - started:5.0f} s  {line[:110]}"
+                if console.is_terminal:
+                    status.update(text)
+                else:  # a log, not a terminal: one line per step
+                    console.print(text, markup=False, highlight=False)
 
             image = store.build(request, progress, rebuild=rebuild)
     except (ImageError, HomeError, OSError) as exc:

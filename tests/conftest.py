@@ -47,6 +47,7 @@ _OWN_BASE = pytest.StashKey[Path]()
 
 if TYPE_CHECKING:
     from agentbox.config import Settings
+    from agentbox.machines.images import Image
     from agentbox.machines.registry import Registry
     from agentbox.machines.sandbox import SandboxHost, SandboxMachine
 
@@ -161,12 +162,42 @@ def sandbox_host(tmp_path_factory: pytest.TempPathFactory) -> SandboxHost:
 SandboxFactory = Callable[..., Awaitable["SandboxMachine"]]
 
 
-@pytest.fixture
-async def make_sandbox(sandbox_host: SandboxHost, sandbox_tmp: Path) -> AsyncIterator[SandboxFactory]:
-    """Start sandboxes (network off unless a config says otherwise); all are stopped after the test.
+def images_dir() -> Path:
+    """The images setup builds (`scripts/setup.sh`: base; `scripts/test.sh`: data), reused by
+    every run: AGENTBOX_TEST_IMAGES, else the default home's (what `agentbox serve` uses)."""
+    from agentbox.config import default_home
 
-    Each gets its own workspace and run directory under the test's (traversable) tmp_path.
-    """
+    return Path(os.environ.get("AGENTBOX_TEST_IMAGES") or default_home() / "images")
+
+
+def built_image(name: str, profile: str) -> Image:
+    """The image `name` of `profile`, built if setup did not (a no-op when it is up to date)."""
+    from agentbox.machines.images import ImageStore
+    from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID
+
+    uid, gid = (
+        (DEFAULT_SANDBOX_UID, DEFAULT_SANDBOX_UID) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
+    )
+    store = ImageStore(images_dir(), uid, gid)
+    return store.build(store.request(name, profile))
+
+
+@pytest.fixture(scope="session")
+def base_image() -> Image:
+    return built_image("base", "base")
+
+
+@pytest.fixture(scope="module")
+def image_host(tmp_path_factory: pytest.TempPathFactory, base_image: Image) -> SandboxHost:
+    """A SandboxHost whose sandboxes run on the shared images (`base` by default)."""
+    from agentbox.machines.sandbox import SandboxHost
+
+    home = traversable(tmp_path_factory.mktemp("image-home"), tmp_path_factory)
+    return SandboxHost(home, images=base_image.path.parent)
+
+
+def sandbox_factory(host: SandboxHost, tmp: Path) -> tuple[SandboxFactory, list[SandboxMachine]]:
+    """`make(config)` starts a sandbox of `host` with its own workspace and run dir under `tmp`."""
     from agentbox.ids import SANDBOX, new_id
     from agentbox.machines.sandbox import SandboxConfig, SandboxMachine
 
@@ -174,19 +205,34 @@ async def make_sandbox(sandbox_host: SandboxHost, sandbox_tmp: Path) -> AsyncIte
 
     async def make(config: SandboxConfig | None = None) -> SandboxMachine:
         sandbox_id = new_id(SANDBOX)
-        d = sandbox_tmp / sandbox_id
+        d = tmp / sandbox_id
         m = SandboxMachine(
-            "sandbox",
-            sandbox_id,
-            sandbox_host,
-            config or SandboxConfig(network=False),
-            d / "workspace",
-            d / "run",
+            "sandbox", sandbox_id, host, config or SandboxConfig(network=False), d / "workspace", d / "run"
         )
         made.append(m)
         await m.start()
         return m
 
+    return make, made
+
+
+@pytest.fixture
+async def make_image_sandbox(image_host: SandboxHost, sandbox_tmp: Path) -> AsyncIterator[SandboxFactory]:
+    """Like `make_sandbox`, on the `base` image."""
+    make, made = sandbox_factory(image_host, sandbox_tmp)
+    yield make
+    for m in made:
+        await m.stop()
+
+
+@pytest.fixture
+async def make_sandbox(sandbox_host: SandboxHost, sandbox_tmp: Path) -> AsyncIterator[SandboxFactory]:
+    """Start sandboxes (network off unless a config says otherwise); all are stopped after the test.
+
+    Each gets its own workspace and run directory under the test's (traversable) tmp_path.
+    These run on the host-based fallback root (no image in their home).
+    """
+    make, made = sandbox_factory(sandbox_host, sandbox_tmp)
     yield make
     for m in made:
         await m.stop()
