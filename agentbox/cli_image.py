@@ -16,16 +16,19 @@ from agentbox.machines.images import PROFILES, ImageStore
 app = typer.Typer(no_args_is_help=True, help="Build, list and remove sandbox images.")
 
 
-def _store() -> ImageStore:
-    """The server's images, owned by the uid its sandboxes run as."""
+def _store(prepare: bool = False) -> ImageStore:
+    """The server's images, owned by the uid its sandboxes run as; `prepare`: make the home ready
+    first (a root server's home must let the sandbox uid reach its images)."""
     import os
 
     from agentbox.home import prepare_home
 
     settings = config_mod.load()
-    prepare_home(settings)  # a root home must let the sandbox uid reach its images
-    uid = settings.sandbox_uid if os.geteuid() == 0 else os.geteuid()
-    gid = settings.sandbox_uid if os.geteuid() == 0 else os.getegid()
+    if prepare:
+        prepare_home(settings)
+    root = os.geteuid() == 0
+    uid = settings.sandbox_uid if root else os.geteuid()
+    gid = settings.sandbox_uid if root else os.getegid()
     return ImageStore(settings.images, uid, gid)
 
 
@@ -48,8 +51,8 @@ def build(
 
     console = Console(stderr=True)
     try:
-        store = _store()
-        request = store.request(name, profile, tuple(include.split(",")))
+        request = _store().request(name, profile, tuple(include.split(",")))
+        store = _store(prepare=True)
         started = time.monotonic()
         with console.status(f"building {name}…") as status:
 

@@ -8,6 +8,9 @@ if ! command -v systemd-analyze >/dev/null 2>&1 && command -v apt-get >/dev/null
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null
 fi
+# The data image (about 3 GB, 3 minutes the first time): tests use every tool it has. Cached by
+# its request, so a rerun on the same machine skips it.
+.venv/bin/agentbox image build data --profile data
 # The AIO SDK declares a heavy cloud SDK it does not import; install it without dependencies.
 .venv/bin/python -m pip install -q --no-deps "agent-sandbox==0.0.30"
 .venv/bin/ruff check agentbox tests bench

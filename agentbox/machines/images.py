@@ -72,6 +72,8 @@ PACKAGE_RULE = re.compile(r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+~:-]+)?$")
 MAX_INCLUDES = 256
 #: Seconds a build may take before it is stopped (the data profile takes about 3 minutes).
 BUILD_TIMEOUT = 3600
+#: Seconds mmdebstrap gets to clean up after SIGTERM before it is killed.
+STOP_GRACE = 20
 #: Bytes read from mmdebstrap's tar stream at a time.
 CHUNK = 1 << 20
 #: Format of the manifest and of the tree's conventions; a change rebuilds every image.
@@ -219,7 +221,7 @@ class ImageStore:
         with self.exclusive(name, "remove"):
             trash = self.root / f".trash-{name}-{os.getpid()}"
             image.path.rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            remove_tree(trash)
 
     # building -----------------------------------------------------------------------
 
@@ -248,12 +250,12 @@ class ImageStore:
         self.root.mkdir(parents=True, exist_ok=True)
         with self.exclusive(request.name, "rebuild"):
             work = self.root / f".build-{request.name}"
-            shutil.rmtree(work, ignore_errors=True)  # what a killed build left
+            remove_tree(work)  # what a killed build left
             try:
                 manifest = _build_tree(request, work, progress)
                 _swap_in(work, self.root / request.name)
             finally:
-                shutil.rmtree(work, ignore_errors=True)
+                remove_tree(work)
         progress(
             f"image {request.name!r} built: {manifest.size / 1e6:.0f} MB in {manifest.build_seconds:.0f} s"
         )
@@ -265,7 +267,41 @@ def _swap_in(work: Path, target: Path) -> None:
     if target.exists():
         target.rename(old)
     (work / "image").rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_tree(old)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a build's tree, never what is mounted into it.
+
+    mmdebstrap (as root) mounts the host's /proc, /sys and /dev nodes into its chroot while
+    it works; a build killed meanwhile leaves them there, and a plain rmtree would descend
+    into them. Mounts below `path` are detached first, and a tree that still has one is left.
+    """
+    if not os.path.lexists(path):
+        return
+    for point in sorted(_mounts_below(path), key=len, reverse=True):
+        _detach(point)
+    if _mounts_below(path):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _mounts_below(path: Path) -> list[str]:
+    prefix = os.path.realpath(path)
+    points = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            if point == prefix or point.startswith(prefix + "/"):
+                points.append(point)
+    return points
+
+
+def _detach(point: str) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.umount2(point.encode(), 2)  # MNT_DETACH
 
 
 def _build_tree(request: Request, work: Path, progress: Progress) -> Manifest:
@@ -280,6 +316,7 @@ def _build_tree(request: Request, work: Path, progress: Progress) -> Manifest:
         f"--include={','.join(request.packages())}",
         # Also written into the image (etc/apt/apt.conf.d/99mmdebstrap), where they hold too.
         *(f"--aptopt={option}" for option in APT_OPTIONS),
+        "--dpkgopt=force-unsafe-io",  # no fsync per file: a build that fails is thrown away anyway
         request.suite, "-", *request.mirrors,
     ]  # fmt: skip
     env = {
@@ -302,7 +339,7 @@ def _build_tree(request: Request, work: Path, progress: Progress) -> Manifest:
     reader = threading.Thread(target=_follow, args=(debootstrap.stderr, log, progress), daemon=True)
     reader.start()
     digest = hashlib.sha256()
-    timer = threading.Timer(BUILD_TIMEOUT, debootstrap.kill)
+    timer = threading.Timer(BUILD_TIMEOUT, _stop, (debootstrap,))
     timer.start()
     try:
         while chunk := debootstrap.stdout.read(CHUNK):
@@ -310,15 +347,14 @@ def _build_tree(request: Request, work: Path, progress: Progress) -> Manifest:
             try:
                 tar.stdin.write(chunk)
             except BrokenPipeError:
-                debootstrap.kill()
+                _stop(debootstrap)
                 break
         with contextlib.suppress(BrokenPipeError):
             tar.stdin.close()
         code, tar_code = debootstrap.wait(), tar.wait()
     except BaseException:
-        debootstrap.kill()
+        _stop(debootstrap)  # SIGTERM first: mmdebstrap then unmounts what it mounted
         tar.kill()
-        debootstrap.wait()
         tar.wait()
         raise
     finally:
@@ -344,6 +380,16 @@ def _build_tree(request: Request, work: Path, progress: Progress) -> Manifest:
         raise ImageBuildFailed(f"preparing the image failed: {_disk_hint(str(exc))}") from exc
     os.chmod(work / "image", 0o755)
     return manifest
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """End mmdebstrap, letting it clean up its mounts first (STOP_GRACE seconds)."""
+    process.terminate()
+    try:
+        process.wait(STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _follow(stream: object, log: list[str], progress: Progress) -> None:
