@@ -25,7 +25,11 @@ MS_BIND = 4096
 def agentbox(*args: str, images: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "AGENTBOX_IMAGES": str(images), "AGENTBOX_HOME": str(images.parent / "home")}
     return subprocess.run(
-        [sys.executable, "-m", "agentbox", "image", *args], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", "agentbox", "image", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
 
 
@@ -49,7 +53,7 @@ def test_the_manifest_describes_the_built_tree(base_image: Image) -> None:
     assert re.match(r"3\.11\.", m.packages["python3.11"]) and "apt" in m.packages and "git" in m.packages
     assert 100e6 < m.size < 1e9
     dpkg = (base_image.rootfs / "var/lib/dpkg/status").read_text()
-    assert f"Package: python3.11\nStatus: install ok installed" in dpkg
+    assert "Package: python3.11\nStatus: install ok installed" in dpkg
     uid = 64999 if os.geteuid() == 0 else os.geteuid()
     assert (m.uid, m.gid) == (uid, uid if os.geteuid() == 0 else os.getegid())
 
@@ -99,7 +103,9 @@ def test_a_different_request_is_not_the_same_image(base_image: Image) -> None:
         (("rm", "nosuch"), "image 'nosuch' is not built"),
     ],
 )
-def test_bad_input_is_refused_before_anything_is_made(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
+def test_bad_input_is_refused_before_anything_is_made(
+    args: tuple[str, ...], message: str, tmp_path: Path
+) -> None:
     images = tmp_path / "images"
     done = agentbox(*args, images=images)
     assert done.returncode == 2
@@ -131,7 +137,7 @@ def test_a_full_disk_during_a_build_fails_clearly_and_leaves_nothing(tmp_path: P
     assert libc.mount(b"tmpfs", bytes(images), b"tmpfs", 0, b"size=24m") == 0
     try:
         store = ImageStore(images)
-        with pytest.raises(ImageBuildFailed, match="(?i)no space left|disk is full"):
+        with pytest.raises(ImageBuildFailed, match=r"(?i)no space left|disk is full"):
             store.build(store.request("x", "base"))
         assert leftovers(images) == []
         assert os.statvfs(images).f_bfree * os.statvfs(images).f_frsize > 23 * 1024 * 1024  # all freed

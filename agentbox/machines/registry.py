@@ -144,7 +144,9 @@ class Registry:
     @property
     def sandbox_host(self) -> SandboxHost:
         if self._host is None:
-            self._host = SandboxHost(self.settings.home, uid=self.settings.sandbox_uid, images=self.settings.images)
+            self._host = SandboxHost(
+                self.settings.home, uid=self.settings.sandbox_uid, images=self.settings.images
+            )
         return self._host
 
     def config(self, name: str | None) -> MachineConfig:

@@ -231,7 +231,9 @@ class SandboxHost:
         """The image and layer a sandbox of `config` starts on now."""
         image, image_detail = self._image(config)
         if not config.system_layer:
-            return RootPlan(image, image_detail, NO_LAYER, "disabled by configuration: the system is read-only")
+            return RootPlan(
+                image, image_detail, NO_LAYER, "disabled by configuration: the system is read-only"
+            )
         if image is not None and self.kernel_overlay(image):
             return RootPlan(image, image_detail, KERNEL_OVERLAY, "the kernel's overlayfs over the image, "
                             "in the sandbox's user namespace; discarded when the sandbox is reclaimed")  # fmt: skip
@@ -277,7 +279,11 @@ class SandboxHost:
                 "--proc", "/proc", "--dev", "/dev", "/bin/sh", "-c", ": > /usr/.agentbox-probe",
             ]  # fmt: skip
             done = subprocess.run(
-                self.as_sandbox_uid(args), stdin=subprocess.DEVNULL, capture_output=True, env=LAUNCH_ENV, timeout=30
+                self.as_sandbox_uid(args),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                env=LAUNCH_ENV,
+                timeout=30,
             )
             return done.returncode == 0 and (probe / "upper" / "usr" / ".agentbox-probe").exists()
         except (OSError, subprocess.SubprocessError):
@@ -289,7 +295,14 @@ class SandboxHost:
         """`args` run as the sandbox uid: through setpriv when the server is root (Popen can vfork)."""
         if not self.root:
             return args
-        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--inh-caps=-all", *args]
+        return [
+            "setpriv",
+            f"--reuid={self.uid}",
+            f"--regid={self.gid}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            *args,
+        ]
 
     def check_reachable(self, path: Path) -> None:
         """bwrap resolves bind sources by path as the sandbox uid, even for --bind-fd.
@@ -539,8 +552,12 @@ class SandboxMachine(HostFiles):
                 Mount("/usr", Path("/usr"), writable=False, foreign=True),
                 Mount("/etc", self.host.base.etc, writable=False, foreign=True),
             ]
-            links = {d: os.readlink(f"/{d}") for d in ("bin", "sbin", "lib", "lib64") if Path(f"/{d}").is_symlink()}
-        aliases = [Alias(f"/{d}", f"/usr/{d}") for d, target in links.items() if target.lstrip("/") == f"usr/{d}"]
+            links = {
+                d: os.readlink(f"/{d}") for d in ("bin", "sbin", "lib", "lib64") if Path(f"/{d}").is_symlink()
+            }
+        aliases = [
+            Alias(f"/{d}", f"/usr/{d}") for d, target in links.items() if target.lstrip("/") == f"usr/{d}"
+        ]
         return HostView(mounts, self.root, aliases, owner_uid=self.host.uid)
 
     def _shared_dirs(self) -> tuple[str, ...]:
@@ -609,7 +626,12 @@ class SandboxMachine(HostFiles):
         self.plan = self.host.plan(self.config)
         dirs = [self.workspace, self.run / "var"]
         if self.plan.layer == KERNEL_OVERLAY:
-            dirs += [self.run / "upper", self.run / "upper" / "root", self.run / "work", self.run / "work" / "root"]
+            dirs += [
+                self.run / "upper",
+                self.run / "upper" / "root",
+                self.run / "work",
+                self.run / "work" / "root",
+            ]
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
             if self.host.root:
