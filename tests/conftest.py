@@ -187,13 +187,18 @@ def base_image() -> Image:
     return built_image("base", "base")
 
 
+def image_sandbox_host(image: Image, factory: pytest.TempPathFactory) -> SandboxHost:
+    """A SandboxHost with its own home whose sandboxes run on the shared images `image` is among."""
+    from agentbox.machines.sandbox import SandboxHost
+
+    home = traversable(factory.mktemp(f"image-home-{image.name}"), factory)
+    return SandboxHost(home, images=image.path.parent)
+
+
 @pytest.fixture(scope="module")
 def image_host(tmp_path_factory: pytest.TempPathFactory, base_image: Image) -> SandboxHost:
     """A SandboxHost whose sandboxes run on the shared images (`base` by default)."""
-    from agentbox.machines.sandbox import SandboxHost
-
-    home = traversable(tmp_path_factory.mktemp("image-home"), tmp_path_factory)
-    return SandboxHost(home, images=base_image.path.parent)
+    return image_sandbox_host(base_image, tmp_path_factory)
 
 
 def sandbox_factory(host: SandboxHost, tmp: Path) -> tuple[SandboxFactory, list[SandboxMachine]]:
