@@ -112,6 +112,16 @@ async def test_pandas_aggregates_a_csv(box: SandboxMachine) -> None:
         assert got[city] == pytest.approx(total)
 
 
+async def test_pandas_round_trips_an_excel_file(box: SandboxMachine) -> None:
+    out = await run(
+        box,
+        "python3 -c \"import pandas as pd; pd.DataFrame({'n': [3, 4], 'w': ['数', 'x']}).to_excel('t.xlsx', index=False);"
+        " d = pd.read_excel('t.xlsx'); print(d.to_json(orient='records', force_ascii=False))\"",
+    )
+    assert json.loads(out) == [{"n": 3, "w": "数"}, {"n": 4, "w": "x"}]
+    assert (await box.read("/workspace/t.xlsx"))[:2] == b"PK"  # a real OOXML zip
+
+
 async def test_matplotlib_writes_a_png_of_the_asked_size(box: SandboxMachine) -> None:
     width, height, dpi = 321, 123, 50
     script = (
@@ -159,11 +169,10 @@ async def test_xelatex_sets_chinese_in_noto_cjk(box: SandboxMachine) -> None:
     chinese = "数据分析与文档处理"
     families = await run(box, "fc-list :lang=zh family")
     assert CJK_FAMILY in families, families
-    # fontspec, not xeCJK: the image has no texlive-lang-cjk; one unbroken line needs no CJK rules.
     tex = (
         "\\documentclass{article}\n"
-        "\\usepackage{fontspec}\n"
-        f"\\setmainfont{{{CJK_FAMILY}}}\n"
+        "\\usepackage{xeCJK}\n"
+        f"\\setCJKmainfont{{{CJK_FAMILY}}}\n"
         "\\begin{document}\n"
         f"Report: {chinese}\n"
         "\\end{document}\n"

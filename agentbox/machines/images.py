@@ -50,16 +50,18 @@ DEFAULT_MIRRORS = (
 #: mmdebstrap's smallest variant that still has apt (Essential: plus apt), so a sandbox can install more.
 VARIANT = "apt"
 #: What each profile adds to the variant. `base` is what a coding agent needs first; `data` is
-#: the data-analysis and document toolset (Python's scientific stack, Node.js, LibreOffice,
-#: pandoc, LaTeX with CJK, ffmpeg, English and Chinese OCR).
+#: the data-analysis and document toolset (Python's scientific stack with Excel files, Node.js,
+#: LibreOffice with fonts metric-compatible to Office's, pandoc, LaTeX with xeCJK, ffmpeg,
+#: English and Chinese OCR).
 PROFILES: dict[str, tuple[str, ...]] = {
     "base": ("python3", "python3-venv", "ca-certificates", "procps", "git", "curl"),
     "data": (
         "python3", "python3-venv", "python3-pip", "ca-certificates", "procps", "git", "curl",
         "python3-pandas", "python3-numpy", "python3-matplotlib", "nodejs", "npm",
-        "libreoffice-nogui", "pandoc", "texlive-latex-recommended", "texlive-xetex", "ffmpeg",
-        "tesseract-ocr", "tesseract-ocr-eng", "tesseract-ocr-chi-sim", "tesseract-ocr-chi-tra",
-        "fonts-noto-cjk",
+        "python3-openpyxl", "libreoffice-nogui", "fonts-liberation2", "fonts-crosextra-carlito",
+        "fonts-crosextra-caladea", "pandoc", "texlive-latex-recommended", "texlive-xetex",
+        "texlive-lang-cjk", "ffmpeg", "tesseract-ocr", "tesseract-ocr-eng", "tesseract-ocr-chi-sim",
+        "tesseract-ocr-chi-tra", "fonts-noto-cjk",
     ),
 }  # fmt: skip
 #: The image the built-in `sandbox` machine runs on (the host's /usr when it is not built).
