@@ -260,8 +260,8 @@ class PhasedMachine(SandboxMachine):
         await super()._start_network(child_pid)
         self._mark("slirp4netns up")
 
-    def _join_group(self) -> None:
-        super()._join_group()
+    async def _join_group(self) -> None:
+        await super()._join_group()
         self._mark("join cgroup")
 
 
