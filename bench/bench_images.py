@@ -32,7 +32,6 @@ from bench_sandbox import (
     agent_alone_memory,
     asyncio_spawn_samples,
     bare_spawn,
-    exec_samples,
     idle_population,
     seconds,
 )
@@ -80,7 +79,6 @@ class Counts:
 
     spawn: int = 200
     spawn_warmup: int = 20
-    oneshot: int = 30
     probe: int = 5
     cold: int = 30
     exec: int = 300
@@ -88,7 +86,7 @@ class Counts:
     idle: int = 8
 
 
-QUICK = Counts(spawn=10, spawn_warmup=2, oneshot=2, probe=1, cold=2, exec=10, exec_warmup=2, idle=1)
+QUICK = Counts(spawn=10, spawn_warmup=2, probe=1, cold=2, exec=10, exec_warmup=2, idle=1)
 
 
 # --- the roots compared ------------------------------------------------------------------
@@ -188,37 +186,52 @@ def probe_samples(host: SandboxHost, image: Image, count: int) -> list[float]:
     return samples
 
 
-async def raw_figures(host: SandboxHost, image: Image, counts: Counts) -> list[Figure]:
+async def spawn_figures(counts: Counts) -> list[Figure]:
     spawn = time_calls(bare_spawn, counts.spawn, counts.spawn_warmup)
     aspawn = await asyncio_spawn_samples(counts.spawn, counts.spawn_warmup)
-    true_argv = overlay_bwrap_argv(host, image.rootfs, ["/bin/true"])
-    python_argv = overlay_bwrap_argv(host, image.rootfs, ["/usr/bin/python3", "-I", "-S", "-c", "pass"])
-    oneshot = time_calls(lambda: run_quiet(true_argv), counts.oneshot, 3)
-    python = time_calls(lambda: run_quiet(python_argv), counts.oneshot, 3)
-    probe = probe_samples(host, image, counts.probe)
-    bwrap_true = latency_figure(
-        "bwrap_overlay_true", "one-shot bwrap on the image, /bin/true", oneshot, extra={"argv": true_argv}
-    )
     return [
         latency_figure("bare_spawn", "bare spawn sh -c true (subprocess.run)", spawn),
         latency_figure("asyncio_spawn", "bare spawn sh -c true (asyncio)", aspawn),
-        bwrap_true,
-        latency_figure(
-            "bwrap_overlay_python",
-            "one-shot bwrap on the image, python3 -I -S -c pass",
-            python,
-            raw_label="bwrap /bin/true",
-            raw_seconds=seconds(bwrap_true),
-            extra={"argv": python_argv},
-        ),
-        latency_figure(
-            "overlay_probe",
-            "kernel overlay probe (once per host and image)",
-            probe,
-            raw_label="bwrap /bin/true",
-            raw_seconds=seconds(bwrap_true),
-        ),
     ]
+
+
+@dataclass
+class OneShot:
+    """A raw one-shot bwrap on the image, sampled in the same rounds as the cold starts."""
+
+    key: str
+    label: str
+    argv: list[str]
+    samples: list[float] = field(default_factory=list)
+
+    async def sample(self) -> None:
+        start = time.perf_counter()
+        run_quiet(self.argv)  # blocking the loop on purpose: nothing else is running
+        self.samples.append(time.perf_counter() - start)
+
+    def reset(self) -> None:
+        self.samples.clear()
+
+    def figure(self, raw: OneShot | None = None) -> Figure:
+        return latency_figure(
+            self.key,
+            self.label,
+            self.samples,
+            raw_label=None if raw is None else "bwrap /bin/true",
+            raw_seconds=None if raw is None else statistics.median(raw.samples),
+            extra={"argv": self.argv},
+        )
+
+
+def one_shots(host: SandboxHost, image: Image) -> tuple[OneShot, OneShot]:
+    """bwrap running /bin/true, and the image's python started the way the exec agent is."""
+    python = ["/usr/bin/python3", "-I", "-S", "-c", "pass"]
+    return (
+        OneShot("bwrap_overlay_true", "one-shot bwrap on the image, /bin/true",
+                overlay_bwrap_argv(host, image.rootfs, ["/bin/true"])),
+        OneShot("bwrap_overlay_python", "one-shot bwrap on the image, python3 -I -S -c pass",
+                overlay_bwrap_argv(host, image.rootfs, python)),
+    )  # fmt: skip
 
 
 # --- cold start, with where its time goes -------------------------------------------------
@@ -291,22 +304,41 @@ class Cold:
             self.steps[step].append(at - previous)
             previous = at
 
+    def reset(self) -> None:
+        self.samples.clear()
+        self.steps.clear()
+
     def breakdown(self) -> dict[str, float]:
         """Median milliseconds of each step, in the order they happen."""
         return {step: statistics.median(v) * 1000 for step, v in self.steps.items()}
 
 
-async def cold_figures(roots: list[Root], counts: Counts, oneshot: Figure) -> tuple[list[Figure], list[str]]:
-    """Interleaved rounds (one sample of each root per round): a burst of load hits every row alike."""
+async def cold_figures(roots: list[Root], counts: Counts, image: Image) -> tuple[list[Figure], list[str]]:
+    """The raw one-shots and every root's cold start in interleaved rounds (one sample of each
+    per round), so a burst of load on the shared host weighs on a row and its reference alike."""
+    host = roots[0].lab.host
+    probe = probe_samples(host, image, counts.probe)
+    true, python = one_shots(host, image)
     colds = [Cold(r) for r in roots]
-    for c in colds:  # warm-up: the first sandbox of a host builds the seccomp filter, etc.
-        await c.sample()
-        c.samples.clear()
-        c.steps.clear()
+    samplers = (true, python, *colds)
+    for sampler in samplers:  # warm-up: the first sandbox of a host builds the seccomp filter, etc.
+        await sampler.sample()
+        sampler.reset()
     for _ in range(counts.cold):
-        for c in colds:
-            await c.sample()
-    figures, notes = [], []
+        for sampler in samplers:
+            await sampler.sample()
+    oneshot = true.figure()
+    figures = [oneshot, python.figure(true)]
+    figures.append(
+        latency_figure(
+            "overlay_probe",
+            "kernel overlay probe (once per host and image)",
+            probe,
+            raw_label="bwrap /bin/true",
+            raw_seconds=seconds(oneshot),
+        )
+    )
+    notes = []
     for c in colds:
         steps = c.breakdown()
         figures.append(
@@ -333,19 +365,45 @@ def plan_summary(plan: RootPlan) -> dict[str, Any]:
 # --- exec and idle memory ------------------------------------------------------------------
 
 
-async def exec_figures(roots: list[Root], counts: Counts, spawn: Figure, aspawn: Figure) -> list[Figure]:
+async def exec_rounds(root: Root, counts: Counts) -> tuple[list[float], list[float], list[float]]:
+    """`exec true` in one live sandbox, a bare spawn and an asyncio spawn, in turn, round after
+    round: the same load weighs on a figure and its references."""
+    m = root.lab.machine(False, root.layer)
+    await m.start()
+    execs: list[float] = []
+    spawns: list[float] = []
+    aspawns: list[float] = []
+    try:
+        for i in range(counts.exec_warmup + counts.exec):
+            start = time.perf_counter()
+            result = await m.exec(ExecRequest("true"))
+            elapsed = time.perf_counter() - start
+            if result.exit_code != 0:
+                raise RuntimeError(f"`true` exited {result.exit_code} in the sandbox: {result.stderr!r}")
+            spawn = time_calls(bare_spawn, 1, 0)
+            aspawn = await asyncio_spawn_samples(1, 0)
+            if i >= counts.exec_warmup:
+                execs.append(elapsed)
+                spawns += spawn
+                aspawns += aspawn
+    finally:
+        await root.lab.stop(m)
+    return execs, spawns, aspawns
+
+
+async def exec_figures(roots: list[Root], counts: Counts) -> list[Figure]:
     figures = []
     for root in roots:
-        samples = await exec_samples(root.lab, root.layer, counts.exec, counts.exec_warmup)
+        execs, spawns, aspawns = await exec_rounds(root, counts)
         figure = latency_figure(
             f"exec_true_{root.key}",
             f"exec true, live sandbox ({root.label})",
-            samples,
-            raw_label="subprocess.run",
-            raw_seconds=seconds(spawn),
+            execs,
+            raw_label="subprocess.run, same rounds",
+            raw_seconds=statistics.median(spawns),
             target=Target(EXEC_RATIO_TARGET, "ratio"),
         )
-        figure.extra["ratio_to_asyncio_spawn"] = statistics.median(samples) / seconds(aspawn)
+        figure.extra["ratio_to_asyncio_spawn"] = statistics.median(execs) / statistics.median(aspawns)
         figures.append(figure)
     return figures
 
@@ -475,13 +533,11 @@ async def run(
         "roots": {r.key: plan_summary(r.plan()) for r in roots},
     }
     try:
-        figures = await raw_figures(labs.kernel.host, image, counts)
-        spawn, aspawn, oneshot = figures[:3]
-        cold, steps = await cold_figures(roots, counts, oneshot)
+        figures = await spawn_figures(counts)
+        cold, steps = await cold_figures(roots, counts, image)
         figures += cold
         notes += steps
-        layered = [r for r in roots if r.layer and not r.network]
-        figures += await exec_figures(layered, counts, spawn, aspawn)
+        figures += await exec_figures([r for r in roots if r.layer and not r.network], counts)
         figures += await idle_figures([r for r in roots if r.layer], counts, notes)
     finally:
         for lab in labs.all():
