@@ -153,10 +153,13 @@ class Lab:
     token: str = field(default_factory=lambda: secrets.token_hex(3))
     made: int = 0
 
-    def machine(self, network: bool, layer: bool) -> SandboxMachine:
+    def machine(
+        self, network: bool, layer: bool, kind: type[SandboxMachine] = SandboxMachine
+    ) -> SandboxMachine:
+        """A new (not started) sandbox of this home's host; `kind` lets a caller time its phases."""
         self.made += 1
         sid = f"sbx_bench{self.token}{self.made:05d}"
-        m = SandboxMachine(
+        m = kind(
             "sandbox",
             sid,
             self.host,
@@ -274,10 +277,14 @@ class Population:
     network: bool
     rss: list[int] = field(default_factory=list)
     pss: list[int] = field(default_factory=list)
+    pss_anon: list[int] = field(default_factory=list)
+    """The anonymous part of `pss`: what does not shrink as more sandboxes share the files."""
     processes: list[int] = field(default_factory=list)
     escaped: int = 0
     """Sandboxes with a process outside their cgroup."""
     by_process: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """RSS summed per kind of process (`_kind`)."""
+    pss_by_process: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     start_seconds: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -292,14 +299,17 @@ class Population:
         }
 
     def measure(self, m: SandboxMachine) -> None:
-        rss = pss = 0
+        rss = pss = anon = 0
         pids = sandbox_pids(m)
         for pid in pids:
             r, p = process_memory(pid)
             rss, pss = rss + r, pss + p
+            anon += _status_kib(pid, "Pss_Anon", "smaps_rollup") * 1024
             self.by_process[_kind(pid)] += r
+            self.pss_by_process[_kind(pid)] += p
         self.rss.append(rss)
         self.pss.append(pss)
+        self.pss_anon.append(anon)
         self.processes.append(len(pids))
         self.escaped += outside_group(m) > 0
 

@@ -7,12 +7,16 @@ Only the shape of the output is checked, never a number: performance is measured
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from agentbox.machines.images import Image
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 #: Seconds one `--quick` run may take (the full runs take about three minutes each).
@@ -172,3 +176,26 @@ def test_bench_runtime_quick(tmp_path: Path) -> None:
     assert (
         document["figures"]["context_request_200"]["raw"] == document["figures"]["transcript_200"]["median"]
     )
+
+
+#: bench_images's figures; the fuse-overlayfs rows need a root server (fuse-overlayfs runs as root).
+IMAGES_FIGURES = {
+    "bare_spawn", "asyncio_spawn", "bwrap_overlay_true", "bwrap_overlay_python", "overlay_probe",
+    "cold_kernel_overlay", "cold_no_layer", "cold_kernel_overlay_net_on", "exec_true_kernel_overlay",
+    "agent_alone_pss", "idle_pss_kernel_overlay", "idle_pss_kernel_overlay_net_on", "build_base",
+}  # fmt: skip
+IMAGES_FUSE_FIGURES = {
+    "cold_fuse_overlay", "cold_host_fuse", "exec_true_fuse_overlay", "exec_true_host_fuse",
+    "idle_pss_fuse_overlay", "idle_pss_host_fuse",
+}  # fmt: skip
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_images_quick(tmp_path: Path, base_image: Image) -> None:
+    document = run_quick("bench_images.py", tmp_path / "images.json", "--images", str(base_image.path.parent))
+    expected = IMAGES_FIGURES | (IMAGES_FUSE_FIGURES if os.geteuid() == 0 else set())
+    check_figures(document, expected, "bench_images")
+    assert document["figures"]["build_base"]["extra"]["source"] == "manifest"
+    assert document["roots"]["kernel_overlay"]["layer"] == "kernel-overlay"
+    steps = document["figures"]["cold_kernel_overlay"]["extra"]["steps_ms"]
+    assert {"plan + dirs", "mounts + agent to ready", "first exec true"} <= set(steps)

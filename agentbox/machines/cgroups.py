@@ -1,10 +1,10 @@
 """Per-sandbox resource limits through cgroups: v1, v2, or an honest "none".
 
 Each sandbox gets its own group nested under the server's own cgroup (so the server's
-own limits still bound everything). The launcher joins the group between fork and exec,
-so every process of the sandbox, from the first, is inside it. Which version a host offers
-is detected once; a host with neither gets sandboxes without limits and says so in
-`Cgroups.report()`.
+own limits still bound everything). A sandbox's processes are moved in as they appear,
+before its agent is asked to start anything, so every command is born inside the group
+(`SandboxMachine._join_group`). Which version a host offers is detected once; a host
+with neither gets sandboxes without limits and says so in `Cgroups.report()`.
 """
 
 from __future__ import annotations

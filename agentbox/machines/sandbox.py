@@ -529,6 +529,7 @@ class SandboxMachine(HostFiles):
         self._child_pid = 0
         self._slirp_exit: int | None = None
         self._baseline = 0
+        self._joins: list[asyncio.Future[None]] = []
         self._stopping: asyncio.Task[None] | None = None
         self._buffer = b""
 
@@ -587,7 +588,7 @@ class SandboxMachine(HostFiles):
             # runs, and slirp4netns configuring tap0 at the same time makes one of them fail.
             if self.network_on and self._child_pid:
                 await self._start_network(self._child_pid)
-            self._join_group()
+            await self._join_group()
         except BaseException:
             await self.stop()
             raise
@@ -596,21 +597,32 @@ class SandboxMachine(HostFiles):
         self.last_used = time.monotonic()
         self.start_seconds = time.monotonic() - started
 
-    def _join_group(self) -> None:
-        """Move every process of this sandbox into its cgroup.
+    async def _join_group(self) -> None:
+        """Have every process of this sandbox in its cgroup before the agent starts anything.
 
-        Done once the agent has said ready and before it is asked to start anything, so the
-        whole tree is present and every command is born inside the group.
+        The moves began as the processes appeared (`_start_joining`); this waits for them,
+        then moves what they missed, so every command is born inside the group.
         """
-        if self._group is None or self._proc is None:
-            return
+        joins, self._joins = self._joins, []
+        await asyncio.gather(*joins)
+        if self._group is not None and self._proc is not None:
+            join_group(self._group, self._own_pids())
+            self._baseline = len(self._group.pids())
+
+    def _own_pids(self) -> list[int]:
+        """The launcher's tree (bwrap, the agent), the fuse-overlayfs daemons, slirp4netns."""
+        assert self._proc is not None
         pids = [*process_tree(self._proc.pid), *(p.pid for p in self._fuse)]
-        if self._slirp is not None:
-            pids.append(self._slirp.pid)
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                self._group.add(pid)
-        self._baseline = len(self._group.pids())
+        return pids + ([self._slirp.pid] if self._slirp is not None else [])
+
+    def _start_joining(self) -> None:
+        """Start moving the processes there are into the cgroup, in a thread.
+
+        A host's first cgroup move in a while waits for an RCU grace period (the kernel's
+        threadgroup lock: about 10 ms here), so it runs while the agent starts, not after.
+        """
+        if self._group is not None and self._proc is not None:
+            self._joins.append(self.loop.run_in_executor(None, join_group, self._group, self._own_pids()))
 
     def _ready_future(self) -> asyncio.Future[None]:
         assert self._ready is not None
@@ -726,6 +738,7 @@ class SandboxMachine(HostFiles):
         self.loop.add_reader(parent.fileno(), self._on_control)
         info = await self.loop.run_in_executor(None, _read_info, info_r)
         self._child_pid = int(info.get("child-pid") or 0)
+        self._start_joining()  # bwrap has cloned the agent's process: the whole tree is there
 
     async def _image_root(self, plan: RootPlan, fd_of: Any) -> list[str]:
         """bwrap arguments that make the image the root, under the planned layer."""
@@ -885,6 +898,7 @@ class SandboxMachine(HostFiles):
         finally:
             os.close(ready_w)
             os.close(exit_r)
+        self._start_joining()  # while slirp4netns configures the sandbox's tap0
         ok = await self.loop.run_in_executor(None, os.read, ready_r, 1)
         os.close(ready_r)
         if ok != b"1":
@@ -921,6 +935,7 @@ class SandboxMachine(HostFiles):
                 proc.exited.set_result(137)
         self._pending.clear()
         self._procs.clear()
+        self._joins.clear()
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(MachineUnavailable("the sandbox exited during start"))
             self._ready.exception()
@@ -1117,6 +1132,13 @@ class SandboxMachine(HostFiles):
         if self._group is not None:
             return len(self._group.pids()) > self._baseline
         return False
+
+
+def join_group(group: SandboxGroup, pids: list[int]) -> None:
+    """Move each of `pids` that is not in `group` yet: even a move that changes nothing waits."""
+    for pid in set(pids) - group.pids():
+        with contextlib.suppress(OSError):  # gone already
+            group.add(pid)
 
 
 def unsearchable_parent(path: Path, uid: int, gid: int) -> Path | None:
