@@ -60,7 +60,7 @@ PROFILES: dict[str, tuple[str, ...]] = {
         "python3-pandas", "python3-numpy", "python3-matplotlib", "nodejs", "npm",
         "python3-openpyxl", "libreoffice-nogui", "fonts-liberation2", "fonts-crosextra-carlito",
         "fonts-crosextra-caladea", "pandoc", "texlive-latex-recommended", "texlive-xetex",
-        "texlive-lang-cjk", "ffmpeg", "tesseract-ocr", "tesseract-ocr-eng", "tesseract-ocr-chi-sim",
+        "texlive-lang-cjk", "texlive-lang-chinese", "ffmpeg", "tesseract-ocr", "tesseract-ocr-eng", "tesseract-ocr-chi-sim",
         "tesseract-ocr-chi-tra", "fonts-noto-cjk",
     ),
 }  # fmt: skip
