@@ -42,7 +42,7 @@ from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines.binaries import ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits
 from agentbox.machines.errors import MachineError, MachineUnavailable
-from agentbox.machines.images import DEFAULT_IMAGE, Image
+from agentbox.machines.images import DEFAULT_IMAGE, Image, unshare_missing
 from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID, SandboxConfig, SandboxHost
 
 #: bwrap version the launch's options (`--bind-fd`, `--ro-bind-fd`, `--clearenv`, ...) are
@@ -140,9 +140,15 @@ def check_image(host: SandboxHost) -> Check:
 
 
 def check_mmdebstrap() -> Check:
+    """mmdebstrap, and for a non-root server what its unshare mode needs (`images.unshare_missing`)."""
     found = shutil.which("mmdebstrap")
     cost = "`agentbox image build` cannot run: apt-get install mmdebstrap uidmap"
-    return Check("mmdebstrap", found is not None, found or "mmdebstrap not found", cost)
+    if found is None:
+        return Check("mmdebstrap", False, "mmdebstrap not found", cost)
+    missing = unshare_missing() if os.geteuid() != 0 else []
+    if missing:
+        return Check("mmdebstrap", False, "a non-root build (unshare mode) needs " + "; ".join(missing), cost)
+    return Check("mmdebstrap", True, found if os.geteuid() == 0 else f"{found} (unshare mode)", cost)
 
 
 def check_system_layer(layer: tuple[bool, str]) -> Check:
