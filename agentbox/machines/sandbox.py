@@ -120,6 +120,8 @@ AGENT_LOADER = (
 SERVER_PYTHON = f"python{sys.version_info.major}.{sys.version_info.minor}"
 #: Bytes read from a command pipe per wakeup.
 PIPE_CHUNK = 65536
+#: The device slirp4netns opens, as the server's user, to give a sandbox its tap0.
+TUN_DEVICE = Path("/dev/net/tun")
 
 #: Mode of a sandbox's per-lifetime directory (`run/`, owned by the sandbox uid).
 RUN_DIR_MODE = 0o700
@@ -215,7 +217,7 @@ class SandboxHost:
         self._base: Base | None = None
         self._kernel_overlay: dict[Path, bool] = {}
         self.fuse = shutil.which("fuse-overlayfs")
-        self.slirp = shutil.which("slirp4netns")
+        self.slirp, self.network_detail = network_helper()
         self.python = next(
             (p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if Path(p).exists()), None
         )
@@ -364,7 +366,7 @@ class SandboxHost:
                 "a root server: sandboxes run as their own uid, with cgroup limits where the host has them"
                 if self.root
                 else "an unprivileged server: sandboxes run as the server's own uid; no uid of their own, "
-                "no fuse-overlayfs, cgroup limits only in a cgroup delegated to this user"
+                "no fuse-overlayfs, no cgroup limits"
             ),
             "image": plan.image.name if plan.image is not None else None,
             "image_detail": plan.image_detail,
@@ -372,11 +374,7 @@ class SandboxHost:
             "system_layer_kind": plan.layer,
             "system_layer_detail": plan.layer_detail,
             "network": "on" if config.network and self.slirp else "off",
-            "network_detail": (
-                "slirp4netns, host loopback unreachable"
-                if config.network and self.slirp
-                else ("slirp4netns missing" if config.network else "loopback only")
-            ),
+            "network_detail": self.network_detail if config.network else "loopback only",
             "resource_limits": self.cgroups.report(),
         }
 
@@ -930,7 +928,7 @@ class SandboxMachine(HostFiles):
         ok = await self.loop.run_in_executor(None, os.read, ready_r, 1)
         os.close(ready_r)
         if ok != b"1":
-            raise MachineUnavailable(f"slirp4netns failed to start: see {self.run / 'launcher.log'}")
+            raise MachineUnavailable(f"slirp4netns failed to start: {self._log_tail()}")
 
     async def stop(self) -> None:
         """Kill everything this lifetime started and forget /tmp, $HOME and the system layer.
@@ -1167,6 +1165,20 @@ def join_group(group: SandboxGroup, pids: list[int]) -> None:
     for pid in set(pids) - group.pids():
         with contextlib.suppress(OSError):  # gone already
             group.add(pid)
+
+
+def network_helper() -> tuple[str | None, str]:
+    """slirp4netns when it can give sandboxes a network here (else None), and what they get.
+
+    Stock Debian leaves /dev/net/tun open to every user; a host that keeps it root's alone
+    leaves a non-root server without one, and its sandboxes with loopback only.
+    """
+    slirp = shutil.which("slirp4netns")
+    if slirp is None:
+        return None, "slirp4netns missing: loopback only"
+    if not os.access(TUN_DEVICE, os.R_OK | os.W_OK):
+        return None, f"{TUN_DEVICE} is not open to uid {os.geteuid()}: no slirp4netns, loopback only"
+    return slirp, "slirp4netns, host loopback unreachable"
 
 
 def unsearchable_parent(path: Path, uid: int, gid: int) -> Path | None:
