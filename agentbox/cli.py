@@ -149,13 +149,13 @@ def _exec_remote(argv: list[str], session: str, cwd: str | None, url: str) -> in
 
 
 async def _exec(argv: list[str], session: str, machine_name: str | None, cwd: str | None) -> int:
-    from agentbox.home import opened_home
     from agentbox.machines.base import ExecRequest, iter_output
     from agentbox.machines.errors import MachineError
+    from agentbox.system import opened_system
 
-    async with opened_home(config_mod.load()) as (_, registry):
+    async with opened_system(config_mod.load(), turns=False) as system:
         try:
-            m = await registry.open(session, machine_name)
+            m = (await system.services.get(session, machine_name)).machine
         except MachineError as exc:
             typer.echo(f"agentbox exec: {exc}", err=True)
             return 2

@@ -1,7 +1,7 @@
 """`agentbox run`, `sessions`, `events`: drive one turn and show it in the terminal.
 
 In-process (the default), `run` opens the home's database, machine registry and file store
-itself and starts the same `Platform` the server runs on (no server needed), so the turn, its
+itself and starts the same `System` the server runs on (no server needed), so the turn, its
 events and its approvals are exactly what the sessions API would show. With `--url` the turn
 runs on a server instead (`agentbox.cli_remote`). Either way ONE loop shows it: `follow`
 reads the session's events (here `EventBus.subscribe(..., until_turn=, deltas=True)`, there the
@@ -38,9 +38,10 @@ from rich.status import Status
 from agentbox import config as config_mod
 from agentbox.agent.events import Delta
 from agentbox.agent.models import SCRIPTED, ModelError
-from agentbox.api.sessions import _PROVIDER_MODEL, PROVIDERS, Platform, start_platform
+from agentbox.api.sessions import _PROVIDER_MODEL, PROVIDERS
 from agentbox.store.approvals import ApprovalNotPending, Decision, Scope
 from agentbox.store.sessions import MAX_EVENTS_PAGE, Event, Session
+from agentbox.system import System
 
 #: How each terminal turn event maps to the process's exit status.
 EXIT_CODES: dict[str, int] = {"turn.completed": 0, "turn.failed": 1, "turn.aborted": 2}
@@ -173,21 +174,15 @@ def new_session_fields(opts: RunOptions) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def opened_platform() -> AsyncIterator[Platform]:
-    """The home's database, registry and file store with a started platform; all closed after."""
-    from agentbox.home import opened_home
-    from agentbox.store.files import FileStore
+async def opened_platform() -> AsyncIterator[System]:
+    """The running system on the configured home (`agentbox.system`), closed after."""
+    from agentbox.system import opened_system
 
-    settings = config_mod.load()
-    async with opened_home(settings) as (db, registry):
-        platform = await start_platform(db, registry, FileStore(db, settings.home))
-        try:
-            yield platform
-        finally:
-            await platform.close()
+    async with opened_system(config_mod.load()) as system:
+        yield system
 
 
-async def open_session(p: Platform, opts: RunOptions) -> Session:
+async def open_session(p: System, opts: RunOptions) -> Session:
     """The session to run in: `--session` (its mode updated if `--mode` is given), or a new one."""
     reused = reused_session(opts)
     if reused is None:
@@ -203,7 +198,7 @@ async def open_session(p: Platform, opts: RunOptions) -> Session:
 class LocalControl:
     """The in-process platform's approvals and worker."""
 
-    platform: Platform
+    platform: System
 
     async def answer(self, approval_id: str, decision: Decision, scope: Scope, message: str | None) -> bool:
         try:

@@ -46,7 +46,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mcp.types as mt
@@ -61,18 +60,13 @@ from starlette.types import Receive, Scope, Send
 
 from agentbox import __version__
 from agentbox.config import Settings
-from agentbox.home import opened_home
 from agentbox.ids import SESSION_ID_RULE, is_session_id
 from agentbox.machines.errors import MachineError
 from agentbox.machines.registry import DEFAULT_SESSION, Registry
 from agentbox.store.approvals import ApprovalsRepo
-from agentbox.store.changes import ChangesRepo
-from agentbox.store.db import Database
-from agentbox.store.files import FileStore
-from agentbox.store.todos import TodoRepo
+from agentbox.system import System, opened_system
 from agentbox.tools.approvals import Approvals
 from agentbox.tools.base import Action, Block, ImageBlock, Tool, ToolResult
-from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools
 from agentbox.tools.tiers import Decision, FullAutoRefused, Tier, decide, session_tier
 from agentbox.tools.toolsets import DEFAULT_TOOLSET, TOOLSETS
@@ -155,27 +149,21 @@ class Unattended(Approvals):
 
 @dataclass
 class ToolHost:
-    """Builds each session's `SessionTools` over the registry's machine, once, and keeps it."""
+    """Builds each session's `SessionTools` over the system's machine and services, once, and keeps it.
 
-    registry: Registry
-    db: Database
-    home: Path
-    """AGENTBOX_HOME: where the file store keeps delivered files."""
+    Change sets, todos, the file store and each machine's services are the system's own, so
+    what a client does here the sessions API and `/v2/...` see.
+    """
+
+    system: System
     machine_name: str | None = None
     client_approves: bool = False
     """The MCP client confirms every call with its user: ask for full-auto (`session_tier`)."""
-    # One of each per server: ChangeSets serializes applies, FileStore its blob moves.
-    files: FileStore | None = None
-    """The server's one file store (its blob lock is per instance); made here when alone."""
-    changes: ChangeSets = field(init=False)
-    todos: TodoRepo = field(init=False)
     _sessions: dict[tuple[str, str], SessionTools] = field(init=False, default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.changes = ChangeSets(ChangesRepo(self.db))
-        self.todos = TodoRepo(self.db)
-        if self.files is None:
-            self.files = FileStore(self.db, self.home)
+    @property
+    def registry(self) -> Registry:
+        return self.system.registry
 
     def tier(self) -> Tier:
         """The served machine's tier (`session_tier`); full-auto refused there is a `ChoiceError`."""
@@ -189,7 +177,8 @@ class ToolHost:
         """The session's tools over its machine, opened (or resumed) for this call."""
         check_session(session_id)
         check_toolset(toolset)
-        machine = await self.registry.open(session_id, self.machine_name)
+        services = await self.system.services.get(session_id, self.machine_name)
+        machine = services.machine
         key = (session_id, toolset)
         tools = self._sessions.get(key)
         if tools is None:
@@ -199,13 +188,14 @@ class ToolHost:
                 session_id=session_id,
                 tier=tier,
                 toolset=served(make_toolset(toolset)),
-                changes=self.changes,
-                approvals=Unattended(ApprovalsRepo(self.db), tier),
-                todos=self.todos,
-                files=self.files,
+                changes=self.system.changes,
+                approvals=Unattended(ApprovalsRepo(self.system.db), tier),
+                todos=self.system.todos,
+                files=self.system.files,
+                services=services,
             )
             self._sessions[key] = tools
-        tools.machine = machine  # the same object unless the session was closed and reopened
+        tools.machine, tools.services = machine, services  # the same unless the session was reopened
         return tools
 
 
@@ -331,8 +321,8 @@ async def serve_stdio(
     """
     check_session(session_id)
     check_toolset(toolset)
-    async with opened_home(settings) as (db, registry):
-        host = ToolHost(registry, db, settings.home, machine, client_approves)
+    async with opened_system(settings, turns=False) as system:
+        host = ToolHost(system, machine, client_approves)
         first = await host.tools(session_id, toolset)
 
         async def resolve(ctx: ServerRequestContext[Any, Any]) -> SessionTools:
@@ -362,8 +352,8 @@ class McpHttp:
 
     Stateless because nothing lives in an MCP session here: each request names its agentbox
     session, and what lasts (the reads map, change sets) lives in the `ToolHost`. Run its
-    session manager in the app's lifespan (`running()`); it reads the registry and database
-    from `app.state` on first use, after the lifespan has put them there.
+    session manager in the app's lifespan (`running()`); it reads the system from `app.state`
+    on first use, after the lifespan has put it there.
     """
 
     def __init__(self) -> None:
@@ -401,9 +391,7 @@ class McpHttp:
 
     def host(self, state: Any) -> ToolHost:
         if self._host is None:
-            self._host = ToolHost(
-                state.registry, state.db, state.settings.home, files=getattr(state, "files", None)
-            )
+            self._host = ToolHost(state.system)
         return self._host
 
     async def _resolve(self, ctx: ServerRequestContext[Any, Any]) -> SessionTools:

@@ -39,11 +39,9 @@ from agentbox.tools.knowledge import (
     KnowledgeIndex,
     SearchInputError,
     SearchParams,
-    close_all_indexes,
-    close_index,
-    index_for,
     index_path,
 )
+from agentbox.tools.services import MachineServices
 from agentbox.workspace.watch import WatchHub
 
 #: Seconds a change may take to show up in search results before a test fails.
@@ -64,6 +62,10 @@ class MemoryTodos:
         self.items[session_id] = items
 
 
+#: Each test's machines' services (closed after the test).
+OPEN: dict[int, MachineServices] = {}
+
+
 @dataclass
 class Ctx:
     """A real (minimal) ToolContext: search never commits, and every read is allowed."""
@@ -76,6 +78,11 @@ class Ctx:
     todos: TodoStore = field(default_factory=MemoryTodos)
     files: FileStore | None = None
     deliveries: int = 0
+    services: MachineServices | None = None
+
+    def __post_init__(self) -> None:
+        if self.services is None:  # one per machine for the test, as the system keeps them
+            self.services = OPEN.setdefault(id(self.machine), MachineServices.of(self.machine))
 
     async def commit(self, operations: list[Operation], tool: str) -> ToolResult:
         return ToolResult.error(f"{tool} planned {len(operations)} operations; search must plan none")
@@ -89,7 +96,9 @@ async def _indexes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIter
     """Shared-machine indexes go under this test's AGENTBOX_HOME; every index is closed after."""
     monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "home"))
     yield
-    await close_all_indexes()
+    for services in OPEN.values():
+        await services.close()
+    OPEN.clear()
 
 
 @pytest.fixture
@@ -378,7 +387,7 @@ async def test_tool_filters_take_relative_paths_iso_dates_and_refuse_what_widens
         assert not result.is_error, result.as_text()
         return sorted(r["path"].rsplit("/", 1)[1] for r in result.data["results"])
 
-    await index_for(machine)  # the tool's own index (same files, its own sqlite file)
+    await Ctx(machine).services.knowledge()  # type: ignore[union-attr]  # the tool's own index (its own sqlite file)
     assert await names(pathPrefix="docs") == ["d.pdf", "e.docx"]
     assert await names(pathPrefix="./notes/../docs/") == ["d.pdf", "e.docx"]
     assert await names(pathPrefix=".") == ["a.md", "b.md", "c.txt", "d.pdf", "e.docx"]
@@ -711,19 +720,23 @@ def test_tool_schema_and_action() -> None:
     assert "image" in str(props["fileTypes"])
 
 
-async def test_index_for_keeps_one_index_per_machine_outside_the_workspace(
+async def test_a_machine_has_one_index_kept_outside_the_workspace(
     tmp_path: Path, machine: LocalMachine, root: Path
 ) -> None:
     write(root / "a.md", "alpha\n")
-    first, second = await asyncio.gather(index_for(machine), index_for(machine))
-    assert first is second and await index_for(machine) is first
+    services = MachineServices.of(machine)
+    first, second = await asyncio.gather(services.knowledge(), services.knowledge())
+    assert first is second and await services.knowledge() is first
     path = index_path(machine)
     assert first.db_path == path and path.is_file()
     assert path.is_relative_to(tmp_path / "home" / "knowledge") and not path.is_relative_to(root)
     assert first.counts()["files"] == 1  # refreshed on first use
-    await close_index(machine)
+    await services.close()
     assert first.closed
-    assert await index_for(machine) is not first
+    reopened = MachineServices.of(machine)
+    again = await reopened.knowledge()
+    assert again is not first and again.db_path == path and again.counts()["files"] == 1
+    await reopened.close()
 
 
 async def test_search_in_a_real_sandbox(make_sandbox: Any) -> None:
@@ -749,4 +762,3 @@ async def test_search_in_a_real_sandbox(make_sandbox: Any) -> None:
         return len((await search_tool(sandbox, query="rocket")).data["results"]) == 2
 
     await eventually(both, "a file written inside the sandbox is found")
-    await close_index(sandbox)

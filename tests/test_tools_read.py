@@ -66,6 +66,7 @@ class Ctx:
     todos: Any = None
     files: Any = None
     deliveries: int = 0
+    services: Any = None  # no machine services: tools make what they need
     allow_external: bool = True
     asked: list[tuple[Action, str, dict[str, Any]]] = field(default_factory=list)
     committed: list[Operation] = field(default_factory=list)

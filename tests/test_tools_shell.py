@@ -16,6 +16,7 @@ from conftest import SANDBOX_DEADLINE, host_pid_of, traversable
 from agentbox.ids import SANDBOX, new_id
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
 from agentbox.tools.base import Action, FileStore, Operation, TextBlock, TodoStore, ToolConfig, ToolResult
+from agentbox.tools.services import MachineServices
 from agentbox.tools.shell import (
     DEFAULT_TIMEOUT_SECONDS,
     EXEC,
@@ -30,7 +31,7 @@ from agentbox.tools.shell import (
     secret_names,
     without_env,
 )
-from agentbox.workspace.commands import KEPT_HEAD_BYTES, CommandManager
+from agentbox.workspace.commands import KEPT_HEAD_BYTES
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -68,9 +69,9 @@ class Ctx:
     todos: TodoStore = field(default_factory=MemoryTodos)
     files: FileStore | None = None
     deliveries: int = 0
+    services: Any = None  # no machine services: tools make what they need
     refusal: str | None = None
     asked: list[tuple[Action, str, dict[str, Any]]] = field(default_factory=list)
-    commands: CommandManager | None = None
 
     async def commit(self, operations: list[Operation], tool: str) -> ToolResult:
         raise AssertionError("exec never plans workspace operations")
@@ -224,8 +225,9 @@ async def test_a_cancelled_call_kills_the_command_group(machine: SandboxMachine)
 
 
 async def test_a_command_stopped_from_outside_reads_as_cancelled(machine: SandboxMachine) -> None:
-    manager = CommandManager(machine)  # the sandbox's shared engine, as the API would kill through it
-    ctx = Ctx(machine, commands=manager)
+    services = MachineServices.of(machine)  # the machine's own engine, as /v2/commands kills through it
+    manager = services.commands
+    ctx = Ctx(machine, services=services)
     task = asyncio.create_task(run(machine, "echo before; sleep 1000", ctx))
     await until(lambda: any(c.stdout.total for c in manager.list()), "never started")
     manager.kill(manager.list()[0].id)
@@ -233,7 +235,7 @@ async def test_a_command_stopped_from_outside_reads_as_cancelled(machine: Sandbo
     assert result.is_error and result.data["cancelled"] and not result.data["timed_out"]
     assert text(result).startswith("Command was cancelled before it finished")
     assert "<stdout>\nbefore\n</stdout>" in text(result)
-    await manager.close()
+    await services.close()
 
 
 # -- output limits -----------------------------------------------------------------------

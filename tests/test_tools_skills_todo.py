@@ -49,6 +49,7 @@ class Ctx:
     reads: dict[str, str] = field(default_factory=dict)
     files: FileStore | None = None
     deliveries: int = 0
+    services: Any = None  # no machine services: tools make what they need
     asked: list[tuple[Action, str, dict[str, Any]]] = field(default_factory=list)
 
     async def commit(self, operations: list[Operation], tool: str) -> ToolResult:

@@ -165,6 +165,7 @@ class Ctx:
     todos: TodoStore = field(default_factory=MemoryTodos)
     files: FileStore | None = None
     deliveries: int = 0
+    services: Any = None  # no machine services: tools make what they need
     refusal: str | None = None
     asked: list[tuple[Action, str, dict[str, Any]]] = field(default_factory=list)
 

@@ -5,22 +5,23 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from agentbox.agent.models import ToolCall, ToolSpec
 from agentbox.agent.providers.arguments import invalid_arguments
 from agentbox.agent.subagents import Subagents, calling
 from agentbox.tools.base import Action, ToolResult
 from agentbox.tools.runner import SessionTools
+from agentbox.tools.services import MachineServices
 from agentbox.tools.tiers import decide
 
 
 @dataclass
 class SessionToolHost:
-    """`SessionTools` as the loop needs it; the session's machine is (re)opened before each call."""
+    """`SessionTools` as the loop needs it; the session's machine is (re)opened before each call,
+    with its services (None: a session without a machine)."""
 
     tools: SessionTools
-    open_machine: Callable[[], Awaitable[Any]]
+    open_services: Callable[[], Awaitable[MachineServices | None]]
     subagents: Subagents | None = None
 
     def specs(self) -> list[ToolSpec]:
@@ -48,6 +49,8 @@ class SessionToolHost:
         problem = invalid_arguments(call)  # a provider sent arguments that are not JSON
         if problem is not None:
             return ToolResult.error(problem)
-        self.tools.machine = await self.open_machine()
+        services = await self.open_services()
+        self.tools.machine = services.machine if services is not None else None
+        self.tools.services = services
         with calling(call.id):
             return await self.tools.call(call.name, call.input, preapproved=preapproved)

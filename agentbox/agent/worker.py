@@ -83,6 +83,7 @@ from agentbox.tools.approvals import Approvals, EventKind
 from agentbox.tools.base import Action, Tool, ToolResult
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools, denied
+from agentbox.tools.services import MachineServices, Services
 from agentbox.tools.skills import catalog
 from agentbox.tools.tiers import FullAutoRefused, Tier, session_tier
 from agentbox.tools.toolsets import TOOLSETS, toolset
@@ -148,8 +149,12 @@ class Worker:
         *,
         models: ModelFactory | None = None,
         config: LoopConfig | None = None,
+        services: Services | None = None,
     ) -> None:
         self.store, self.bus, self.registry, self.files = store, bus, registry, files
+        self.services = services or Services(registry)
+        """The machines' services, shared with the HTTP API and MCP (`agentbox.system`)."""
+        self._own_services = services is None
         self.approvals, self.changes, self.todos = approvals, changes, todos
         self.models = models or self._model
         self.config = config or LoopConfig()
@@ -191,6 +196,8 @@ class Worker:
         for mcp in self._mcp.values():
             await mcp.close()
         self._mcp.clear()
+        if self._own_services:
+            await self.services.close()
         self._started = False
 
     # ------------------------------------------------------------------ the API's side
@@ -532,7 +539,7 @@ class Worker:
             changes=self.changes, approvals=self.approvals, todos=self.todos, files=self.files, plan=plan,
         )  # fmt: skip
         session_tools.begin_turn(turn.id)
-        host = SessionToolHost(session_tools, lambda: self._machine(session))
+        host = SessionToolHost(session_tools, lambda: self._services(session))
         if any(tool.action == Action.TASK for tool in tools.values()):
             host.subagents = self._subagents(session, turn, host)
             session_tools.delegate = host.subagents
@@ -580,11 +587,15 @@ class Worker:
             tools=host.specs(), skills=skills, subagents=agents,
         )  # fmt: skip
 
-    async def _machine(self, session: Session) -> Any:
-        """The session's machine, opened (or resumed); None for a session without one."""
+    async def _services(self, session: Session) -> MachineServices | None:
+        """The session's machine, opened (or resumed), with its services; None for a session without one."""
         if session.machine == NO_MACHINE:
             return None
-        return await self.registry.open(session.id, session.machine)
+        return await self.services.get(session.id, session.machine)
+
+    async def _machine(self, session: Session) -> Any:
+        services = await self._services(session)
+        return services.machine if services is not None else None
 
     # ------------------------------------------------------------------ events from other parts
 

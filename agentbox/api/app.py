@@ -26,12 +26,11 @@ from agentbox.api import sessions as sessions_api
 from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2_fs, v2_sandbox, v2_watch
 from agentbox.api.envelope import BodyError, BodyRefused, body_errors, error_response, query_error
 from agentbox.api.guard import Guard, GuardMiddleware
-from agentbox.api.sandboxes import Sandboxes
 from agentbox.config import Settings
-from agentbox.home import HomeClaim, opened_home
+from agentbox.home import HomeClaim
 from agentbox.machines.errors import MachineError
 from agentbox.mcp import McpHttp
-from agentbox.store.files import FileStore
+from agentbox.system import opened_system
 from agentbox.workspace.errors import WorkspaceError, translate
 
 ROUTERS = [v2_fs, v2_watch, v2_commands, v2_sandbox, v1_file, v1_shell, v1_bash, v1_sandbox]
@@ -62,21 +61,10 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with opened_home(settings, claim) as (db, registry):
-            await registry.recover()
-            registry.start_janitor()
-            app.state.db = db
-            app.state.files = FileStore(db, settings.home)  # the files API's store (api/files.py)
-            app.state.registry = registry
-            app.state.sandboxes = Sandboxes(registry)
-            # The sessions API's worker and stores (api/sessions.py); starting recovers open turns.
-            app.state.platform = await sessions_api.start_platform(db, registry, app.state.files)
-            try:
-                async with mcp_http.running():
-                    yield
-            finally:
-                await app.state.platform.close()
-                await app.state.sandboxes.close()
+        async with opened_system(settings, claim) as system:  # the one composition root
+            app.state.system = system
+            async with mcp_http.running():
+                yield
 
     app = FastAPI(title="agentbox", version=__version__, lifespan=lifespan)
     app.state.settings = settings

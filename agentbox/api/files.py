@@ -7,7 +7,7 @@
     DELETE /v1/files/{id}                                               {id, deleted: true} / 404
 
 Mounted once at the root (not per sandbox): a file belongs to no sandbox and outlives its
-session. Bytes and records live in `agentbox.store.files.FileStore` (`app.state.files`).
+session. Bytes and records live in `agentbox.store.files.FileStore` (the system's `files`).
 
 Uploads: Starlette spools the multipart body to an anonymous temp file, then the part is
 streamed into the store, so no more than a chunk is ever in memory. A body whose
@@ -106,7 +106,7 @@ class FileDeleted(BaseModel):
 
 
 def file_store(request: Request) -> FileStore:
-    store: FileStore = request.app.state.files
+    store: FileStore = request.app.state.system.files
     return store
 
 

@@ -48,23 +48,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentbox.agent.events import Delta, EventBus
+from agentbox.agent.events import Delta
 from agentbox.agent.models import SCRIPTED, ModelError
-from agentbox.agent.worker import NO_MACHINE, Worker
+from agentbox.agent.worker import NO_MACHINE
 from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error
 from agentbox.machines.errors import MachineNotFound
-from agentbox.machines.registry import Registry
-from agentbox.secrets import SecretBox
-from agentbox.store.approvals import ApprovalNotFound, ApprovalNotPending, ApprovalsRepo
+from agentbox.store.approvals import ApprovalNotFound, ApprovalNotPending
 from agentbox.store.changes import (
     ChangeSet,
     ChangeSetNotFound,
-    ChangesRepo,
     OperationNotFound,
     OperationNotPending,
 )
-from agentbox.store.db import Database
-from agentbox.store.files import FileStore
 from agentbox.store.sessions import (
     MAX_EVENTS_PAGE,
     MAX_SEQ,
@@ -80,9 +75,8 @@ from agentbox.store.sessions import (
     UnknownFiles,
     UnsupportedUpdate,
 )
-from agentbox.store.todos import TodoRepo
-from agentbox.tools.approvals import Approvals
-from agentbox.tools.changes import ChangeSets, GovernedMachine
+from agentbox.system import System
+from agentbox.tools.changes import GovernedMachine
 from agentbox.workspace.errors import WorkspaceError
 
 #: Model names besides "scripted": `<provider>:<model>` (runs fail until the runtime issue adds them).
@@ -158,36 +152,9 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"], route_class=Session
 # ---------------------------------------------------------------- the services behind the routes
 
 
-@dataclass
-class Platform:
-    """What the sessions API runs on; one per server, built in the app's lifespan."""
-
-    store: SessionStore
-    bus: EventBus
-    approvals: Approvals
-    changes: ChangeSets
-    worker: Worker
-    registry: Registry
-
-    async def close(self) -> None:
-        await self.worker.close()
-
-
-async def start_platform(db: Database, registry: Registry, files: FileStore) -> Platform:
-    """Build the worker and its stores on the server's database and registry, and start it
-    (which recovers the turns an earlier process left open)."""
-    store = SessionStore(db, SecretBox(registry.settings.home))
-    await store.seal_stored()  # sessions from before secrets were sealed
-    bus = EventBus(store)
-    approvals = Approvals(ApprovalsRepo(db))
-    changes = ChangeSets(ChangesRepo(db))
-    worker = Worker(store, bus, registry, files, approvals, changes, TodoRepo(db))
-    await worker.start()
-    return Platform(store, bus, approvals, changes, worker, registry)
-
-
-def platform(request: Request) -> Platform:
-    return cast(Platform, request.app.state.platform)
+def platform(request: Request) -> System:
+    """The server's one `System` (`agentbox.system`), built in the app's lifespan."""
+    return cast(System, request.app.state.system)
 
 
 # ---------------------------------------------------------------- bodies
@@ -306,11 +273,11 @@ async def delete_session(request: Request, session_id: str) -> Any:
     """Aborts the active turn, removes the session's events and workspace; its files stay."""
     p = platform(request)
     await p.worker.delete_session(session_id)
-    await request.app.state.sandboxes.forget(session_id)
+    await p.services.forget(session_id)
     return {"id": session_id, "deleted": True}
 
 
-async def view(p: Platform, session: Session) -> dict[str, Any]:
+async def view(p: System, session: Session) -> dict[str, Any]:
     """The session as the API shows it: its record, what it is doing, its sandbox and usage."""
     data = session.to_dict()
     data["status"] = await p.store.activity(session.id)
@@ -462,7 +429,7 @@ async def turn_to_follow(store: SessionStore, session_id: str, cursor: int) -> F
 
 
 async def sse(
-    p: Platform, session_id: str, after: int, follow: Follow | None, heartbeat: float, deltas: bool = False
+    p: System, session_id: str, after: int, follow: Follow | None, heartbeat: float, deltas: bool = False
 ) -> AsyncIterator[str]:
     async for event in p.bus.subscribe(session_id, after, idle_timeout=heartbeat, deltas=deltas):
         if event is None:
@@ -527,9 +494,11 @@ async def answer_approval(request: Request, session_id: str, approval_id: str) -
 
 @router.get("/{session_id}/changes")
 async def list_changes(request: Request, session_id: str) -> Any:
+    """A session's change sets: a sessions-API session's, or those MCP staged under its id."""
     p = platform(request)
-    await p.store.get_session(session_id)
     sets = await p.changes.repo.of_session(session_id)
+    if not sets:
+        await p.store.get_session(session_id)  # 404 for an id nothing has used
     return {"items": [change_set_view(s, diffs=False) for s in sets]}
 
 
@@ -545,8 +514,8 @@ async def apply_changes(request: Request, session_id: str, change_set_id: str) -
     p = platform(request)
     change_set = await change_set_of(p, session_id, change_set_id)
     chosen = operations_of(change_set, body.operations)
-    session = await p.store.get_session(session_id)
-    machine = cast(GovernedMachine, await p.registry.open(session.id, session.machine))
+    name = change_set.machine or (await p.store.get_session(session_id)).machine
+    machine = cast(GovernedMachine, await p.registry.open(session_id, name))
     await p.changes.apply(machine, chosen)
     return change_set_view(await changes_updated(p, change_set_id), diffs=True)
 
@@ -561,8 +530,9 @@ async def reject_changes(request: Request, session_id: str, change_set_id: str) 
     return change_set_view(await changes_updated(p, change_set_id), diffs=True)
 
 
-async def changes_updated(p: Platform, change_set_id: str) -> ChangeSet:
-    """The set as it stands after a decision, told to the session's log (`change_set.updated`)."""
+async def changes_updated(p: System, change_set_id: str) -> ChangeSet:
+    """The set as it stands after a decision, told to the session's log (`change_set.updated`);
+    an MCP client's session id has no log to tell."""
     change_set = await p.changes.repo.get(change_set_id)
     data = {
         "change_set_id": change_set.id,
@@ -572,12 +542,16 @@ async def changes_updated(p: Platform, change_set_id: str) -> ChangeSet:
             for op in change_set.operations
         ],
     }
-    p.bus.publish(await p.store.append(change_set.session_id, None, [NewEvent("change_set.updated", data)]))
+    try:
+        appended = await p.store.append(change_set.session_id, None, [NewEvent("change_set.updated", data)])
+    except SessionNotFound:
+        return change_set
+    p.bus.publish(appended)
     return change_set
 
 
-async def change_set_of(p: Platform, session_id: str, change_set_id: str) -> ChangeSet:
-    await p.store.get_session(session_id)
+async def change_set_of(p: System, session_id: str, change_set_id: str) -> ChangeSet:
+    """The change set, which must be the session's (a session of the API, or an MCP client's id)."""
     change_set = await p.changes.repo.get(change_set_id)
     if change_set.session_id != session_id:
         raise NotInSession(f"no change set {change_set_id} in session {session_id}")

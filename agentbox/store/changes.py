@@ -106,6 +106,8 @@ class ChangeSet:
     created_at: datetime
     updated_at: datetime
     operations: tuple[OperationRecord, ...]
+    machine: str | None = None
+    """The machine it was staged on (None: staged before this was recorded; the session's)."""
 
     def pending(self) -> list[OperationRecord]:
         return [op for op in self.operations if op.status == "pending"]
@@ -130,7 +132,11 @@ class ChangesRepo:
         self.db = db
 
     async def add(
-        self, session_id: str, turn_id: str | None, planned: Sequence[PlannedOperation]
+        self,
+        session_id: str,
+        turn_id: str | None,
+        planned: Sequence[PlannedOperation],
+        machine: str | None = None,
     ) -> tuple[ChangeSet, list[OperationRecord]]:
         """Append operations to the turn's change set (made on first use; reopened if decided).
 
@@ -148,8 +154,9 @@ class ChangesRepo:
             if row is None:
                 set_id = ids.new_id(ids.CHANGE_SET)
                 conn.execute(
-                    "INSERT INTO change_sets (id, session_id, turn_id, created_at, updated_at) VALUES (?, ?, ?, ?, ?)",
-                    (set_id, session_id, turn_id, now, now),
+                    "INSERT INTO change_sets (id, session_id, turn_id, machine, created_at, updated_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (set_id, session_id, turn_id, machine, now, now),
                 )
             else:
                 set_id = row["id"]
@@ -268,6 +275,7 @@ class ChangesRepo:
             created_at=parse_timestamp(row["created_at"]),
             updated_at=parse_timestamp(row["updated_at"]),
             operations=tuple(_operation(op) for op in ops),
+            machine=row["machine"],
         )
 
 

@@ -15,9 +15,12 @@ import dataclasses
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from agentbox.tools.services import MachineServices
 
 
 class Action(enum.StrEnum):
@@ -157,6 +160,8 @@ class ToolContext(Protocol):
     files: FileStore | None
     deliveries: int
     """Files delivered in this turn so far (seed 000: at most 10 a turn)."""
+    services: MachineServices | None
+    """The machine's command manager, watch hub and knowledge index (None without a machine)."""
 
     async def commit(self, operations: list[Operation], tool: str) -> ToolResult:
         """Apply now or stage as a pending change set, as the tier says; returns what to tell the model."""

@@ -495,7 +495,7 @@ class ChangeSets:
         current = await self.repo.for_turn(session_id, turn_id)
         pending = list(current.operations) if current is not None else []
         planned = [review(machine, op, tool, pending) for op in ops]
-        return await self.repo.add(session_id, turn_id, planned)
+        return await self.repo.add(session_id, turn_id, planned, machine.name)
 
     async def apply(self, machine: GovernedMachine, operation_ids: Sequence[str]) -> list[OperationRecord]:
         """Apply each operation on its own, in the order given; each ends `applied` or `failed`.

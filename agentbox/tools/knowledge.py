@@ -32,12 +32,12 @@ SQLite file (WAL; a cache, rebuilt when its schema version changes or it is unre
 `refresh()` is a full incremental rescan by (mtime, size); `attach(hub)` adds a recursive
 watcher on the root and a background task that re-indexes changed files and drops removed ones
 as events arrive (a watcher overflow triggers a refresh), and every search first applies the
-events recorded so far. The `search` tool finds the index with `index_for(ctx.machine)`: one
-index per machine object, created on first use, attached to a watch hub of its own and
-refreshed before the first search. Its file is `index_path(machine)`: beside the workspace
-directory for an isolated (per-session) machine, `<session dir>/knowledge.sqlite`, never inside
-`/workspace`; under `$AGENTBOX_HOME/knowledge/` for a shared machine, whose root's parent is not
-ours to write. Whoever closes a machine calls `close_index(machine)`.
+events recorded so far. The `search` tool asks the machine's services for the index
+(`ctx.services.knowledge()`): one per machine, opened on first use on the machine's own watch
+hub and refreshed before the first search, closed with the services. Its file is
+`index_path(machine)`: beside the workspace directory for an isolated (per-session) machine,
+`<session dir>/knowledge.sqlite`, never inside `/workspace`; under `$AGENTBOX_HOME/knowledge/`
+for a shared machine, whose root's parent is not ours to write.
 """
 
 from __future__ import annotations
@@ -1060,68 +1060,29 @@ def _snippet_text(raw: str) -> str:
 
 # ---------------------------------------------------------------- one index per machine
 
-_INDEXES: dict[int, KnowledgeIndex] = {}
-_OPENING: dict[int, asyncio.Future[KnowledgeIndex]] = {}
-
 
 def index_path(machine: Any) -> Path:
-    """Where `index_for` keeps a machine's index: beside an isolated machine's workspace
-    directory (its session directory), else under `$AGENTBOX_HOME/knowledge/` by machine and root."""
-    if getattr(machine, "isolated", False):
+    """Where a machine's index lives: beside an isolated machine's workspace directory (its
+    session directory), else under `$AGENTBOX_HOME/knowledge/` by machine and root."""
+    if machine.isolated:
         return Path(machine.workspace).parent / INDEX_FILENAME
     digest = hashlib.sha256(str(machine.root).encode()).hexdigest()[:16]
     return default_home() / "knowledge" / f"{machine.name}-{digest}.sqlite"
 
 
-async def index_for(
-    machine: Any, *, hub: WatchHub | None = None, db_path: Path | None = None
-) -> KnowledgeIndex:
-    """The machine's index, opened on first use: attached to `hub` (or a hub of its own), then refreshed.
+async def open_index(machine: Any, hub: WatchHub, db_path: Path | None = None) -> KnowledgeIndex:
+    """A machine's index, following its changes through `hub`, refreshed; the caller closes it.
 
-    Keyed by the machine object (the index holds it, so the key cannot be reused while it lives).
-    Concurrent first calls share one opening.
+    One per machine: `agentbox.tools.services.MachineServices.knowledge` keeps it.
     """
-    key = id(machine)
-    index = _INDEXES.get(key)
-    if index is not None and not index.closed:
-        return index
-    opening = _OPENING.get(key)
-    if opening is not None:
-        return await asyncio.shield(opening)
-    future: asyncio.Future[KnowledgeIndex] = asyncio.get_running_loop().create_future()
-    _OPENING[key] = future
+    index = await asyncio.to_thread(KnowledgeIndex, db_path or index_path(machine), machine)
     try:
-        index = await asyncio.to_thread(KnowledgeIndex, db_path or index_path(machine), machine)
-        try:
-            await index.attach(hub or WatchHub(machine), own=hub is None)
-            await index.refresh()
-        except BaseException:
-            await index.close()
-            raise
-        _INDEXES[key] = index
-        future.set_result(index)
-        return index
-    except BaseException as exc:
-        if isinstance(exc, asyncio.CancelledError):
-            future.cancel()
-        else:
-            future.set_exception(exc)
-            future.exception()  # retrieved: concurrent waiters get it, nobody else needs to
-        raise
-    finally:
-        del _OPENING[key]
-
-
-async def close_index(machine: Any) -> None:
-    """Stop following a machine's changes and close its index file (call when the machine closes)."""
-    index = _INDEXES.pop(id(machine), None)
-    if index is not None:
+        await index.attach(hub)
+        await index.refresh()
+    except BaseException:
         await index.close()
-
-
-async def close_all_indexes() -> None:
-    for key in list(_INDEXES):
-        await _INDEXES.pop(key).close()
+        raise
+    return index
 
 
 # ---------------------------------------------------------------- the tool
@@ -1242,7 +1203,9 @@ async def run_search(ctx: ToolContext, params: SearchParams) -> ToolResult:
     try:
         filters, filter_notes = _filters(params, str(machine.root))
         fts_query(params.query)  # a query with nothing to search fails before the index is opened
-        index = await index_for(machine)
+        if ctx.services is None:
+            return ToolResult.error("Knowledge search needs a machine.")
+        index = await ctx.services.knowledge()
         outcome = await index.search(params.query, filters, limit)
     except SearchInputError as exc:
         return ToolResult.error(str(exc))

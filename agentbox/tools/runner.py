@@ -55,6 +55,7 @@ from agentbox.tools.base import (
 )
 from agentbox.tools.changes import Applied, ChangeSets, GovernedMachine, Refused, apply_operations, describe
 from agentbox.tools.fingerprint import fingerprint
+from agentbox.tools.services import MachineServices
 from agentbox.tools.tiers import Decision, Tier, decide, outside_root_write
 from agentbox.workspace.errors import WorkspaceError
 
@@ -119,6 +120,12 @@ class SessionTools:
     deliveries: int = 0
     delegate: Delegate | None = None
     """Runs a subagent for the `task` tool; None = no subagents in this session."""
+    services: MachineServices | None = None
+    """The machine's services (the system's, set with the machine); made here when not given."""
+
+    def __post_init__(self) -> None:
+        if self.services is None and self.machine is not None:
+            self.services = MachineServices.of(self.machine, self.session_id)
 
     # ------------------------------------------------------------ the turn loop's side
 

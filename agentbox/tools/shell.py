@@ -3,10 +3,10 @@
 Each call is a fresh non-interactive `/bin/sh -c` in its own process group, run by the
 layer-2 command engine (`workspace.commands.CommandManager`): it drains both pipes to the
 end whatever it keeps, kills the whole group on timeout or cancellation, and reaps what the
-command left behind when it ends. No shell state carries over between calls. A context
-that carries the machine's shared engine as `ctx.commands` (optional; the HTTP API's
-`CommandManager` of that sandbox) makes tool commands visible and stoppable there; otherwise
-each call uses a private one. Cancelling the call kills the command and re-raises.
+command left behind when it ends. No shell state carries over between calls. The engine is
+the machine's own (`ctx.services.commands`, the one `/v2/commands` lists), so an agent's
+commands are visible and stoppable there and bounded by its caps. Cancelling the call kills
+the command and re-raises.
 
 What the model gets back is text that keeps apart every way a command can end:
 
@@ -131,7 +131,7 @@ async def run_exec(ctx: ToolContext, params: ExecParams) -> ToolResult:
         if problem is not None:
             return ToolResult.error(problem)
     hidden = secret_names(machine_env(machine), ctx.config.exec_env_allow)
-    manager: CommandManager = getattr(ctx, "commands", None) or CommandManager(machine)
+    manager = ctx.services.commands if ctx.services is not None else CommandManager(machine)
     try:
         cmd = await manager.run(without_env(params.command, hidden), cwd=params.cwd, timeout=timeout)
     except WorkspaceError as exc:

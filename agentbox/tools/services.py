@@ -1,0 +1,91 @@
+"""What each machine has beside it for its whole life: one watch hub, one command manager, one
+editor history and (opened on first search) one knowledge index.
+
+The HTTP API, the turn loop's tools and MCP all reach a machine's services through the one
+`Services` table the composition root (`agentbox.system`) builds, so a command the agent runs
+with `bash` is a command of the machine's manager (listed by `/v2/commands`, bounded by its
+caps), and a watch or an index is never made twice for one machine. Entries are keyed by the
+machine object, which the registry keeps for a session across its sandbox's lifetimes; they
+go when the session is deleted (`forget`) or the system closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentbox.machines.base import Machine
+from agentbox.machines.registry import DEFAULT_SESSION, Registry
+from agentbox.tools.knowledge import KnowledgeIndex, open_index
+from agentbox.workspace.commands import CommandManager
+from agentbox.workspace.editor import Editor
+from agentbox.workspace.watch import WatchHub
+
+
+@dataclass
+class MachineServices:
+    """One machine and the services that live beside it."""
+
+    session_id: str
+    machine: Machine
+    watches: WatchHub
+    commands: CommandManager
+    editor: Editor
+    index_path: Path | None = None
+    """Where the knowledge index lives; None: beside the machine's workspace or in the home."""
+    _index: KnowledgeIndex | None = field(default=None, repr=False)
+    _opening: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    @classmethod
+    def of(
+        cls, machine: Machine, session_id: str = DEFAULT_SESSION, index_path: Path | None = None
+    ) -> MachineServices:
+        return cls(session_id, machine, WatchHub(machine), CommandManager(machine), Editor(), index_path)  # type: ignore[arg-type]
+
+    async def knowledge(self) -> KnowledgeIndex:
+        """The machine's knowledge index, opened (attached to this watch hub, refreshed) on first use."""
+        async with self._opening:
+            if self._index is None or self._index.closed:
+                self._index = await open_index(self.machine, self.watches, self.index_path)
+            return self._index
+
+    async def close(self) -> None:
+        if self._index is not None:
+            await self._index.close()
+            self._index = None
+        await self.watches.close()
+        await self.commands.close()
+
+
+class Services:
+    """Every open machine's services, for one running system."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._by_machine: dict[int, MachineServices] = {}
+
+    async def get(self, session_id: str | None = None, machine: str | None = None) -> MachineServices:
+        """The services of the session's machine (the default one unless named), opening it."""
+        sid = session_id or DEFAULT_SESSION  # the registry refuses an id that is not one
+        opened = await self.registry.open(sid, machine)
+        return self.of(opened, sid)
+
+    def of(self, machine: Machine, session_id: str = DEFAULT_SESSION) -> MachineServices:
+        """The services of a machine that is already open."""
+        services = self._by_machine.get(id(machine))
+        if services is None or services.machine is not machine:
+            services = MachineServices.of(machine, session_id)
+            self._by_machine[id(machine)] = services
+        return services
+
+    async def forget(self, session_id: str) -> None:
+        for key, services in list(self._by_machine.items()):
+            if services.session_id == session_id:
+                del self._by_machine[key]
+                await services.close()
+
+    async def close(self) -> None:
+        services, self._by_machine = list(self._by_machine.values()), {}
+        for s in services:
+            await s.close()

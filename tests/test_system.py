@@ -1,0 +1,79 @@
+"""One running system: what one surface does (the turn loop, MCP, the API), the others see."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+from test_mcp import http_session, text_of
+
+from agentbox.mcp import DATA_META_KEY
+from tests.conftest import Server, start_server, stop_server
+
+#: Seconds a turn or a server step may take on a loaded machine.
+DEADLINE = 60.0
+
+
+async def until(check: object, what: str) -> object:
+    deadline = asyncio.get_running_loop().time() + DEADLINE
+    while not (found := await check()):  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.05)
+    return found
+
+
+async def test_an_agents_commands_are_the_machines_commands(server: Server) -> None:
+    """The `bash` tool runs on the machine's own command manager: `/v2/commands` lists it."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as client:
+        script = [
+            {"tool_calls": [{"name": "bash", "input": {"command": "echo from-the-agent; sleep 2"}}]},
+            {"text": "Done."},
+        ]
+        created = await client.post("/v1/sessions", json={"model": "scripted", "script": script})
+        sid = created.json()["id"]
+        assert (await client.post(f"/v1/sessions/{sid}/messages", json={"content": "go"})).status_code == 202
+
+        async def listed() -> list[dict[str, object]]:
+            r = await client.get(f"/sandboxes/{sid}/v2/commands")
+            return [c for c in r.json()["data"]["commands"] if "from-the-agent" in str(c["command"])]
+
+        commands = await until(listed, "the agent's command never showed in /v2/commands")
+        assert commands[0]["status"] in ("running", "completed")  # type: ignore[index]
+        command_id = commands[0]["command_id"]  # type: ignore[index]
+        done = await client.get(f"/sandboxes/{sid}/v2/commands/{command_id}", params={"wait": DEADLINE})
+        assert "from-the-agent" in done.json()["data"]["stdout"]
+
+
+async def test_a_change_set_staged_over_mcp_is_reviewed_through_the_sessions_api(
+    sandbox_tmp: Path,
+) -> None:
+    """Staged by an MCP client on a machine that asks (the host, full-ask), applied over HTTP."""
+    home = sandbox_tmp / "home"
+    root = sandbox_tmp / "host-root"
+    root.mkdir()
+    home.mkdir()
+    config = sandbox_tmp / "agentbox.toml"
+    config.write_text(f'default_machine = "host"\n[machines.host]\nkind = "local"\nroot = "{root}"\n')
+    server = start_server(home, {"AGENTBOX_CONFIG": str(config)})
+    sid = "mcp-review"
+    try:
+        async with http_session(server.url + "/mcp", {"X-Agentbox-Session": sid}) as session:
+            result = await session.call_tool("write_file", {"path": str(root / "new.txt"), "content": "x\n"})
+            assert not result.is_error and "Staged" in text_of(result), text_of(result)
+            assert result.meta is not None
+            change_set_id = result.meta[DATA_META_KEY]["change_set_id"]
+        assert not (root / "new.txt").exists()
+        async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as client:
+            listed = await client.get(f"/v1/sessions/{sid}/changes")
+            assert listed.status_code == 200, listed.text
+            assert [s["id"] for s in listed.json()["items"]] == [change_set_id]
+            shown = await client.get(f"/v1/sessions/{sid}/changes/{change_set_id}")
+            assert shown.status_code == 200 and "+x" in shown.text
+            applied = await client.post(f"/v1/sessions/{sid}/changes/{change_set_id}/apply", json={})
+            assert applied.status_code == 200, applied.text
+            assert (root / "new.txt").read_text() == "x\n"
+            unknown = await client.get("/v1/sessions/never-used/changes")
+            assert unknown.status_code == 404
+    finally:
+        stop_server(server)
