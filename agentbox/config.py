@@ -78,8 +78,9 @@ DEFAULT_PURGE_DAYS = 30.0
 #: Permission level a caller needs for a machine, by kind (seed 004: local 2, others 4).
 DEFAULT_LEVELS = {"local": 2}
 DEFAULT_LEVEL = 4
-#: Machine kinds that are not isolated from the host (or from each other's sessions): the
-#: model's commands run with the server's rights there.
+#: Machine kinds shared by every session and not isolated from the host (or from each other's
+#: sessions): the model's commands run with the server's rights there. Every other kind of
+#: `agentbox.machines.kinds.KINDS` is one machine per session.
 HOST_KINDS = frozenset({"local", "ssh"})
 SECRET_FIELDS = {"password", "private_key", "token", "api_key", "passphrase"}
 #: Live sandboxes one server runs at once when the config names no `max_sandboxes`.
@@ -167,7 +168,8 @@ class MachineConfig:
 
     @property
     def per_session(self) -> bool:
-        return self.kind not in ("local", "ssh")
+        """One machine per session (isolated, suspendable), or one shared by every session."""
+        return self.kind not in HOST_KINDS
 
 
 @dataclass

@@ -207,7 +207,7 @@ def open_world(tool: Tool, machine: Any) -> bool:
     if tool.action in OPEN_WORLD_ACTIONS:
         return True
     if tool.action == Action.EXEC:
-        return not machine.isolated or bool(getattr(machine, "network_on", True))
+        return not machine.isolated or machine.network_on
     return False
 
 

@@ -16,7 +16,7 @@ import contextlib
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 OS = Literal["linux", "darwin", "windows"]
 
@@ -100,11 +100,22 @@ class Process(Protocol):
 
 @runtime_checkable
 class Machine(Protocol):
+    """What every layer above `machines/` stands on: commands, files, and the facts the prompt
+    and the tools need. A kind whose files the server reaches directly also has the
+    `HostFiles` capability (`hostfs.py`); one that lives per session has a `Lifetime`."""
+
     name: str
     kind: str
     isolated: bool
+    """A boundary of its own (a sandbox, a container), not the host or a shared machine."""
     os: OS
     root: str
+    network_on: bool
+    """Whether commands on it reach the network (the tools' open-world hint, `web_fetch`'s reach)."""
+
+    def command_env(self, request: ExecRequest) -> dict[str, str]:
+        """The environment a command of `request` gets: the machine's own, then the request's."""
+        ...
 
     async def exec(self, request: ExecRequest) -> ExecResult: ...
 
@@ -127,6 +138,36 @@ class Machine(Protocol):
     async def chown(self, path: str, user: str) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Lifetime(Protocol):
+    """A machine that lives per session and can be suspended when idle and started again.
+
+    The registry counts the running ones against the server's caps, stops idle ones
+    (`stop`: a sandbox's processes and layer go, its workspace stays) and records each
+    lifetime in the session's marker (`instance_id`, `marker()`), so a restarted server
+    finds it again.
+    """
+
+    state: str
+    """"running" or "stopped"."""
+    last_used: float
+    """When it last ran or finished a command (monotonic seconds)."""
+    instance_id: str
+    """What names this machine's instance for good (a sandbox id, a container id)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def busy(self) -> bool:
+        """A command (or a process it left) is running: not idle, whatever `last_used` says."""
+        ...
+
+    def marker(self) -> dict[str, Any]:
+        """What the session's marker records about this lifetime."""
+        ...
 
 
 Listener = Callable[[str, str], None]

@@ -69,15 +69,18 @@ class LocalMachine(HostFiles):
         self.owner = None
         self.users = {}
 
-    def base_env(self) -> dict[str, str]:
-        return {"PATH": BASE_PATH, "HOME": os.environ.get("HOME", "/"), "LANG": "C.UTF-8", **self.env}
+    network_on = True
+
+    def command_env(self, request: ExecRequest) -> dict[str, str]:
+        base = {"PATH": BASE_PATH, "HOME": os.environ.get("HOME", "/"), "LANG": "C.UTF-8"}
+        return {**base, **self.env, **request.env}
 
     async def spawn(self, request: ExecRequest) -> HostProcess:
         cwd = self.view.absolute(request.cwd or self.root)
         proc = await asyncio.create_subprocess_exec(
             *request.args(),
             cwd=cwd,
-            env={**self.base_env(), **request.env},
+            env=self.command_env(request),
             stdin=asyncio.subprocess.PIPE
             if request.stdin is not None or request.interactive
             else asyncio.subprocess.DEVNULL,

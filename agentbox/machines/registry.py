@@ -45,13 +45,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from agentbox.config import SECRET_FIELDS, MachineConfig, Settings
 from agentbox.ids import SESSION_ID_RULE, is_session_id, new_id
 from agentbox.machines import disk
-from agentbox.machines.base import Machine
-from agentbox.machines.cgroups import Limits
+from agentbox.machines.base import Lifetime, Machine
 from agentbox.machines.errors import (
     CapacityExceeded,
     MachineDenied,
@@ -59,16 +58,8 @@ from agentbox.machines.errors import (
     MachineUnavailable,
     PathEscape,
 )
-from agentbox.machines.images import DEFAULT_IMAGE
-from agentbox.machines.local import LocalMachine
-from agentbox.machines.sandbox import (
-    DEFAULT_HOME_MB,
-    DEFAULT_TMP_MB,
-    SandboxConfig,
-    SandboxHost,
-    SandboxMachine,
-    release_orphans,
-)
+from agentbox.machines.kinds import KINDS, Build, Kind, memory_mb
+from agentbox.machines.sandbox import SandboxHost, release_orphans
 from agentbox.secrets import SecretBox, redact
 
 #: Seconds between janitor sweeps (idle reclaim and workspace purge).
@@ -88,8 +79,6 @@ log = logging.getLogger(__name__)
 PRESSURE_IDLE_SECONDS = 60.0
 #: Retry-After (seconds) of a refusal at the cap when every live sandbox is busy.
 BUSY_RETRY_SECONDS = 30
-#: A sandbox's memory limit when its entry names none, in MiB.
-DEFAULT_MEMORY_MB = 2048
 
 EnvProvider = Callable[[str, str | None], dict[str, str]]
 
@@ -128,7 +117,8 @@ class Registry:
         self._entries: dict[tuple[str, str | None], Entry] = {}
         self._opening: dict[tuple[str, str | None], asyncio.Future[Entry]] = {}
         self._locks: dict[tuple[str, str | None], asyncio.Lock] = {}
-        self._host: SandboxHost | None = None
+        self._shared: dict[str, Any] = {}
+        """Each kind's shared object (`Kind.shared`), made at its first machine."""
         self._starting: dict[tuple[str, str | None], int] = {}
         """Sandboxes being started or resumed, with their memory limit (MiB): they count already."""
         self._attached: set[str] = set()
@@ -143,11 +133,24 @@ class Registry:
 
     @property
     def sandbox_host(self) -> SandboxHost:
-        if self._host is None:
-            self._host = SandboxHost(
-                self.settings.home, uid=self.settings.sandbox_uid, images=self.settings.images
+        """The sandbox kind's shared host (its uid owns the workspace images)."""
+        return cast(SandboxHost, self.shared(KINDS["sandbox"]))
+
+    def shared(self, kind: Kind) -> Any:
+        if kind.shared is None:
+            return None
+        if kind.name not in self._shared:
+            self._shared[kind.name] = kind.shared(self.settings)
+        return self._shared[kind.name]
+
+    def kind(self, config: MachineConfig) -> Kind:
+        kind = KINDS.get(config.kind)
+        if kind is None:
+            raise MachineNotFound(
+                f"machine {config.name!r} has kind {config.kind!r}, which this build does not have "
+                f"(kinds: {', '.join(KINDS)})"
             )
-        return self._host
+        return kind
 
     def config(self, name: str | None) -> MachineConfig:
         name = name or self.settings.default_machine
@@ -246,9 +249,9 @@ class Registry:
 
     async def _create(self, config: MachineConfig, session_id: str | None) -> Entry:
         config = MachineConfig(config.name, config.kind, self.secrets(config), config.level, config.env)
-        sandbox_id = await self._recovered_id(session_id, config.name) if session_id else None
-        machine = self._machine(config, session_id, sandbox_id or new_id("sbx"))
-        if isinstance(machine, SandboxMachine):
+        instance_id = await self._recovered_id(session_id, config.name) if session_id else None
+        machine = self._machine(config, session_id, instance_id or new_id("sbx"))
+        if isinstance(machine, Lifetime):
             assert session_id is not None
             await asyncio.to_thread(self._attach, config, session_id)
             await machine.start()
@@ -256,27 +259,18 @@ class Registry:
             return Entry(machine, config, session_id)
         return Entry(machine, config, None)
 
-    def _machine(self, config: MachineConfig, session_id: str | None, sandbox_id: str) -> Machine:
-        """The machine object for `config` (not started)."""
-        env = self._env(config, session_id)
-        if config.kind == "local":
-            root = Path(config.options.get("root") or self.settings.home / "local")
-            return LocalMachine(config.name, root, env)
-        if config.kind != "sandbox":
-            raise MachineNotFound(f"machine kind {config.kind!r} is not available in this build")
-        assert session_id is not None
-        return SandboxMachine(
-            config.name,
-            sandbox_id,
-            self.sandbox_host,
-            sandbox_config(config, env),
-            self._workspace(session_id),
-            self.session_dir(session_id) / "run" / config.name,
-        )
+    def _machine(self, config: MachineConfig, session_id: str | None, instance_id: str) -> Machine:
+        """The machine object for `config` (not started), built by its kind's row."""
+        kind = self.kind(config)
+        build = Build(
+            config, self.settings, self._env(config, session_id), self.shared(kind), session_id, instance_id,
+            self.session_dir(session_id) if config.per_session and session_id is not None else None,
+        )  # fmt: skip
+        return kind.make(build)
 
     async def _resume(self, entry: Entry) -> Entry:
         machine = entry.machine
-        if isinstance(machine, SandboxMachine):
+        if isinstance(machine, Lifetime):
             assert entry.session_id is not None
             await asyncio.to_thread(self._attach, entry.config, entry.session_id)
             await machine.start()
@@ -289,8 +283,8 @@ class Registry:
 
     @contextlib.asynccontextmanager
     async def _room(self, config: MachineConfig, key: tuple[str, str | None]) -> AsyncIterator[None]:
-        """Hold a place under the server's caps for a sandbox while it starts (or refuse one)."""
-        if config.kind != "sandbox":
+        """Hold a place under the server's caps for a per-session machine while it starts (or refuse one)."""
+        if not config.per_session:
             yield
             return
         memory = memory_mb(config)
@@ -307,11 +301,11 @@ class Registry:
         finally:
             del self._starting[key]
 
-    def _running(self) -> list[tuple[Entry, SandboxMachine]]:
+    def _running(self) -> list[tuple[Entry, Lifetime]]:
         return [
             (e, e.machine)
             for e in self._entries.values()
-            if isinstance(e.machine, SandboxMachine) and e.state == "running"
+            if isinstance(e.machine, Lifetime) and e.state == "running"
         ]
 
     def _live(self) -> dict[tuple[str, str | None], int]:
@@ -356,7 +350,7 @@ class Registry:
     def _attach(self, config: MachineConfig, session_id: str) -> None:
         """Mount the session's workspace image (made on first use) when it has a budget."""
         size = int(config.options.get("disk_mb", disk.DEFAULT_DISK_MB) or 0)
-        if size <= 0:
+        if size <= 0 or not self.kind(config).workspace_disk:
             return
         if not disk.available():
             if not self._warned_disk:
@@ -379,12 +373,11 @@ class Registry:
             env.update(provider(config.name, session_id))
         return env
 
-    async def _mark(self, session_id: str, config: MachineConfig, machine: SandboxMachine) -> None:
+    async def _mark(self, session_id: str, config: MachineConfig, machine: Lifetime) -> None:
         if self.markers is not None:
             await self.markers.append(
-                session_id, config.name, config.kind, machine.sandbox_id,
-                {"hostname": machine.hostname, "started_at": machine.started_at},
-            )  # fmt: skip
+                session_id, config.name, config.kind, machine.instance_id, machine.marker()
+            )
 
     async def _recovered_id(self, session_id: str, name: str) -> str | None:
         if self.markers is None:
@@ -418,7 +411,7 @@ class Registry:
 
     async def suspend(self, entry: Entry) -> None:
         async with self._lock((entry.config.name, entry.session_id)):
-            if isinstance(entry.machine, SandboxMachine) and entry.state == "running":
+            if isinstance(entry.machine, Lifetime) and entry.state == "running":
                 entry.state = "suspended"
                 await entry.machine.stop()
 
@@ -458,7 +451,7 @@ class Registry:
         idle = self.settings.idle_minutes * 60
         for entry in self.entries():
             m = entry.machine
-            if not isinstance(m, SandboxMachine) or entry.state != "running":
+            if not isinstance(m, Lifetime) or entry.state != "running":
                 continue
             if not m.busy() and now - m.last_used > idle:
                 await self.suspend(entry)
@@ -504,11 +497,6 @@ class Registry:
             self._detach(session_id)
 
 
-def memory_mb(config: MachineConfig) -> int:
-    """The memory limit of this entry's sandboxes, in MiB (0: none)."""
-    return int(config.options.get("memory_mb", DEFAULT_MEMORY_MB) or 0)
-
-
 def checked_session(session_id: str) -> str:
     """`session_id` if it may name a session directory (`ids.is_session_id`), else `PathEscape`.
 
@@ -518,24 +506,3 @@ def checked_session(session_id: str) -> str:
     if not is_session_id(session_id):
         raise PathEscape(f"invalid session id {session_id!r}: {SESSION_ID_RULE}", path=str(session_id))
     return session_id
-
-
-def sandbox_config(config: MachineConfig, env: dict[str, str]) -> SandboxConfig:
-    o = config.options
-    network = o.get("network", "on")
-    memory = memory_mb(config)
-    return SandboxConfig(
-        network=network is True or str(network).lower() in ("on", "true", "1"),
-        limits=Limits(
-            memory_bytes=memory * 1024 * 1024 if memory else None,
-            pids=int(o["pids"]) if o.get("pids") else Limits().pids,
-            cpus=float(o["cpus"]) if o.get("cpus") else Limits().cpus,
-        ),
-        system_layer=bool(o.get("system_layer", True)),
-        env=env,
-        tmp_mb=int(o.get("tmp_mb", DEFAULT_TMP_MB)),
-        home_mb=int(o.get("home_mb", DEFAULT_HOME_MB)),
-        # Named: it must be there. Unnamed: `base` when built, else the host's /usr. "": the host's.
-        image=str(o["image"]) or None if "image" in o else DEFAULT_IMAGE,
-        image_required="image" in o and bool(o["image"]),
-    )

@@ -1151,6 +1151,13 @@ class SandboxMachine(HostFiles):
         self.last_used = time.monotonic()
         return result
 
+    @property
+    def instance_id(self) -> str:
+        return self.sandbox_id
+
+    def marker(self) -> dict[str, Any]:
+        return {"hostname": self.hostname, "started_at": self.started_at}
+
     def busy(self) -> bool:
         """A running command (or a process it left behind) keeps the sandbox alive."""
         if self.running > 0:

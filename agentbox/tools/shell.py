@@ -156,18 +156,8 @@ async def _cwd_problem(machine: Any, cwd: str) -> str | None:
 
 
 def machine_env(machine: Any) -> dict[str, str]:
-    """The variables a machine itself gives every command (its base and its env providers).
-
-    Not part of the `Machine` protocol yet: the sandbox kind answers `command_env`, the local
-    kind `base_env`; other kinds inject nothing we know of.
-    """
-    command_env = getattr(machine, "command_env", None)
-    if callable(command_env):
-        return dict(command_env(ExecRequest()))
-    base_env = getattr(machine, "base_env", None)
-    if callable(base_env):
-        return dict(base_env())
-    return {}
+    """The variables a machine itself gives every command (its base and its env providers)."""
+    return dict(machine.command_env(ExecRequest()))
 
 
 def secret_names(env: Mapping[str, str], allow: Iterable[str] = ()) -> list[str]:

@@ -1,0 +1,116 @@
+"""The table of machine kinds: what `kind = "..."` in a `[machines.<name>]` entry builds.
+
+A kind is one module plus one row here. The registry knows nothing of any kind: it calls the
+row's `make` to build one. A kind is shared by every session when `config.HOST_KINDS` names
+it; otherwise each session gets its own machine, counted against the server's caps,
+suspended when idle and recorded in the session's marker through the `Lifetime` protocol.
+A kind that needs something shared by all its machines (the sandbox kind's `SandboxHost`:
+bwrap, the sandbox uid, cgroups) names a `shared` factory, made once per registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentbox.config import MachineConfig, Settings
+from agentbox.machines.base import Machine
+from agentbox.machines.cgroups import Limits
+from agentbox.machines.images import DEFAULT_IMAGE
+from agentbox.machines.local import LocalMachine
+from agentbox.machines.sandbox import (
+    DEFAULT_HOME_MB,
+    DEFAULT_TMP_MB,
+    SandboxConfig,
+    SandboxHost,
+    SandboxMachine,
+)
+
+#: A sandbox's memory limit when its entry names none, in MiB.
+DEFAULT_MEMORY_MB = 2048
+
+
+@dataclass(frozen=True)
+class Build:
+    """What the registry hands a kind to make one machine."""
+
+    config: MachineConfig
+    """The entry, its secrets decrypted."""
+    settings: Settings
+    env: dict[str, str]
+    """The entry's `env` and what the env providers add for this session."""
+    shared: Any
+    """The kind's shared object (`Kind.shared`), or None."""
+    session_id: str | None = None
+    """The session a per-session machine is for; None for a shared machine."""
+    instance_id: str = ""
+    """The id this lifetime keeps (a recovered one after a restart)."""
+    session_dir: Path | None = None
+    """The session's directory: `workspace/` (persistent) and `run/<machine>/` (per lifetime)."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    make: Callable[[Build], Machine]
+    shared: Callable[[Settings], Any] | None = None
+    """Made once per registry and handed to every `make` of the kind."""
+    workspace_disk: bool = False
+    """The session's workspace is an ext4 image of `disk_mb` (mounted before each start)."""
+
+
+def memory_mb(config: MachineConfig) -> int:
+    """The memory limit of this entry's machines, in MiB (0: none)."""
+    return int(config.options.get("memory_mb", DEFAULT_MEMORY_MB) or 0)
+
+
+def sandbox_config(config: MachineConfig, env: dict[str, str]) -> SandboxConfig:
+    o = config.options
+    memory = memory_mb(config)
+    return SandboxConfig(
+        network=config.network_on,
+        limits=Limits(
+            memory_bytes=memory * 1024 * 1024 if memory else None,
+            pids=int(o["pids"]) if o.get("pids") else Limits().pids,
+            cpus=float(o["cpus"]) if o.get("cpus") else Limits().cpus,
+        ),
+        system_layer=bool(o.get("system_layer", True)),
+        env=env,
+        tmp_mb=int(o.get("tmp_mb", DEFAULT_TMP_MB)),
+        home_mb=int(o.get("home_mb", DEFAULT_HOME_MB)),
+        # Named: it must be there. Unnamed: `base` when built, else the host's /usr. "": the host's.
+        image=str(o["image"]) or None if "image" in o else DEFAULT_IMAGE,
+        image_required="image" in o and bool(o["image"]),
+    )
+
+
+def make_sandbox(build: Build) -> SandboxMachine:
+    assert build.session_dir is not None
+    return SandboxMachine(
+        build.config.name,
+        build.instance_id,
+        build.shared,
+        sandbox_config(build.config, build.env),
+        build.session_dir / "workspace",
+        build.session_dir / "run" / build.config.name,
+    )
+
+
+def make_local(build: Build) -> LocalMachine:
+    root = Path(build.config.options.get("root") or build.settings.home / "local")
+    return LocalMachine(build.config.name, root, build.env)
+
+
+def sandbox_host(settings: Settings) -> SandboxHost:
+    return SandboxHost(settings.home, uid=settings.sandbox_uid, images=settings.images)
+
+
+KINDS: dict[str, Kind] = {
+    kind.name: kind
+    for kind in (
+        Kind("sandbox", make_sandbox, shared=sandbox_host, workspace_disk=True),
+        Kind("local", make_local),
+    )
+}
