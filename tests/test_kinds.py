@@ -18,7 +18,7 @@ def settings_with(home: Path, **machines: MachineConfig) -> Settings:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_every_kind_builds_a_machine_of_the_interface(kind: str, sandbox_tmp: Path) -> None:
+async def test_every_kind_builds_a_machine_of_the_interface(kind: str, sandbox_tmp: Path) -> None:
     options = {"root": str(sandbox_tmp / "root")} if kind in HOST_KINDS else {}
     config = MachineConfig("m", kind, options, env={"FROM_CONFIG": "1"})
     registry = Registry(settings_with(sandbox_tmp / "home", m=config))
@@ -32,7 +32,7 @@ def test_every_kind_builds_a_machine_of_the_interface(kind: str, sandbox_tmp: Pa
     assert isinstance(machine.network_on, bool)
 
 
-def test_a_kind_that_does_not_exist_is_a_clear_error(tmp_path: Path) -> None:
+async def test_a_kind_that_does_not_exist_is_a_clear_error(tmp_path: Path) -> None:
     registry = Registry(settings_with(tmp_path, odd=MachineConfig("odd", "nosuchkind")))
     with pytest.raises(MachineNotFound, match=r"kind 'nosuchkind'.*kinds: sandbox, local"):
         registry.view("ses_kinds", "odd")

@@ -77,3 +77,33 @@ async def test_a_change_set_staged_over_mcp_is_reviewed_through_the_sessions_api
             assert unknown.status_code == 404
     finally:
         stop_server(server)
+
+
+async def test_a_sessions_sandbox_routes_act_on_its_own_machine(sandbox_tmp: Path) -> None:
+    home, root = sandbox_tmp / "home", sandbox_tmp / "host-root"
+    home.mkdir()
+    root.mkdir()
+    config = sandbox_tmp / "agentbox.toml"
+    config.write_text(f'delegable = ["sandbox", "host"]\n[machines.host]\nkind = "local"\nroot = "{root}"\n')
+    server = start_server(home, {"AGENTBOX_CONFIG": str(config)})
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as client:
+            on_host = (
+                await client.post("/v1/sessions", json={"model": "scripted", "machine": "host"})
+            ).json()["id"]
+            described = (await client.get(f"/sandboxes/{on_host}/v2/sandbox")).json()["data"]
+            assert described["machine"]["kind"] == "local" and described["machine"]["name"] == "host"
+            written = await client.post(
+                f"/sandboxes/{on_host}/v1/file/write", json={"file": f"{root}/via-api.txt", "content": "hi"}
+            )
+            assert written.status_code == 200, written.text
+            assert (root / "via-api.txt").read_text() == "hi"
+            bare = (await client.post("/v1/sessions", json={"model": "scripted", "machine": "none"})).json()[
+                "id"
+            ]
+            refused = await client.get(f"/sandboxes/{bare}/v2/sandbox")
+            assert refused.status_code == 404 and "without a machine" in refused.text
+            other = (await client.get("/sandboxes/not-a-session/v2/sandbox")).json()["data"]
+            assert other["machine"]["kind"] == "sandbox"  # an id with no session: the default machine
+    finally:
+        stop_server(server)

@@ -47,6 +47,9 @@ STATUS_BY_TYPE = {
     "decode_error": 422,
     "no_space_left": 507,
     "capacity_exceeded": 503,
+    "machine_not_found": 404,
+    "machine_denied": 403,
+    "machine_unavailable": 503,
     "io_error": 500,
 }
 #: Bytes of JSON body a route reads before refusing it (uploads and tar bodies stream instead).

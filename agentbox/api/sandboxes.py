@@ -13,7 +13,9 @@ from typing import Annotated, cast
 
 from fastapi import Depends, Request
 
-from agentbox.machines.errors import MachineError
+from agentbox.agent.worker import NO_MACHINE
+from agentbox.machines.errors import MachineError, MachineNotFound
+from agentbox.store.sessions import SessionNotFound
 from agentbox.system import System
 from agentbox.tools.services import MachineServices
 
@@ -22,9 +24,29 @@ Sandbox = MachineServices
 
 
 async def current(request: Request) -> Sandbox:
-    """FastAPI dependency: the machine named by the route's prefix (or the default session's)."""
+    """FastAPI dependency: the machine of the session the route's prefix names (the default
+    session's without one). A session of the sessions API acts on the machine it was created
+    with; any other id, on the default machine."""
     system = cast(System, request.app.state.system)
-    return await system.services.get(request.path_params.get("session_id"))
+    session_id = request.path_params.get("session_id")
+    return await system.services.get(session_id, await session_machine(system, session_id))
+
+
+async def session_machine(system: System, session_id: str | None) -> str | None:
+    """The machine a sessions-API session runs on; None (the default) for an id with no session."""
+    if session_id is None:
+        return None
+    known = system.services.routes.get(session_id)
+    if known is not None:
+        return known or None
+    try:
+        machine = (await system.store.get_session(session_id)).machine or ""
+    except SessionNotFound:
+        return None  # nothing to remember: a session made later under this id gets its own machine
+    system.services.remember(session_id, machine)
+    if machine == NO_MACHINE:
+        raise MachineNotFound(f"session {session_id} was created without a machine")
+    return machine or None
 
 
 #: A route parameter that receives the current sandbox: `sandbox: CurrentSandbox`.

@@ -22,6 +22,9 @@ from agentbox.workspace.commands import CommandManager
 from agentbox.workspace.editor import Editor
 from agentbox.workspace.watch import WatchHub
 
+#: Sessions whose machine `Services.routes` remembers at most (then it starts over).
+MAX_ROUTES = 4096
+
 
 @dataclass
 class MachineServices:
@@ -64,6 +67,13 @@ class Services:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self._by_machine: dict[int, MachineServices] = {}
+        self.routes: dict[str, str] = {}
+        """Session id -> the machine its requests act on ("" = the default), as looked up once."""
+
+    def remember(self, session_id: str, machine: str) -> None:
+        if len(self.routes) >= MAX_ROUTES:
+            self.routes.clear()  # a cache: looked up again when needed
+        self.routes[session_id] = machine
 
     async def get(self, session_id: str | None = None, machine: str | None = None) -> MachineServices:
         """The services of the session's machine (the default one unless named), opening it."""
@@ -80,6 +90,7 @@ class Services:
         return services
 
     async def forget(self, session_id: str) -> None:
+        self.routes.pop(session_id, None)
         for key, services in list(self._by_machine.items()):
             if services.session_id == session_id:
                 del self._by_machine[key]

@@ -11,6 +11,9 @@
     ├── decode_error          bytes that are not text in the requested encoding
     ├── bad_request           well-formed but unusable input (`old_str not found in file`)
     ├── capacity_exceeded     the server runs all the sandboxes it may (503; `retry_after`)
+    ├── machine_not_found     no machine of that name or kind, or a session without one (404)
+    ├── machine_denied        the caller's level or the allow-list refuses the machine (403)
+    ├── machine_unavailable   the machine could not start or its transport broke (503, retryable)
     └── io_error              anything else the OS reports; retryable when transient
 
 The fields are exactly the `data` object of the AIO error envelope; `retry_after` (seconds,
@@ -28,10 +31,20 @@ from dataclasses import dataclass
 
 from agentbox.machines.errors import (
     CapacityExceeded,
+    MachineDenied,
     MachineError,
+    MachineNotFound,
+    MachineUnavailable,
     OwnerUnsupported,
     PathEscape,
     PermissionRequired,
+)
+
+#: How the machine errors read in the envelope: (family, error_type, retryable).
+MACHINE_ERRORS: tuple[tuple[type[MachineError], str, bool], ...] = (
+    (MachineNotFound, "machine_not_found", False),
+    (MachineDenied, "machine_denied", False),
+    (MachineUnavailable, "machine_unavailable", True),
 )
 
 ERRNO_TYPES: dict[int, str] = {
@@ -141,6 +154,12 @@ def translate(exc: BaseException, operation: str, path: str | None) -> Workspace
             "capacity_exceeded", failed(operation, exc.message), operation, path,
             exception_type="CapacityExceeded", retryable=True, retry_after=exc.retry_after,
         )  # fmt: skip
+    for family, error_type, retryable in MACHINE_ERRORS:
+        if isinstance(exc, family):
+            return WorkspaceError(
+                error_type, failed(operation, exc.message), operation, path,
+                exception_type=type(exc).__name__, retryable=retryable,
+            )  # fmt: skip
     if isinstance(exc, MachineError):
         return WorkspaceError(
             "io_error",
