@@ -519,8 +519,11 @@ class DockerMachine(HostFiles):
             await self.engine.wait_exit(self.container_id)
 
     async def _boot(self, container_id: str) -> None:
-        """Start the container and take its agent's connection, then its `R`."""
         await self.engine.start(container_id)
+        await self._connect(container_id)
+
+    async def _connect(self, container_id: str) -> None:
+        """Take the started container's agent's connection (or its early end), then its `R`."""
         assert self._listener is not None
         accept = asyncio.ensure_future(self.loop.sock_accept(self._listener))
         exited = asyncio.ensure_future(self.engine.wait_exit(container_id))
