@@ -133,6 +133,37 @@ async def test_the_agent_socket_is_gone_once_the_agent_holds_it(make_docker: Doc
     assert result.stdout == b"FileNotFoundError\n", result
 
 
+async def test_a_process_left_behind_keeps_the_machine_busy(make_docker: DockerFactory) -> None:
+    m = await make_docker()
+    assert not m.busy()
+    await sh(m, "(setsid sleep 300 >/dev/null 2>&1 &)")  # the command ends, its orphan stays
+    assert m.running == 0 and m.busy()
+    deadline = time.monotonic() + SANDBOX_DEADLINE
+    while m.busy():  # once killed, the agent, as pid 1, reaps the orphan
+        assert time.monotonic() < deadline, "the orphan still counts after it was killed"
+        await sh(m, "pkill -x sleep")  # again: the first may come before setsid has exec'd sleep
+        await asyncio.sleep(0.05)
+
+
+async def test_the_machine_protocol_and_what_it_reports(make_docker: DockerFactory) -> None:
+    m = await make_docker(memory_mb=256, pids=100)
+    assert isinstance(m, Machine)
+    assert (m.kind, m.isolated, m.root, m.state, m.network_on) == (
+        "docker",
+        True,
+        "/workspace",
+        "running",
+        False,
+    )
+    report = m.capabilities()
+    assert report["container_id"] == m.container_id and report["network"] == "off"
+    assert report["resource_limits"] == {"memory_mb": 256, "pids": 100, "cpus": 1.0}
+    assert {"image", "image_detail", "system_layer", "system_layer_kind", "privileges"} <= set(report)
+    assert m.command_env(ExecRequest(env={"X": "1"}))["X"] == "1"
+    rg = await m.exec(ExecRequest(argv=(m.ripgrep, "--version")))
+    assert rg.exit_code == 0 and rg.stdout.startswith(b"ripgrep")  # searches run it inside
+
+
 # ------------------------------------------------------------------------ files
 
 
