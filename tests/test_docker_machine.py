@@ -157,6 +157,7 @@ async def test_the_machine_protocol_and_what_it_reports(make_docker: DockerFacto
     )
     report = m.capabilities()
     assert report["container_id"] == m.container_id and report["network"] == "off"
+    assert str(m.image_reference) in report["image_detail"]
     assert report["resource_limits"] == {"memory_mb": 256, "pids": 100, "cpus": 1.0}
     assert {"image", "image_detail", "system_layer", "system_layer_kind", "privileges"} <= set(report)
     assert m.command_env(ExecRequest(env={"X": "1"}))["X"] == "1"
@@ -453,6 +454,8 @@ def test_options_refuse_unknown_keys_and_root() -> None:
         DockerOptions.from_options({"user": "0:0"})
     with pytest.raises(ValueError, match="memory_mb"):
         DockerOptions.from_options({"memory_mb": -1})
+    with pytest.raises(ValueError, match="docker_host"):
+        DockerOptions.from_options({"docker_host": "/var/run/docker.sock"})
     options = DockerOptions.from_options({"network": "on", "memory_mb": "512", "user": "1234", "disk_mb": 10})
     assert (options.network, options.memory_mb, options.uid_gid(None)) == (True, 512, (1234, 1234))
     assert replace(options, network=False).network is False

@@ -143,6 +143,7 @@ class DockerOptions:
             values[key] = _option(key, value, known[key].default)
         made = cls(**values)
         made.uid_gid(None)  # a user that names root is refused here, not at the first start
+        Engine(made.docker_host)  # so is a docker_host that names no engine
         return made
 
     def uid_gid(self, image: Image | None) -> tuple[int, int]:
@@ -293,6 +294,8 @@ class DockerMachine(HostFiles):
         """Why the last lifetime ended by itself (the container removed, the agent gone)."""
         self.loop: asyncio.AbstractEventLoop = asyncio.get_event_loop()
         self._pid = 0
+        self.image_reference: str | None = None
+        """The engine's tag of the image this machine's container runs (known once started)."""
         self._listener: socket.socket | None = None
         self._channel: AgentChannel | None = None
         self._stopping: asyncio.Task[None] | None = None
@@ -358,7 +361,8 @@ class DockerMachine(HostFiles):
             "docker_host": o.docker_host,
             "container_id": self.container_id,
             "image": o.image,
-            "image_detail": f"{o.image}, imported into the engine as {IMAGE_REPO}/{o.image}:<digest>",
+            "image_detail": f"{o.image}, imported into the engine as "
+            + (self.image_reference or f"{IMAGE_REPO}/{o.image}:<digest>"),
             "system_layer": o.writable_root,
             "system_layer_kind": "container-layer" if o.writable_root else "none",
             "system_layer_detail": writable
@@ -490,6 +494,7 @@ class DockerMachine(HostFiles):
                 'network (dockerd --bridge=none gives containers loopback only): set network = "off"'
             )
         reference = await self.host.ensure_imported(self.engine, image)
+        self.image_reference = reference
         created = await self.engine.create(self.container_name, self._config(reference))
         if created is None:  # made by a server that died before it could record the id
             await self._adopt(self.container_name)
@@ -514,6 +519,7 @@ class DockerMachine(HostFiles):
             )
         self.container_id = str(info["Id"])
         self._verified = True
+        self.image_reference = labels.get(LABEL_IMAGE)
         if (info.get("State") or {}).get("Running"):  # an agent of a server that is gone
             await self.engine.kill(self.container_id)
             await self.engine.wait_exit(self.container_id)
