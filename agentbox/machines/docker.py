@@ -5,18 +5,20 @@ image content (`docker import` of its tree, tagged `agentbox/<name>:<12 hex of i
 and reused by every container of it. The container gets:
 
 - `/workspace` bound from the session's workspace directory (the only thing that lasts);
-- a read-only root with size-limited tmpfs `/tmp` and `$HOME` (HOME), emptied at every
-  stop, as a sandbox's are; with `writable_root` the container's own writable layer
-  instead, which lasts as long as the container (stop and start included) and is discarded
-  with it. Read-only is the default: what a suspended session comes back to is its
+- a read-only root with size-limited tmpfs `/tmp` and `$HOME` (CONTAINER_HOME), emptied at
+  every stop as a sandbox's are; with `writable_root`, the container's own writable layer
+  instead, which lasts as long as the container (stops and starts included) and is
+  discarded with it. Read-only is the default: a suspended session comes back to its
   workspace alone, the same on a sandbox and here, and nothing piles up in the engine's
-  storage;
+  storage. (The image's files belong to the container's uid, so a writable root would let
+  it change its system as a sandbox's mapped root can, `apt` aside: dpkg wants uid 0);
 - the image owner's uid (64999 for a root server; `user` to choose another, never 0), no
   capabilities, `no-new-privileges`, a private IPC namespace, memory (swap included),
   pids and CPU limits, and no network (`--network none`) unless `network` is on (the
   engine's default bridge: unlike a sandbox's slirp4netns, that reaches the host's and other
   containers' addresses on the bridge);
-- never the Docker socket, nor anything of the server but the directory below.
+- never the Docker socket; of the host only `/workspace`, the lifetime's `run/` (below)
+  and the server's ripgrep, both read-only.
 
 Commands do not go through `docker exec` (tens of milliseconds each): the exec agent
 (`exec_agent.py`) is the container's pid 1, and the server talks to it as to a sandbox's
