@@ -68,6 +68,11 @@ from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
 
 #: Seconds from the container's start to its agent saying "ready".
 START_TIMEOUT = 30.0
+#: Starts tried when the engine's runtime fails to create the container's process, and the
+#: pause before the next one (times the attempt's number); see `DockerMachine._boot`.
+START_ATTEMPTS = 3
+START_RETRY_PAUSE = 0.2
+RUNTIME_FAILURE = "OCI runtime create failed"
 #: Seconds `docker stop` waits after SIGTERM before SIGKILL (the agent leaves at once on EOF).
 STOP_GRACE = 2
 #: Where the lifetime's `run/` directory (the agent's source and socket) is bound, read-only.
@@ -527,7 +532,23 @@ class DockerMachine(HostFiles):
             await self.engine.wait_exit(self.container_id)
 
     async def _boot(self, container_id: str) -> None:
-        await self.engine.start(container_id)
+        """Start the container, again if the engine trips over the teardown of its last run.
+
+        Docker 20.10 may unmount a stopped container's root after the stop returned, so a start
+        right after a stop can find the bare mount point (root's, 0700) and fail at once with
+        "stat /usr/bin/python3: permission denied" (seen once in about 100 stop/start cycles
+        here); the same start a moment later succeeds.
+        """
+        for attempt in range(START_ATTEMPTS):
+            try:
+                await self.engine.start(container_id)
+                break
+            except ContainerGone:
+                raise
+            except MachineUnavailable as exc:
+                if RUNTIME_FAILURE not in exc.message or attempt == START_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(START_RETRY_PAUSE * (attempt + 1))
         await self._connect(container_id)
 
     async def _connect(self, container_id: str) -> None:
