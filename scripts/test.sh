@@ -8,6 +8,12 @@ if ! command -v systemd-analyze >/dev/null 2>&1 && command -v apt-get >/dev/null
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null
 fi
+# Debian's docker.io: tests/test_docker_machine.py runs a private dockerd of its own (never the
+# operator's), on a socket of its own with no bridge and no iptables rules.
+if ! command -v dockerd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io >/dev/null
+fi
 # The data image (about 3 GB, 3 minutes the first time): tests use every tool it has. Cached by
 # its request, so a rerun on the same machine skips it.
 .venv/bin/agentbox image build data --profile data

@@ -436,3 +436,95 @@ def host_fingerprint(path: Path | str) -> str:
 def machine(ws: Path) -> LocalMachine:
     """A local machine rooted at `ws`."""
     return LocalMachine("local", ws)
+
+
+# --- a private dockerd (test_docker_machine.py, bench/bench_docker.py) -------------------------
+
+#: Where the test dockerd keeps its images between runs: an image is imported once per digest
+#: (`agentbox/<name>:<digest>`), about 12 s for `base`, and a rerun finds it there.
+DOCKERD_CACHE = Path("/var/tmp/agentbox-test-dockerd")
+#: Seconds a private dockerd may take to answer on its socket.
+DOCKERD_START_TIMEOUT = 60.0
+#: Seconds it gets to stop (it stops its containers and its containerd) before it is killed.
+DOCKERD_STOP_TIMEOUT = 30.0
+
+
+@dataclass
+class Dockerd:
+    """A dockerd of the test run's own, on its own socket, with no bridge and no iptables."""
+
+    host: str
+    """`unix://...`: the `docker_host` of the machines that use it."""
+    process: subprocess.Popen[bytes]
+    data_root: Path
+    log: Path
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """The docker CLI against this daemon: what an operator would do behind agentbox's back."""
+        docker = shutil.which("docker") or "docker"
+        return subprocess.run(
+            [docker, "-H", self.host, *args], capture_output=True, text=True, timeout=DOCKERD_START_TIMEOUT
+        )
+
+
+def start_dockerd(run: Path, data_root: Path) -> Dockerd:
+    """`dockerd` from Debian's docker.io, its sockets and state under `run`, images in `data_root`."""
+    import fcntl
+
+    dockerd = shutil.which("dockerd")
+    if dockerd is None:
+        raise RuntimeError("dockerd is missing: apt-get install docker.io (scripts/test.sh does)")
+    data_root.mkdir(parents=True, exist_ok=True)
+    lock = os.open(data_root.parent / f"{data_root.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+    try:  # another run holds the cache: this one imports into a data root of its own
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock)
+        data_root = run / "data"
+    (run / "daemon.json").write_text("{}")  # never the host's /etc/docker/daemon.json
+    log = run / "dockerd.log"
+    sock = run / "docker.sock"
+    proc = subprocess.Popen(
+        [dockerd, "--config-file", str(run / "daemon.json"), "--data-root", str(data_root),
+         "--exec-root", str(run / "exec"), "-H", f"unix://{sock}", "--bridge=none", "--iptables=false",
+         "--pidfile", str(run / "pid"), "--log-level=warn"],
+        stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    daemon = Dockerd(f"unix://{sock}", proc, data_root, log)
+    deadline = time.monotonic() + DOCKERD_START_TIMEOUT
+    while daemon.cli("version").returncode != 0:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_dockerd(daemon)
+            raise RuntimeError(f"dockerd did not start; its log ends:\n{log_tail(log)}")
+        time.sleep(0.2)
+    return daemon
+
+
+def remove_agentbox_containers(daemon: Dockerd) -> None:
+    """Every container a machine made on this daemon (a killed run leaves some in the cache)."""
+    ids = daemon.cli("ps", "-aq", "--filter", "label=agentbox.id").stdout.split()
+    if ids:
+        daemon.cli("rm", "-f", *ids)
+
+
+def stop_dockerd(daemon: Dockerd) -> None:
+    daemon.process.terminate()
+    try:
+        daemon.process.wait(DOCKERD_STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        daemon.process.kill()
+        daemon.process.wait()
+
+
+@pytest.fixture(scope="session")
+def dockerd() -> Iterator[Dockerd]:
+    """One private dockerd for the test session, stopped at its end; its images stay cached."""
+    import tempfile
+
+    run = Path(tempfile.mkdtemp(prefix="agentbox-dockerd-"))  # short: socket paths hold 108 bytes
+    daemon = start_dockerd(run, DOCKERD_CACHE / "data")
+    remove_agentbox_containers(daemon)
+    yield daemon
+    remove_agentbox_containers(daemon)
+    stop_dockerd(daemon)
+    shutil.rmtree(run, ignore_errors=True)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
+    from conftest import Dockerd
+
     from agentbox.machines.images import Image
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -199,3 +201,21 @@ def test_bench_images_quick(tmp_path: Path, base_image: Image) -> None:
     assert document["roots"]["kernel_overlay"]["layer"] == "kernel-overlay"
     steps = document["figures"]["cold_kernel_overlay"]["extra"]["steps_ms"]
     assert {"plan + dirs", "mounts + agent to ready", "first exec true"} <= set(steps)
+
+
+#: bench_docker's figures: the agent against docker exec, cold start and resume.
+DOCKER_FIGURES = {
+    "bare_spawn", "asyncio_spawn", "exec_true_docker", "docker_exec_cli", "docker_exec_api",
+    "docker_run_true", "cold_docker", "resume_docker",
+}  # fmt: skip
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_docker_quick(tmp_path: Path, base_image: Image, dockerd: Dockerd) -> None:
+    document = run_quick(
+        "bench_docker.py", tmp_path / "docker.json", "--images", str(base_image.path.parent),
+        "--docker-host", dockerd.host,
+    )  # fmt: skip
+    check_figures(document, DOCKER_FIGURES, "bench_docker")
+    steps = document["figures"]["cold_docker"]["extra"]["steps_ms"]
+    assert {"engine start", "agent connected, ready", "first exec true"} <= set(steps)

@@ -8,6 +8,8 @@
     ├── MachineDenied         the caller's level or the routing allow-list refuses the machine
     ├── MachineNotFound       no machine of that name is configured
     ├── MachineUnavailable    the machine could not be opened or its transport broke
+    │   └── ContainerGone     a docker machine's container is not on its engine any more
+    │                         (removed behind agentbox's back)
     ├── CapacityExceeded      the server already runs max_sandboxes sandboxes (or their memory
     │                         limits would pass max_sandbox_memory_mb): 503, retry after a while
     ├── OwnerUnsupported      `?user=` names an owner this machine cannot set
@@ -48,6 +50,10 @@ class MachineNotFound(MachineError):
 
 
 class MachineUnavailable(MachineError):
+    pass
+
+
+class ContainerGone(MachineUnavailable):
     pass
 
 

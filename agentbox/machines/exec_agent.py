@@ -27,10 +27,13 @@ ready it makes itself non-dumpable and closes every descriptor but stdin/out/err
 socket, so a command can neither reopen nor `pidfd_getfd` what it holds, nor ptrace it.
 As pid 1 it gets only the signals it handles: a command cannot kill it.
 
-The socket's descriptor number is the first argument; the rest are directories that exist
-only inside the sandbox (its tmpfs `/tmp` and `$HOME`), which the agent opens in its own view
-and hands to the server with `R`, so the server reaches them by descriptor too. This file runs with the sandbox's
-`python3 -I -S`: standard library only, nothing from agentbox, old Python 3 versions too.
+The first argument is the socket: the number of an inherited descriptor (a sandbox, whose
+launcher made a socketpair), or the path of a unix socket the server listens on, which the
+agent connects to (a container, which inherits nothing from the server). The rest are
+directories that exist only inside the machine (its tmpfs `/tmp` and `$HOME`), which the agent
+opens in its own view and hands to the server with `R`, so the server reaches them by
+descriptor too. This file runs with the machine's `python3 -I -S`: standard library only,
+nothing from agentbox, old Python 3 versions too.
 """
 
 import _ctypes
@@ -78,8 +81,17 @@ def drain(fd):
         pass
 
 
+def control(arg):
+    """The control socket's descriptor: inherited (a number), or connected to now (a path)."""
+    if arg.isdigit():
+        return int(arg)
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    sock.connect(arg)
+    return sock.detach()
+
+
 def main():
-    ctl_fd = int(sys.argv[1])
+    ctl_fd = control(sys.argv[1])
     seal(ctl_fd)
     ctl = _socket.socket(fileno=ctl_fd)
     os.set_inheritable(ctl.fileno(), False)  # commands must never reach the control channel

@@ -51,12 +51,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import errno
 import json
 import marshal
 import os
 import shutil
-import signal
 import socket
 import stat as stat_mod
 import struct
@@ -69,11 +67,11 @@ from typing import Any
 
 from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines import seccomp
+from agentbox.machines.agent_channel import PIPE_CHUNK, AgentChannel, AgentProcess
 from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
 from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
 from agentbox.machines.errors import ImageError, MachineUnavailable
-from agentbox.machines.exec_agent import MAX_MESSAGE
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
@@ -118,8 +116,6 @@ AGENT_LOADER = (
 )
 #: The python a marshalled code object is valid for: the same major.minor as the server's.
 SERVER_PYTHON = f"python{sys.version_info.major}.{sys.version_info.minor}"
-#: Bytes read from a command pipe per wakeup.
-PIPE_CHUNK = 65536
 #: The device slirp4netns opens, as the server's user, to give a sandbox its tap0.
 TUN_DEVICE = Path("/dev/net/tun")
 
@@ -379,36 +375,6 @@ class SandboxHost:
         }
 
 
-class _Pipe:
-    """Feed a StreamReader from a pipe with `add_reader`: cheaper than a transport per command."""
-
-    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.fd = fd
-        self.loop = loop
-        self.reader = asyncio.StreamReader(limit=2**31, loop=loop)
-        os.set_blocking(fd, False)
-        loop.add_reader(fd, self._readable)
-
-    def _readable(self) -> None:
-        try:
-            data = os.read(self.fd, PIPE_CHUNK)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if data:
-            self.reader.feed_data(data)
-        else:
-            self.close()
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            self.loop.remove_reader(self.fd)
-            os.close(self.fd)
-            self.fd = -1
-            self.reader.feed_eof()
-
-
 class _Tail:
     """The last DIAGNOSTICS_TAIL bytes written to a pipe: bwrap's and the agent's stderr.
 
@@ -450,50 +416,6 @@ class _Tail:
             self.fd = -1
 
 
-class SandboxProcess:
-    """A command started by the exec agent."""
-
-    def __init__(
-        self, sandbox: SandboxMachine, cid: int, stdout: _Pipe, stderr: _Pipe, stdin: int | None
-    ) -> None:
-        self.sandbox = sandbox
-        self.cid = cid
-        self.pid = 0
-        self._out, self._err = stdout, stderr
-        self.stdout = stdout.reader
-        self.stderr = stderr.reader
-        self._stdin = stdin
-        self.argv0 = ""
-        self.exited: asyncio.Future[int] = sandbox.loop.create_future()
-
-    async def write_stdin(self, data: bytes) -> None:
-        if self._stdin is None:
-            raise BrokenPipeError("stdin is closed")
-        view = memoryview(data)
-        while view:
-            try:
-                n = os.write(self._stdin, view)
-                view = view[n:]
-            except BlockingIOError:
-                await asyncio.sleep(0.005)
-
-    async def close_stdin(self) -> None:
-        if self._stdin is not None:
-            os.close(self._stdin)
-            self._stdin = None
-
-    async def wait(self) -> int:
-        return await asyncio.shield(self.exited)
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the command's process group, also after its leader exited (children remain)."""
-        with contextlib.suppress(MachineUnavailable):
-            if not self.exited.done():
-                self.sandbox._send([b"K", self.cid, int(sig)])
-            elif self.pid:
-                self.sandbox._send([b"G", self.pid, int(sig)])
-
-
 class SandboxMachine(HostFiles):
     kind = "sandbox"
     isolated = True
@@ -520,22 +442,17 @@ class SandboxMachine(HostFiles):
         self.state = "stopped"
         self.started_at = 0.0
         self.last_used = time.monotonic()
-        self.running = 0
         self.network_on = False
         self.layer_on = False
         self._lease: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._slirp: subprocess.Popen[bytes] | None = None
-        self._ctl: socket.socket | None = None
+        self._channel: AgentChannel | None = None
         self._group: SandboxGroup | None = None
         self._fuse: list[subprocess.Popen[bytes]] = []
         self._mounts: list[Path] = []
         self._log_fds: list[int] = []
         self._diagnostics: _Tail | None = None
-        self._next = 0
-        self._pending: dict[int, asyncio.Future[int]] = {}
-        self._procs: dict[int, SandboxProcess] = {}
-        self._ready: asyncio.Future[None] | None = None
         self._child_pid = 0
         self._slirp_exit: int | None = None
         self._baseline = 0
@@ -635,8 +552,13 @@ class SandboxMachine(HostFiles):
             self._joins.append(self.loop.run_in_executor(None, join_group, self._group, self._own_pids()))
 
     def _ready_future(self) -> asyncio.Future[None]:
-        assert self._ready is not None
-        return self._ready
+        assert self._channel is not None
+        return self._channel.ready
+
+    @property
+    def running(self) -> int:
+        """Commands of this lifetime that the agent has not reported ended."""
+        return self._channel.running if self._channel is not None else 0
 
     def _prepare_dirs(self) -> None:
         """The session's workspace and this lifetime's /var, given to the sandbox uid.
@@ -743,10 +665,10 @@ class SandboxMachine(HostFiles):
                 os.close(fd)
             child.close()
         self._diagnostics = _Tail(diag_r, self.loop)
-        self._ctl = parent
-        parent.setblocking(False)
-        self._ready = self.loop.create_future()
-        self.loop.add_reader(parent.fileno(), self._on_control)
+        self._channel = AgentChannel(
+            parent, self.loop, what="sandbox", view=self.view, shared=self._shared_dirs(),
+            diagnostics=self._log_tail, gone=self._agent_gone, touch=self._touch,
+        )  # fmt: skip
         info = await self.loop.run_in_executor(None, _read_info, info_r)
         self._child_pid = int(info.get("child-pid") or 0)
         self._start_joining()  # bwrap has cloned the agent's process: the whole tree is there
@@ -946,25 +868,13 @@ class SandboxMachine(HostFiles):
 
     async def _stop(self) -> None:
         self.state = "stopped"
-        if self._ctl is not None:
-            with contextlib.suppress(Exception):
-                self.loop.remove_reader(self._ctl.fileno())
-            self._ctl.close()
-            self._ctl = None
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
         await asyncio.get_running_loop().run_in_executor(None, self._kill_all)
-        error = MachineUnavailable("the sandbox stopped")
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(error)
-        for proc in self._procs.values():
-            if not proc.exited.done():
-                proc.exited.set_result(137)
-        self._pending.clear()
-        self._procs.clear()
+        if channel is not None:
+            channel.abandon()
         self._joins.clear()
-        if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(MachineUnavailable("the sandbox exited during start"))
-            self._ready.exception()
         shutil.rmtree(self.run, ignore_errors=True)
         self.view.forget()
 
@@ -1015,77 +925,12 @@ class SandboxMachine(HostFiles):
     async def close(self) -> None:
         await self.stop()
 
-    # control channel -------------------------------------------------------------
-
-    def _send(self, fields: list[bytes | str | int], fds: list[int] | None = None) -> None:
-        if self._ctl is None:
-            raise MachineUnavailable("the sandbox is not running")
-        data = b"\0".join(f if isinstance(f, bytes) else str(f).encode() for f in fields)
-        if len(data) > MAX_MESSAGE:  # the agent would read it cut short: refuse it here, as the kernel would
-            raise OSError(
-                errno.E2BIG, f"a command of {len(data)} bytes exceeds the exec agent's {MAX_MESSAGE}"
-            )
-        try:
-            if fds:
-                socket.send_fds(self._ctl, [data], fds)
-            else:
-                self._ctl.send(data)
-        except OSError as exc:
-            if exc.errno == errno.EMSGSIZE:  # past the socket's buffer: the agent is still there
-                raise OSError(
-                    errno.E2BIG, f"a message of {len(data)} bytes does not fit the agent's socket"
-                ) from exc
-            raise MachineUnavailable(f"the sandbox's exec agent is gone: {exc}") from exc
-
-    def _on_control(self) -> None:
-        assert self._ctl is not None
-        fds: list[int] = []
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(self._ctl, 1 << 20, len(self._shared_dirs()))
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.loop.remove_reader(self._ctl.fileno())
-            if self._ready is not None and not self._ready.done():
-                self._ready.set_exception(
-                    MachineUnavailable(f"the sandbox exited during start: {self._log_tail()}")
-                )
-                self._ready.exception()
-            self.loop.create_task(self._agent_gone())
-            return
-        op, *rest = data.split(b"\0")
-        if op != b"R":
-            for fd in fds:  # only `R` carries descriptors
-                os.close(fd)
-        if op == b"R":
-            for inside, fd in zip(self._shared_dirs(), fds, strict=False):
-                self.view.attach(inside, fd)
-            if self._ready is not None and not self._ready.done():
-                self._ready.set_result(None)
-        elif op == b"P":
-            fut = self._pending.pop(int(rest[0]), None)
-            if fut is not None and not fut.done():
-                fut.set_result(int(rest[1]))
-        elif op == b"E":
-            cid = int(rest[0])
-            fut = self._pending.pop(cid, None)
-            proc = self._procs.get(cid)
-            if fut is not None and not fut.done():
-                name = proc.argv0 if proc is not None else None
-                fut.set_exception(OSError(int(rest[1]), rest[2].decode(errors="replace"), name))
-        elif op == b"X":
-            proc = self._procs.pop(int(rest[0]), None)
-            if proc is not None:
-                self.running -= 1
-                if not proc.exited.done():
-                    proc.exited.set_result(int(rest[1]))
-            self.last_used = time.monotonic()
-
-    async def _agent_gone(self) -> None:
+    def _agent_gone(self) -> None:
         if self.state == "running":
-            await self.stop()
+            self.loop.create_task(self.stop())
+
+    def _touch(self) -> None:
+        self.last_used = time.monotonic()
 
     # commands ---------------------------------------------------------------------
 
@@ -1102,48 +947,14 @@ class SandboxMachine(HostFiles):
             **request.env,
         }
 
-    async def spawn(self, request: ExecRequest) -> SandboxProcess:
-        if self.state != "running":
+    async def spawn(self, request: ExecRequest) -> AgentProcess:
+        if self.state != "running" or self._channel is None:
             raise MachineUnavailable("the sandbox is not running")
         self.last_used = time.monotonic()
         cwd = self.view.absolute(request.cwd or self.root)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        fds = [out_w, err_w]
-        stdin_w = None
-        if request.stdin is not None or request.interactive:
-            in_r, stdin_w = os.pipe2(os.O_CLOEXEC)
-            fds.append(in_r)
-        self._next += 1
-        cid = self._next
-        fut: asyncio.Future[int] = self.loop.create_future()
-        self._pending[cid] = fut
-        proc = SandboxProcess(self, cid, _Pipe(out_r, self.loop), _Pipe(err_r, self.loop), stdin_w)
-        proc.argv0 = request.args()[0]
-        self._procs[cid] = proc
-        self.running += 1
-        try:
-            try:
-                argv = request.args()
-                env = [f"{k}={v}" for k, v in self.command_env(request).items()]
-                self._send([b"S", cid, cwd, len(argv), *argv, *env], fds)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            proc.pid = await fut
-        except BaseException:  # a failed send as much as a failed spawn: nothing stays counted
-            self._procs.pop(cid, None)
-            self._pending.pop(cid, None)
-            self.running -= 1
-            proc._out.close()
-            proc._err.close()
-            if stdin_w is not None:
-                os.close(stdin_w)
-            raise
-        if request.stdin is not None:
-            await proc.write_stdin(request.stdin)
-            await proc.close_stdin()
-        return proc
+        return await self._channel.spawn(
+            request.args(), cwd, self.command_env(request), request.stdin, request.interactive
+        )
 
     async def exec(self, request: ExecRequest) -> ExecResult:
         process = await self.spawn(request)
