@@ -82,6 +82,9 @@ DEFAULT_LEVEL = 4
 #: sessions): the model's commands run with the server's rights there. Every other kind of
 #: `agentbox.machines.kinds.KINDS` is one machine per session.
 HOST_KINDS = frozenset({"local", "ssh"})
+#: Kinds whose network is off unless the entry says `network = "on"`: a docker container's
+#: "on" is the engine's bridge, which reaches the host's addresses (a sandbox's slirp4netns does not).
+NETWORK_OFF_KINDS = frozenset({"docker"})
 SECRET_FIELDS = {"password", "private_key", "token", "api_key", "passphrase"}
 #: Live sandboxes one server runs at once when the config names no `max_sandboxes`.
 DEFAULT_MAX_SANDBOXES = 64
@@ -159,7 +162,7 @@ class MachineConfig:
     @property
     def network_on(self) -> bool:
         """Whether code on the machine reaches the network (`network = "off"` for a sandbox cuts it)."""
-        network = self.options.get("network", "on")
+        network = self.options.get("network", "off" if self.kind in NETWORK_OFF_KINDS else "on")
         return network is True or str(network).lower() in ("on", "true", "1")
 
     @property

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from agentbox import __version__
 from agentbox.api.envelope import ok
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
-from agentbox.machines.sandbox import SandboxMachine
+from agentbox.machines.base import Lifetime
 
 router = APIRouter(tags=["sandbox"])
 
@@ -40,7 +40,7 @@ def machine_info(sandbox: Sandbox) -> dict[str, Any]:
 def isolation(sandbox: Sandbox) -> dict[str, Any] | None:
     """How the machine is isolated, for the sandbox kind; None for shared machines."""
     machine = sandbox.machine
-    if isinstance(machine, SandboxMachine):
+    if isinstance(machine, Lifetime):
         return machine.capabilities()
     return None
 

@@ -166,7 +166,15 @@ class Lifetime(Protocol):
         ...
 
     def marker(self) -> dict[str, Any]:
-        """What the session's marker records about this lifetime."""
+        """What the session's marker records about this lifetime (handed back after a restart)."""
+        ...
+
+    async def destroy(self) -> None:
+        """The session is closed: stop, and remove what would outlive a stop (a container)."""
+        ...
+
+    def capabilities(self) -> dict[str, Any]:
+        """How it is isolated and what it can do (`GET /v2/sandbox`'s `isolation`)."""
         ...
 
 

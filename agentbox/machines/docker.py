@@ -314,6 +314,14 @@ class DockerMachine(HostFiles):
             self._own(host.image(options.image))
 
     @property
+    def instance_id(self) -> str:
+        return self.machine_id
+
+    def marker(self) -> dict[str, Any]:
+        """The container's id, so a restarted server attaches to it instead of making another."""
+        return {"container_id": self.container_id, "hostname": self.hostname, "started_at": self.started_at}
+
+    @property
     def container_id(self) -> str | None:
         """The engine's id of this machine's container: record it to attach after a restart.
 

@@ -11,13 +11,15 @@ bwrap, the sandbox uid, cgroups) names a `shared` factory, made once per registr
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agentbox.config import MachineConfig, Settings
 from agentbox.machines.base import Machine
 from agentbox.machines.cgroups import Limits
+from agentbox.machines.docker import DockerHost, DockerMachine, DockerOptions
+from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.images import DEFAULT_IMAGE
 from agentbox.machines.local import LocalMachine
 from agentbox.machines.sandbox import (
@@ -49,6 +51,8 @@ class Build:
     """The id this lifetime keeps (a recovered one after a restart)."""
     session_dir: Path | None = None
     """The session's directory: `workspace/` (persistent) and `run/<machine>/` (per lifetime)."""
+    recovered: dict[str, Any] = field(default_factory=dict)
+    """What the session's marker recorded of the last lifetime (`Lifetime.marker`), after a restart."""
 
 
 @dataclass(frozen=True)
@@ -107,10 +111,28 @@ def sandbox_host(settings: Settings) -> SandboxHost:
     return SandboxHost(settings.home, uid=settings.sandbox_uid, images=settings.images)
 
 
+def make_docker(build: Build) -> DockerMachine:
+    assert build.session_dir is not None
+    try:
+        options = DockerOptions.from_options(build.config.options)
+    except ValueError as exc:
+        raise MachineUnavailable(f"machine {build.config.name!r}: {exc}") from None
+    return DockerMachine(
+        build.config.name, build.instance_id, build.shared, options, build.session_dir / "workspace",
+        build.session_dir / "run" / build.config.name, env=build.env,
+        container_id=build.recovered.get("container_id"),
+    )  # fmt: skip
+
+
+def docker_host(settings: Settings) -> DockerHost:
+    return DockerHost(settings.home, images=settings.images)
+
+
 KINDS: dict[str, Kind] = {
     kind.name: kind
     for kind in (
         Kind("sandbox", make_sandbox, shared=sandbox_host, workspace_disk=True),
+        Kind("docker", make_docker, shared=docker_host),
         Kind("local", make_local),
     )
 }

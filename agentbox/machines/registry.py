@@ -249,8 +249,8 @@ class Registry:
 
     async def _create(self, config: MachineConfig, session_id: str | None) -> Entry:
         config = MachineConfig(config.name, config.kind, self.secrets(config), config.level, config.env)
-        instance_id = await self._recovered_id(session_id, config.name) if session_id else None
-        machine = self._machine(config, session_id, instance_id or new_id("sbx"))
+        instance_id, recovered = await self._recovered(session_id, config.name) if session_id else (None, {})
+        machine = self._machine(config, session_id, instance_id or new_id("sbx"), recovered)
         if isinstance(machine, Lifetime):
             assert session_id is not None
             await asyncio.to_thread(self._attach, config, session_id)
@@ -259,12 +259,19 @@ class Registry:
             return Entry(machine, config, session_id)
         return Entry(machine, config, None)
 
-    def _machine(self, config: MachineConfig, session_id: str | None, instance_id: str) -> Machine:
+    def _machine(
+        self,
+        config: MachineConfig,
+        session_id: str | None,
+        instance_id: str,
+        recovered: dict[str, Any] | None = None,
+    ) -> Machine:
         """The machine object for `config` (not started), built by its kind's row."""
         kind = self.kind(config)
         build = Build(
             config, self.settings, self._env(config, session_id), self.shared(kind), session_id, instance_id,
             self.session_dir(session_id) if config.per_session and session_id is not None else None,
+            recovered or {},
         )  # fmt: skip
         return kind.make(build)
 
@@ -379,11 +386,14 @@ class Registry:
                 session_id, config.name, config.kind, machine.instance_id, machine.marker()
             )
 
-    async def _recovered_id(self, session_id: str, name: str) -> str | None:
+    async def _recovered(self, session_id: str, name: str) -> tuple[str | None, dict[str, Any]]:
+        """The instance id and marker data of the machine's last lifetime (a restart's), if any."""
         if self.markers is None:
-            return None
+            return None, {}
         marker = await self.markers.latest(session_id, name)
-        return getattr(marker, "sandbox_id", None) if marker is not None else None
+        if marker is None:
+            return None, {}
+        return marker.sandbox_id, dict(marker.data)
 
     def _touch(self, entry: Entry) -> None:
         """Mark the session active (for the purge), at most once per ACTIVITY_RESOLUTION."""
@@ -419,7 +429,8 @@ class Registry:
         """Close every machine of a session (and with `purge`, delete its workspace)."""
         for key, entry in list(self._entries.items()):
             if key[1] == session_id:
-                await entry.machine.close()
+                machine = entry.machine
+                await (machine.destroy() if isinstance(machine, Lifetime) else machine.close())
                 del self._entries[key]
                 if self.markers is not None:
                     await self.markers.clear(session_id, key[0])

@@ -969,6 +969,9 @@ class SandboxMachine(HostFiles):
     def marker(self) -> dict[str, Any]:
         return {"hostname": self.hostname, "started_at": self.started_at}
 
+    async def destroy(self) -> None:
+        await self.stop()  # nothing of a sandbox outlives its stop but /workspace
+
     def busy(self) -> bool:
         """A running command (or a process it left behind) keeps the sandbox alive."""
         if self.running > 0:
