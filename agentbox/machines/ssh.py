@@ -21,19 +21,20 @@ read: authentication is by the configured private key (a file or the key itself,
 optional passphrase) or password. Secret fields arrive decrypted (`Registry.secrets`);
 `SshOptions` refuses one still `enc:`.
 
-Commands. Each command is one session channel running, through the remote user's login
-shell (which must be a POSIX shell),
+Commands. Each command is one session channel whose command line (`remote_command`) the
+remote user's login shell runs (it must be a POSIX shell: sh, dash, bash, zsh, ksh): with
+builtins only, it sets PATH, changes to the cwd, checks that argv[0] can be run (else the
+spawn fails with the errno a local spawn would give), writes a marker with its pid to
+stdout (`\\0agentbox:pid:N\\n`; whatever its startup files printed before is dropped), and
 
-    exec env -i VAR=VALUE... /bin/sh -c WRAPPER agentbox CWD ARGV...
+    exec env -i VAR=VALUE... ARGV...
 
-The environment is exactly `command_env`: neither sshd's variables (SSH_CONNECTION, MAIL,
-...) nor what the login shell's startup files export reach the command. WRAPPER changes to
-CWD, checks that ARGV[0] can be run (else the spawn fails with the errno a local spawn
-would give), writes a marker with its pid to stdout (`\\0agentbox:pid:N\\n`; whatever the
-login shell printed before it is dropped) and execs ARGV. OpenSSH starts each session's
-process in a session of its own, so that pid leads the command's process group: a kill,
-on timeout, cancellation or `Process.kill`, is `kill -s SIG -- -PID` over another channel,
-which ends the command and everything it started. A command that outlives a SIGKILL by
+so the environment is exactly `command_env`: neither sshd's variables (SSH_CONNECTION,
+MAIL, ...) nor what the login shell's startup files export reach the command. OpenSSH
+starts each session's process in a session of its own, and the login shell, env and the
+command are one process exec'ing in turn, so the marked pid leads the command's process
+group: a kill, on timeout, cancellation or `Process.kill`, is `kill -s SIG -- -PID` over
+another channel, which ends the command and everything it started. A command that outlives a SIGKILL by
 KILL_TIMEOUT (its kill could not be delivered) has its channel closed.
 
 Files go over one SFTP channel (asyncssh pipelines its requests). A write goes to a temp
@@ -158,17 +159,38 @@ INOTIFY_EVENTS = {
     "ATTRIB": "chmod",
 }
 
-# The wrapper every command runs under (see the module docstring); $1 is the cwd, the rest argv.
-WRAPPER = r"""f() { printf '\000agentbox:error:%s:%s\n' "$1" "$2"; exit 127; }
-d=$1; shift
-cd -- "$d" 2>/dev/null || { [ -e "$d" ] || f ENOENT cwd; [ -d "$d" ] || f ENOTDIR cwd; f EACCES cwd; }
-case $1 in
-*/*) [ -e "$1" ] || f ENOENT exec; { [ -f "$1" ] && [ -x "$1" ]; } || f EACCES exec ;;
-*) command -v -- "$1" >/dev/null 2>&1 || f ENOENT exec ;;
-esac
-printf '\000agentbox:pid:%s\n' "$$"
-exec "$@"
-"""
+
+def remote_command(cwd: str, argv: list[str], env: Mapping[str, str], *, stdin: bool = False) -> str:
+    """The command line of an exec request: the login shell checks, marks and execs (see the
+    module docstring). Its builtins alone run before `env`, so a command costs the host two
+    execs (env, then argv) beyond the login shell's. Without `stdin` the command reads
+    /dev/null, so no EOF needs to cross the connection."""
+    bad = [k for k in env if not ENV_NAME.fullmatch(k)]
+    if bad:
+        raise ValueError(f"not environment variable names: {', '.join(map(repr, bad))}")
+    d, program = shlex.quote(cwd), shlex.quote(argv[0])
+
+    def fail(code: str, what: str) -> str:
+        return f"{{ printf '\\000agentbox:error:{code}:{what}\\n'; exit 127; }}"
+
+    steps = [
+        f"PATH={shlex.quote(env.get('PATH', BASE_PATH))}",  # the one argv[0] is looked up in
+        f"cd -- {d} 2>/dev/null || {{ [ -e {d} ] || {fail('ENOENT', 'cwd')}; "
+        f"[ -d {d} ] || {fail('ENOTDIR', 'cwd')}; {fail('EACCES', 'cwd')}; }}",
+        f"[ -e {program} ] || {fail('ENOENT', 'exec')}; "
+        f"{{ [ -f {program} ] && [ -x {program} ]; }} || {fail('EACCES', 'exec')}"
+        if "/" in argv[0]
+        else f"command -v -- {program} >/dev/null 2>&1 || {fail('ENOENT', 'exec')}",
+        "printf '\\000agentbox:pid:%s\\n' \"$$\"",
+        "exec "
+        + " ".join(shlex.quote(w) for w in ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv])
+        + ("" if stdin else " </dev/null"),
+    ]
+    line = "; ".join(steps)
+    if len(line.encode()) > MAX_COMMAND_BYTES:
+        raise OSError(errno.E2BIG, f"a command line of {len(line)} bytes exceeds {MAX_COMMAND_BYTES}")
+    return line
+
 
 # What the first connection learns about the host (login shell, sshd's environment); $1 = root.
 PROBE = r"""cd || exit 1
@@ -482,6 +504,11 @@ class CommandChannel(asyncssh.SSHClientSession[bytes]):
             self.stdout.feed_data(data)
         else:
             self._read_marker(data)
+
+    def eof_received(self) -> bool:
+        """Stay half-open: the sshd closes the channel when the command ends, and an EOF of ours
+        would be one more packet each way for nothing."""
+        return True
 
     def exit_status_received(self, status: int) -> None:
         if not self.exited.done():
@@ -889,23 +916,11 @@ class SshMachine:
 
     # commands -----------------------------------------------------------------------------
 
-    def remote_command(self, request: ExecRequest, cwd: str) -> str:
-        """The exec request's command line: the wrapper under a clean environment."""
-        env = self.command_env(request)
-        bad = [k for k in env if not ENV_NAME.fullmatch(k)]
-        if bad:
-            raise ValueError(f"not environment variable names: {', '.join(map(repr, bad))}")
-        words = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
-        words += ["/bin/sh", "-c", WRAPPER, "agentbox", cwd, *request.args()]
-        line = "exec " + " ".join(shlex.quote(w) for w in words)
-        if len(line.encode()) > MAX_COMMAND_BYTES:
-            raise OSError(errno.E2BIG, f"a command line of {len(line)} bytes exceeds {MAX_COMMAND_BYTES}")
-        return line
-
     async def spawn(self, request: ExecRequest) -> SshProcess:
         facts = await self._ready()
         cwd = inside_path(facts.root, request.cwd or facts.root)
-        command = self.remote_command(request, cwd)
+        piped = request.stdin is not None or request.interactive
+        command = remote_command(cwd, request.args(), self.command_env(request), stdin=piped)
         channel = await self._open_channel(command)
         try:
             async with asyncio.timeout(CHANNEL_TIMEOUT):
@@ -922,7 +937,6 @@ class SshMachine:
         channel.closed.add_done_callback(lambda _: self._processes.discard(process))
         if request.stdin is not None:
             await process.write_stdin(request.stdin)
-        if request.stdin is not None or not request.interactive:
             await process.close_stdin()
         return process
 
