@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import pwd
 import statistics
 import sys
 import time
@@ -152,17 +151,9 @@ async def file_figures(machine: SshMachine, remote: Path, counts: Counts) -> lis
     return figures
 
 
-def remote_root(scratch: Path, user: str) -> Path:
-    root = scratch / "remote"
-    root.mkdir()
-    entry = pwd.getpwnam(user)
-    os.chown(root, entry.pw_uid, entry.pw_gid)
-    return root
-
-
 async def run(counts: Counts, scratch: Path) -> tuple[list[Figure], dict[str, object]]:
     sshd = start_sshd(scratch / "sshd")
-    root = remote_root(scratch, sshd.user)
+    root = sshd.owned_dir(scratch / "remote")
     machine = SshMachine("bench", SshOptions.from_options(sshd.options(root=str(root))))
     try:
         await machine.start()

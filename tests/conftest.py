@@ -481,6 +481,13 @@ class Sshd:
         }  # fmt: skip
         return {**base, **overrides}
 
+    def owned_dir(self, path: Path) -> Path:
+        """Make `path` a directory of the login user's (a machine's root, say)."""
+        path.mkdir(parents=True, exist_ok=True)
+        entry = pwd.getpwnam(self.user)
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+        return path
+
     def sessions(self) -> list[int]:
         """Pids of the sshd processes that serve connections (every descendant named sshd)."""
         parents: dict[int, int] = {}

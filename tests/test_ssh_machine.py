@@ -13,6 +13,7 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -36,6 +37,8 @@ from agentbox.machines.ssh import (
 DEADLINE = 20.0
 #: Commands run at once to pass one connection's MaxSessions.
 CONCURRENT = DEFAULT_MAX_SESSIONS + 5
+#: connect_timeout of a machine whose peer never answers.
+SILENT_TIMEOUT = 1.0
 #: Seconds a polling watch waits between scans in these tests.
 FAST_POLL = 0.2
 
@@ -63,11 +66,7 @@ def alive(pid: int) -> bool:
 @pytest.fixture
 def remote_root(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, sshd: Sshd) -> Path:
     """A directory of the login user's own, reachable by it: the machine's root."""
-    root = traversable(tmp_path, tmp_path_factory) / "remote"
-    root.mkdir()
-    entry = pwd.getpwnam(sshd.user)
-    os.chown(root, entry.pw_uid, entry.pw_gid)
-    return root
+    return sshd.owned_dir(traversable(tmp_path, tmp_path_factory) / "remote")
 
 
 @pytest.fixture
@@ -379,7 +378,8 @@ async def test_chown_to_oneself_and_to_an_unknown_user(ssh: SshMachine, remote_r
 
 @needs_root
 async def test_chown_by_name_as_root(make_ssh: MachineFactory, remote_root: Path) -> None:
-    ssh = await make_ssh(user="root")
+    ssh = await make_ssh(user="root")  # a bash login shell, with root's startup files
+    assert (await ssh.exec(ExecRequest(argv=("id", "-u")))).stdout == b"0\n"
     await ssh.write("given.txt", b"x")
     await ssh.chown("given.txt", "nobody")
     nobody = pwd.getpwnam("nobody")
@@ -410,14 +410,13 @@ async def changes_until(watch: RemoteWatch, wanted: set[tuple[str, str]]) -> set
 
 @pytest.mark.parametrize("mode", ["inotifywait", "polling"])
 async def test_watch_reports_create_write_remove(
-    make_ssh: MachineFactory, remote_root: Path, mode: str
+    make_ssh: MachineFactory, sshd: Sshd, remote_root: Path, mode: str
 ) -> None:
     ssh = await make_ssh(watch=mode, poll_seconds=FAST_POLL)
     assert ssh.capabilities()["watch"] == (
         "inotifywait" if mode == "inotifywait" else f"polling ({FAST_POLL:g} s)"
     )
-    (remote_root / "w").mkdir()
-    os.chown(remote_root / "w", *(lambda e: (e.pw_uid, e.pw_gid))(pwd.getpwnam(ssh.options.user)))
+    sshd.owned_dir(remote_root / "w")
     async with ssh.watch("w") as watch:
         await ssh.exec(ExecRequest(command="echo one > w/a.txt"))
         await changes_until(watch, {("create", f"{remote_root}/w/a.txt")})
@@ -500,6 +499,16 @@ async def test_authentication_failures_and_unreachable_hosts(sshd: Sshd, tmp_pat
     closed_port = start_sshd(tmp_path / "gone")
     stop_sshd(closed_port)
     assert "cannot reach sshd" in await unavailable(sshd.options(port=closed_port.port))
+
+
+async def test_a_silent_peer_times_out(sshd: Sshd) -> None:
+    with socket.socket() as silent:  # accepts TCP (the kernel does), never says a word of SSH
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        options = sshd.options(port=silent.getsockname()[1], connect_timeout=SILENT_TIMEOUT)
+        started = time.monotonic()
+        assert f"did not answer within {SILENT_TIMEOUT:g} s" in await unavailable(options)
+        assert time.monotonic() - started < SILENT_TIMEOUT + 2
 
 
 @needs_root
