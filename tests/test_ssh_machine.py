@@ -63,6 +63,11 @@ def alive(pid: int) -> bool:
         return False
 
 
+def started(pids: Path) -> bool:
+    """Whether a command wrote its two pids to `pids` (the file is written whole by one echo)."""
+    return pids.exists() and pids.read_bytes().endswith(b"\n")
+
+
 @pytest.fixture
 def remote_root(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, sshd: Sshd) -> Path:
     """A directory of the login user's own, reachable by it: the machine's root."""
@@ -182,9 +187,7 @@ async def test_timeout_kills_the_whole_process_group(ssh: SshMachine, remote_roo
 
 async def test_cancel_kills_the_command_and_its_children(ssh: SshMachine, remote_root: Path) -> None:
     task = asyncio.ensure_future(ssh.exec(ExecRequest(command="sleep 300 & echo $! $$ > pids; wait")))
-    await eventually(
-        lambda: (remote_root / "pids").exists() and b" " in (remote_root / "pids").read_bytes(), "pids"
-    )
+    await eventually(lambda: started(remote_root / "pids"), "the command started")
     pids = [int(p) for p in (remote_root / "pids").read_text().split()]
     assert all(alive(p) for p in pids)
     task.cancel()
@@ -203,6 +206,15 @@ async def test_kill_signals_the_group_of_a_spawned_process(ssh: SshMachine) -> N
     assert await asyncio.wait_for(process.wait(), DEADLINE) == 7
     assert await process.stdout.read() == b"term\n"
     await eventually(lambda: not ssh.busy(), "the machine is idle again")
+
+
+async def test_close_kills_what_still_runs(make_ssh: MachineFactory, remote_root: Path) -> None:
+    ssh = await make_ssh()
+    await ssh.spawn(ExecRequest(command="sleep 300 & echo $! $$ > pids; wait"))
+    await eventually(lambda: started(remote_root / "pids"), "the command started")
+    pids = [int(p) for p in (remote_root / "pids").read_text().split()]
+    await ssh.close()
+    assert not any(alive(p) for p in pids)
 
 
 async def test_commands_past_max_sessions_share_a_second_connection(

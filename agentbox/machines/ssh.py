@@ -389,7 +389,8 @@ class ConnectionPool:
             if link is not None or len(self.live()) >= self.max_connections:
                 return link
             if self._failure is not None and self._failure[0] >= asked:
-                raise self._failure[1]  # the connect this caller waited on failed: same answer
+                # the connect this caller waited for failed: the same answer, no second wait
+                raise MachineUnavailable(str(self._failure[1]))
             try:
                 conn = await self._connect()
             except BaseException as exc:
@@ -422,7 +423,7 @@ class ConnectionPool:
 
     def refuse(self, link: Link) -> None:
         """The sshd refused a channel below our count: its MaxSessions is lower; believe it."""
-        link.capacity = max(1, link.in_use - 1)
+        link.capacity = self.capacity = max(1, link.in_use - 1)
 
     def _close_spare(self, link: Link) -> None:
         if link.in_use == 0:
@@ -729,12 +730,9 @@ class SshMachine:
 
     def capabilities(self) -> dict[str, Any]:
         o, facts = self.options, self.facts
-        if facts is None:
-            watch = "not known until connected"
-            grep = "not known until connected"
-        else:
-            watch = self.watch_kind()
-            grep = "rg" if facts.rg else "grep"
+        unknown = "not known until connected"
+        watch = unknown if facts is None and o.watch == "auto" else self.watch_kind()
+        grep = unknown if facts is None else "rg" if facts.rg else "grep"
         return {
             "transport": "ssh",
             "host": o.where,
@@ -1398,7 +1396,9 @@ class RemoteWatch:
             raise FileNotFoundError(errno.ENOENT, "no such file or directory", self.path)
         self.kind = self.machine.watch_kind()
         if self.kind == "inotifywait":
-            await self._start_inotify(facts.inotifywait or "inotifywait")
+            if facts.inotifywait is None:
+                raise MachineUnavailable(f"{self.machine.options.host} has no inotifywait (inotify-tools)")
+            await self._start_inotify(facts.inotifywait)
         else:
             if not facts.gnu_find:
                 raise MachineUnavailable(f"{self.machine.options.host} has no GNU find to poll with")
