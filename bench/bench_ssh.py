@@ -105,7 +105,7 @@ async def exec_figures(machine: SshMachine, counts: Counts) -> list[Figure]:
 
 
 async def file_figures(machine: SshMachine, remote: Path, counts: Counts) -> list[Figure]:
-    sftp = await machine._sftp_client()
+    sftp = await machine.sftp_client()
     data = os.urandom(FILE_BYTES)
     path = str(remote / "bench-1m.bin")
     raw_path = str(remote / "bench-1m-raw.bin")

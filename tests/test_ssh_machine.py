@@ -25,13 +25,8 @@ from conftest import Sshd, start_sshd, stop_sshd, traversable
 
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
-from agentbox.machines.ssh import (
-    DEFAULT_MAX_SESSIONS,
-    TEMP_INFIX,
-    RemoteWatch,
-    SshMachine,
-    SshOptions,
-)
+from agentbox.machines.ssh import DEFAULT_MAX_SESSIONS, RemoteWatch, SshMachine, SshOptions
+from agentbox.machines.ssh.machine import TEMP_INFIX
 
 #: Seconds a remote condition (a process gone, an event arrived) may take before a test fails.
 DEADLINE = 20.0
