@@ -5,9 +5,9 @@
 The sshd is the tests' (tests/conftest.py `start_sshd`: its own host and user keys in a
 scratch directory, a free loopback port), logging in as the tests' user (SSH_USER, login
 shell /bin/sh) when run as root. Every raw reference runs on the machine's own pooled
-connection and its own SFTP channel, so the ratio is what the machine adds: the wrapper,
-its clean environment and pid marker, the pool, the temp-and-rename of a write. A machine
-and its references are timed in interleaved rounds, so a burst of load weighs on both.
+connection and its own SFTP channel, so the ratio is what the machine adds: the checks in
+the login shell, `env -i` and the pid marker, the pool, the temp-and-rename of a write. A
+machine and its references are timed in interleaved rounds, so a burst of load weighs on both.
 README.md in this folder explains each figure.
 """
 

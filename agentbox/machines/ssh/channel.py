@@ -17,7 +17,7 @@ from agentbox.machines.local import BASE_PATH
 
 #: Bytes one output stream buffers before the channel stops reading (back-pressure to the host).
 STREAM_BUFFER = 1 << 20
-#: Bytes of login-shell output kept while looking for the wrapper's marker.
+#: Bytes of login-shell output kept while looking for the marker.
 MAX_PREAMBLE_BYTES = 64 * 1024
 #: Bytes of a command line (environment included) sent in one exec request: sshd's packets
 #: are at most 256 KiB.
@@ -74,7 +74,7 @@ class _Valve:
 
 
 class CommandChannel(asyncssh.SSHClientSession[bytes]):
-    """One command's session channel: the wrapper's marker, the two streams, the exit status."""
+    """One command's session channel: its pid marker, the two streams, the exit status."""
 
     def __init__(self, on_close: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()

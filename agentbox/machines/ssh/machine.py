@@ -102,6 +102,8 @@ class GrepHit:
 
 
 class SshMachine:
+    """One remote host, shared by every session that names it (see the package docstring)."""
+
     kind = "ssh"
     isolated = False
     network_on = True
@@ -316,7 +318,7 @@ class SshMachine:
         )
 
     async def _plain(self, command: str, timeout: float = HELPER_TIMEOUT) -> tuple[int, bytes, bytes]:
-        """Run `command` in the login shell, without the wrapper (it needs nothing of ours)."""
+        """Run `command` in the login shell as it is: no marker, cwd or clean environment needed."""
         for attempt in (1, 2):
             link = await self.pool.acquire()
             try:
