@@ -23,10 +23,12 @@ from pathlib import Path
 import pytest
 from conftest import Sshd, start_sshd, stop_sshd, traversable
 
+from agentbox.config import SECRET_FIELDS
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.ssh import DEFAULT_MAX_SESSIONS, RemoteWatch, SshMachine, SshOptions
 from agentbox.machines.ssh.machine import TEMP_INFIX
+from agentbox.secrets import REDACTED, SecretBox, redact
 
 #: Seconds a remote condition (a process gone, an event arrived) may take before a test fails.
 DEADLINE = 20.0
@@ -114,6 +116,15 @@ def test_options_refuse_unknown_keys_missing_fields_and_bad_values() -> None:
     with pytest.raises(ValueError, match="watch must be"):
         SshOptions.from_options({**base, "watch": "fanotify"})
     assert SshOptions.from_options({**base, "poll_seconds": 1}).poll_seconds == 1.0
+
+
+def test_the_secret_options_are_the_registrys_secret_fields(tmp_path: Path) -> None:
+    box = SecretBox(tmp_path)
+    stored = {"host": "h", "user": "u", "password": box.encrypt("pw"), "private_key": box.encrypt("KEY"),
+              "passphrase": box.encrypt("pp")}  # fmt: skip
+    assert set(redact(stored, SECRET_FIELDS).values()) == {"h", "u", REDACTED}
+    options = SshOptions.from_options(box.decrypt_fields(stored, SECRET_FIELDS))
+    assert (options.password, options.private_key, options.passphrase) == ("pw", "KEY", "pp")
 
 
 # --- commands --------------------------------------------------------------------------
@@ -358,6 +369,10 @@ async def test_list_stat_mkdir_remove_rename(ssh: SshMachine, remote_root: Path)
     assert [(e.name, e.stat.is_dir, e.stat.is_symlink) for e in entries] == [
         ("b", True, False), ("dangling", False, True), ("f.txt", False, False), ("link", False, True),
     ]  # fmt: skip
+    with pytest.raises(NotADirectoryError):
+        await ssh.list("a/f.txt")
+    with pytest.raises(FileNotFoundError):
+        await ssh.list("a/none")
     await ssh.write("a/g.txt", b"g")
     await ssh.rename("a/g.txt", "a/f.txt")  # over an existing file
     assert (remote_root / "a/f.txt").read_bytes() == b"g" and not (remote_root / "a/g.txt").exists()

@@ -555,16 +555,25 @@ class SshMachine:
 
     async def list(self, path: str) -> list[FileEntry]:
         async def op(sftp: asyncssh.SFTPClient, target: str) -> list[FileEntry]:
-            names = [n async for n in sftp.scandir(target) if n.filename not in (".", "..")]
-            entries = []
-            for n in sorted(names, key=lambda n: str(n.filename)):
-                child = posixpath.join(target, str(n.filename))
-                attrs = n.attrs
-                link = is_link(attrs)
-                if link:  # the target's attributes, as a local listing gives them
-                    attrs = await stat_or_none(sftp, child) or attrs
-                entries.append(FileEntry(str(n.filename), child, to_stat(child, attrs, link)))
-            return entries
+            try:
+                names = [n async for n in sftp.scandir(target) if n.filename not in (".", "..")]
+            except asyncssh.SFTPNoSuchFile:  # sftp v3 says "no such file" for ENOTDIR too
+                if (await stat_or_none(sftp, target)) is not None:
+                    raise OSError(errno.ENOTDIR, "not a directory", path) from None
+                raise
+            names.sort(key=lambda n: str(n.filename))
+            children = [posixpath.join(target, str(n.filename)) for n in names]
+            # a link's entry has its target's attributes, as a local listing gives them
+            links = [child for n, child in zip(names, children, strict=True) if is_link(n.attrs)]
+            followed = dict(
+                zip(links, await asyncio.gather(*(stat_or_none(sftp, c) for c in links)), strict=True)
+            )
+            return [
+                FileEntry(
+                    str(n.filename), child, to_stat(child, followed.get(child) or n.attrs, child in followed)
+                )
+                for n, child in zip(names, children, strict=True)
+            ]
 
         return await self._files(path, op, idempotent=True)
 
