@@ -24,7 +24,7 @@ import pytest
 from conftest import Sshd, start_sshd, stop_sshd, traversable
 
 from agentbox.config import SECRET_FIELDS
-from agentbox.machines.base import ExecRequest
+from agentbox.machines.base import ExecRequest, Machine, environment_line
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.ssh import DEFAULT_MAX_SESSIONS, RemoteWatch, SshMachine, SshOptions
 from agentbox.machines.ssh.machine import TEMP_INFIX
@@ -219,8 +219,8 @@ async def test_close_kills_what_still_runs(make_ssh: MachineFactory, remote_root
     await ssh.spawn(ExecRequest(command="sleep 300 & echo $! $$ > pids; wait"))
     await eventually(lambda: started(remote_root / "pids"), "the command started")
     pids = [int(p) for p in (remote_root / "pids").read_text().split()]
-    await ssh.close()
-    assert not any(alive(p) for p in pids)
+    await ssh.close()  # returns once the group's leader is reported dead; the rest die with it
+    await eventually(lambda: not any(alive(p) for p in pids), "the command and its child are killed")
 
 
 async def test_commands_past_max_sessions_share_a_second_connection(
@@ -258,6 +258,16 @@ async def test_stop_disconnects_and_the_next_call_connects_again(ssh: SshMachine
     await ssh.close()
     with pytest.raises(MachineUnavailable, match="closed"):
         await ssh.exec(ExecRequest(command="true"))
+
+
+async def test_it_is_a_machine_that_says_what_it_is(ssh: SshMachine, sshd: Sshd, remote_root: Path) -> None:
+    assert isinstance(ssh, Machine) and (ssh.kind, ssh.isolated, ssh.os) == ("ssh", False, "linux")
+    assert environment_line(ssh) == f"Machine: remote (ssh, linux), workspace {remote_root}"
+    caps = ssh.capabilities()
+    assert caps["host"] == f"{sshd.user}@127.0.0.1:{sshd.port}"
+    assert caps["host_key"] == f"known_hosts {sshd.known_hosts}"
+    assert (caps["connections"], caps["channels_per_connection"]) == (1, DEFAULT_MAX_SESSIONS)
+    assert caps["watch"] == "inotifywait"  # scripts/test.sh installs inotify-tools
 
 
 async def test_a_relative_root_is_under_the_remote_home(make_ssh: MachineFactory, sshd: Sshd) -> None:
