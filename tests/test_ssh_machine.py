@@ -146,10 +146,14 @@ async def test_commands_run_in_root_and_spawn_errors_are_oserrors(ssh: SshMachin
     assert (
         await ssh.exec(ExecRequest(command="pwd", cwd="sub"))
     ).stdout.decode().strip() == f"{remote_root}/sub"
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as missing:
         await ssh.exec(ExecRequest(command="true", cwd="missing"))
-    with pytest.raises(FileNotFoundError):
+    assert missing.value.filename == f"{remote_root}/missing"
+    with pytest.raises(NotADirectoryError):
+        await ssh.exec(ExecRequest(command="true", cwd="/etc/passwd"))
+    with pytest.raises(FileNotFoundError) as unknown:
         await ssh.exec(ExecRequest(argv=("no-such-program-here",)))
+    assert unknown.value.filename == "no-such-program-here"
     with pytest.raises(PermissionError):
         await ssh.exec(ExecRequest(argv=("/etc/passwd",)))
 

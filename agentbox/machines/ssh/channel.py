@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import re
 import shlex
 import signal
@@ -76,8 +77,10 @@ class _Valve:
 class CommandChannel(asyncssh.SSHClientSession[bytes]):
     """One command's session channel: its pid marker, the two streams, the exit status."""
 
-    def __init__(self, on_close: Callable[[], None]) -> None:
+    def __init__(self, on_close: Callable[[], None], subjects: Mapping[str, str] | None = None) -> None:
+        """`subjects` name what a failed check was about (`cwd`, `exec`), for its OSError."""
         loop = asyncio.get_running_loop()
+        self.subjects = dict(subjects or {})
         self.stdout = asyncio.StreamReader(STREAM_BUFFER)
         self.stderr = asyncio.StreamReader(STREAM_BUFFER)
         self.started: asyncio.Future[int] = loop.create_future()
@@ -185,7 +188,7 @@ class CommandChannel(asyncssh.SSHClientSession[bytes]):
                 self.stdout.feed_data(rest)
         else:
             code = getattr(errno, fields[1], errno.EIO)
-            self.started.set_exception(OSError(code, f"{errno.errorcode.get(code, 'EIO')} ({fields[2]})"))
+            self.started.set_exception(OSError(code, os.strerror(code), self.subjects.get(fields[2])))
 
     def pause(self, name: str) -> None:
         self._paused.add(name)

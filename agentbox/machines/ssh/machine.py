@@ -200,6 +200,7 @@ class SshMachine:
     # connecting ---------------------------------------------------------------------------
 
     async def ready(self) -> HostFacts:
+        """The host's facts, connecting first if no call has yet: every operation starts here."""
         if self._closed:
             raise MachineUnavailable(f"machine {self.name!r} is closed")
         self.last_used = time.monotonic()
@@ -246,7 +247,8 @@ class SshMachine:
 
     async def _connect(self) -> asyncssh.SSHClientConnection:
         o = self.options
-        trust, keys = self._trust(), self._client_keys()
+        trust = self._trust()
+        keys = await asyncio.to_thread(self._client_keys)  # a passphrase's KDF takes a while
         try:
             async with asyncio.timeout(o.connect_timeout):
                 return await asyncssh.connect(
@@ -269,7 +271,7 @@ class SshMachine:
             self._sftp = None
 
     def unavailable(self, exc: BaseException, timeout: float | None = None) -> MachineUnavailable:
-        """The one wording of every transport failure (see the module docstring's table)."""
+        """The one wording of every transport failure (see the package docstring's table)."""
         o = self.options
         if isinstance(exc, MachineUnavailable):
             return exc
@@ -293,6 +295,7 @@ class SshMachine:
         return MachineUnavailable(f"{o.where}: {exc}")
 
     def dropped(self, exc: BaseException) -> MachineUnavailable:
+        """A connection that was up and is gone (the sshd, its host or the network went away)."""
         return MachineUnavailable(f"the connection to {self.options.where} dropped: {exc}")
 
     async def _probe(self) -> HostFacts:
@@ -356,7 +359,7 @@ class SshMachine:
         cwd = inside_path(facts.root, request.cwd or facts.root)
         piped = request.stdin is not None or request.interactive
         command = remote_command(cwd, request.args(), self.command_env(request), stdin=piped)
-        channel = await self._open_channel(command)
+        channel = await self._open_channel(command, {"cwd": cwd, "exec": request.args()[0]})
         try:
             async with asyncio.timeout(CHANNEL_TIMEOUT):
                 pid = await asyncio.shield(channel.started)
@@ -364,8 +367,6 @@ class SshMachine:
             channel.abandon()
             if isinstance(exc, TimeoutError):
                 raise self.unavailable(exc, CHANNEL_TIMEOUT) from None
-            if isinstance(exc, OSError) and exc.filename is None:
-                exc.filename = cwd if "cwd" in str(exc) else request.args()[0]
             raise
         process = SshProcess(channel, pid, request.args()[0], self.signal_group)
         self._processes.add(process)
@@ -375,13 +376,13 @@ class SshMachine:
             await process.close_stdin()
         return process
 
-    async def _open_channel(self, command: str) -> CommandChannel:
+    async def _open_channel(self, command: str, subjects: dict[str, str]) -> CommandChannel:
         """A session channel running `command`; retried on another connection while none opened."""
         last: BaseException | None = None
         for _attempt in range(3):
             link = await self.pool.acquire()
             self.running += 1
-            channel = CommandChannel(functools.partial(self._channel_closed, link))
+            channel = CommandChannel(functools.partial(self._channel_closed, link), subjects)
             try:
                 async with asyncio.timeout(CHANNEL_TIMEOUT):
                     await link.conn.create_session(channel.factory, command, encoding=None)
