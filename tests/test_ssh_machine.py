@@ -8,6 +8,7 @@ on disk and in /proc.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import os
 import pwd
@@ -25,6 +26,7 @@ from conftest import Sshd, start_sshd, stop_sshd, traversable
 
 from agentbox.config import SECRET_FIELDS
 from agentbox.machines.base import ExecRequest, Machine, environment_line
+from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.ssh import DEFAULT_MAX_SESSIONS, RemoteWatch, SshMachine, SshOptions
 from agentbox.machines.ssh.machine import TEMP_INFIX
@@ -471,7 +473,15 @@ async def test_watch_of_a_missing_path(ssh: SshMachine) -> None:
             pass
 
 
-async def test_grep_finds_lines(ssh: SshMachine, remote_root: Path) -> None:
+@pytest.mark.parametrize("tool", ["rg", "grep"])
+async def test_grep_finds_lines(ssh: SshMachine, remote_root: Path, tmp_path: Path, tool: str) -> None:
+    assert ssh.facts is not None
+    # The host has grep; its rg is the one the ripgrep wheel gives this server, copied where the
+    # user reaches it (tmp_path is traversable: remote_root is in it).
+    (tmp_path / "bin").mkdir()
+    rg = str(reachable_copy(ripgrep_binary(), tmp_path / "bin")) if tool == "rg" else None
+    ssh.facts = dataclasses.replace(ssh.facts, rg=rg)
+    assert ssh.capabilities()["grep"] == tool
     (remote_root / "src").mkdir()
     (remote_root / "src/a.py").write_text("x = 1\n# TODO: one\n")
     (remote_root / "src/b.py").write_text("nothing\nTODO two\nlast TODO\n")
@@ -484,7 +494,8 @@ async def test_grep_finds_lines(ssh: SshMachine, remote_root: Path) -> None:
     assert len(await ssh.grep("TODO", "src", max_results=2)) == 2
     assert await ssh.grep("a.b", "src", fixed_strings=True) == []
     assert await ssh.grep("todo: ONE", "src", case_insensitive=True) != []
-    assert ssh.capabilities()["grep"] in ("rg", "grep")
+    with pytest.raises(OSError):
+        await ssh.grep("(unclosed", "src")
 
 
 # --- trust, authentication, reachability -------------------------------------------------
