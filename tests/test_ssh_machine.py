@@ -586,6 +586,26 @@ def own_sshd(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncI
     stop_sshd(server)
 
 
+async def test_a_peer_that_goes_silent_mid_command_is_found_by_keepalives(
+    make_ssh: MachineFactory, own_sshd: Sshd, remote_root: Path
+) -> None:
+    ssh = await make_ssh(own_sshd, keepalive_seconds=SILENT_TIMEOUT / 4)
+    process = await ssh.spawn(ExecRequest(command="echo $$ > silent.pid; exec sleep 300"))
+    await eventually(lambda: (remote_root / "silent.pid").exists(), "the command started")
+    frozen = own_sshd.sessions()
+    for pid in frozen:  # the connection stays up, and nothing answers on it
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MachineUnavailable, match="dropped while the command ran"):
+            await asyncio.wait_for(process.wait(), DEADLINE)
+        assert time.monotonic() - started < 4 * SILENT_TIMEOUT
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    os.kill(int((remote_root / "silent.pid").read_text()), signal.SIGKILL)
+
+
 async def test_a_dropped_connection_is_reopened_by_the_next_call(
     make_ssh: MachineFactory, own_sshd: Sshd
 ) -> None:

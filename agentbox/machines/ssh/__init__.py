@@ -11,8 +11,9 @@ opened when first needed and reused by every command and file operation. An sshd
 few channels per connection (OpenSSH's `MaxSessions`, 10 on Debian), so a connection
 carries at most `max_sessions` channels at once (SFTP holds one for as long as it is open)
 and the pool opens another one past that, up to MAX_CONNECTIONS, rather than failing the
-eleventh concurrent command. Keepalives find a silent peer within KEEPALIVE_SECONDS *
-KEEPALIVE_COUNT; a connection that drops leaves the pool and the next call opens a new one.
+eleventh concurrent command. Keepalives find a silent peer within `keepalive_seconds` *
+KEEPALIVE_COUNT (45 s by default); a connection that drops leaves the pool and the next
+call opens a new one.
 
 Trust. The host key is checked against the server user's `~/.ssh/known_hosts` (or the
 `known_hosts` file named), or against the one `host_key` configured; an unknown or changed

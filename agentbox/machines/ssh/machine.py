@@ -26,7 +26,7 @@ from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.hostfs import MAX_MACHINE_READ_BYTES
 from agentbox.machines.local import BASE_PATH
 from agentbox.machines.ssh.channel import CommandChannel, SshProcess, remote_command
-from agentbox.machines.ssh.options import SshOptions
+from agentbox.machines.ssh.options import KEEPALIVE_COUNT, SshOptions
 from agentbox.machines.ssh.pool import ConnectionPool, Link
 from agentbox.machines.ssh.sftp import (
     is_link,
@@ -44,9 +44,6 @@ log = logging.getLogger(__name__)
 CHANNEL_TIMEOUT = 15.0
 #: Seconds one file operation (a whole read or write included) may take.
 FILE_OP_TIMEOUT = 60.0
-#: Seconds between keepalives on a quiet connection; KEEPALIVE_COUNT unanswered ones drop it.
-KEEPALIVE_SECONDS = 15.0
-KEEPALIVE_COUNT = 3
 #: Seconds a kill (over its own channel) may take, and then the killed command to end.
 KILL_TIMEOUT = 5.0
 #: Seconds a helper command of the machine's own (probe, `id`, `rm -rf`, `find`) may take.
@@ -260,7 +257,7 @@ class SshMachine:
                     password=o.password,
                     agent_path=None,
                     config=None,
-                    keepalive_interval=KEEPALIVE_SECONDS,
+                    keepalive_interval=o.keepalive_seconds,
                     keepalive_count_max=KEEPALIVE_COUNT,
                 )
         except (asyncssh.Error, OSError, TimeoutError) as exc:

@@ -15,6 +15,9 @@ DEFAULT_PORT = 22
 DEFAULT_MAX_SESSIONS = 10
 #: Seconds for a TCP connect, the SSH handshake and authentication together.
 CONNECT_TIMEOUT = 10.0
+#: Seconds between keepalives on a quiet connection; KEEPALIVE_COUNT unanswered ones drop it.
+KEEPALIVE_SECONDS = 15.0
+KEEPALIVE_COUNT = 3
 #: The remote root when the entry names none: this directory under the remote user's home.
 DEFAULT_ROOT = "agentbox"
 #: Seconds between two scans of a polling watch (its latency).
@@ -58,6 +61,9 @@ class SshOptions:
     """Seconds between two scans of a polling watch: its latency."""
     connect_timeout: float = CONNECT_TIMEOUT
     """Seconds a connection (TCP, handshake and authentication) may take."""
+    keepalive_seconds: float = KEEPALIVE_SECONDS
+    """Seconds between keepalives on a quiet connection: one whose peer misses KEEPALIVE_COUNT
+    of them in a row is dropped (and what ran on it fails with `MachineUnavailable`)."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> SshOptions:
@@ -83,8 +89,8 @@ class SshOptions:
             raise ValueError("max_sessions must be at least 1")
         if self.watch not in ("auto", "inotifywait", "polling"):
             raise ValueError(f"watch must be auto, inotifywait or polling, not {self.watch!r}")
-        if self.poll_seconds <= 0 or self.connect_timeout <= 0:
-            raise ValueError("poll_seconds and connect_timeout must be positive")
+        if min(self.poll_seconds, self.connect_timeout, self.keepalive_seconds) <= 0:
+            raise ValueError("poll_seconds, connect_timeout and keepalive_seconds must be positive")
         for name in ("private_key", "passphrase", "password"):
             if is_encrypted(getattr(self, name)):
                 raise ValueError(f"{name} is still encrypted: decrypt the entry's secrets first")
@@ -103,7 +109,7 @@ class SshOptions:
 REQUIRED_OPTIONS = ("host", "user")
 #: Options that are numbers; every other one is a string.
 INTEGER_OPTIONS = frozenset({"port", "max_sessions"})
-NUMBER_OPTIONS = frozenset({"poll_seconds", "connect_timeout"})
+NUMBER_OPTIONS = frozenset({"poll_seconds", "connect_timeout", "keepalive_seconds"})
 
 
 def _option(name: str, value: Any) -> Any:
