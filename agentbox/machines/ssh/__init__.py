@@ -35,8 +35,8 @@ MAIL, ...) nor what the login shell's startup files export reach the command. Op
 starts each session's process in a session of its own, and the login shell, env and the
 command are one process exec'ing in turn, so the marked pid leads the command's process
 group: a kill, on timeout, cancellation or `Process.kill`, is `kill -s SIG -- -PID` over
-another channel, which ends the command and everything it started. A command that outlives a SIGKILL by
-KILL_TIMEOUT (its kill could not be delivered) has its channel closed.
+another channel, which ends the command and everything it started. A command that outlives
+a SIGKILL by KILL_TIMEOUT (its kill could not be delivered) has its channel closed.
 
 Files go over one SFTP channel (asyncssh pipelines its requests). A write goes to a temp
 file in the same directory (`.NAME.agentbox-RANDOM.tmp`, created exclusively), takes the
@@ -49,20 +49,30 @@ Watching and search (methods of their own, beside the `Machine` protocol): `watc
 `poll_seconds`; `grep` runs the host's `rg`, else its `grep -r`. `capabilities()` says
 which (known after the first connection).
 
-Every way a call fails here, all bounded in time (the constants below):
+Every way a call fails here, each bounded in time (`connect_timeout`, `keepalive_seconds`
+and the named constants of `machine.py` and `pool.py`):
 
-    sshd unreachable, refused, silent          MachineUnavailable "cannot reach sshd at ..."
-    host key unknown or changed                MachineUnavailable "the host key of ... is not trusted"
-    no known_hosts file and no host_key        MachineUnavailable "no known_hosts file at ..."
-    key unreadable or wrong passphrase         MachineUnavailable "the private key ... could not be loaded"
-    authentication refused                     MachineUnavailable "authentication as USER ... failed"
-    connection dropped (mid-command too)       MachineUnavailable "the connection to ... dropped"
-    every channel busy for CHANNEL_WAIT_SECONDS  MachineUnavailable "all N channels ... are busy"
-    a file operation's own failure             OSError with its errno (FileNotFoundError, ...)
-    a user `chown` cannot resolve              OwnerUnsupported
+    MachineError
+    ├── MachineUnavailable
+    │   ├── sshd unreachable or refusing       "cannot reach sshd at HOST:PORT: ..."
+    │   ├── sshd silent past connect_timeout   "USER@HOST:PORT did not answer within N s"
+    │   ├── host key unknown or changed        "the host key of HOST:PORT is not trusted by ..."
+    │   ├── no known_hosts file, no host_key   "no known_hosts file at PATH and no host_key ..."
+    │   ├── key unreadable, wrong passphrase   "the private key ... could not be loaded ..."
+    │   ├── authentication refused             "authentication as USER on HOST:PORT failed ..."
+    │   ├── connection dropped or silent       "the connection to ... dropped: ..."
+    │   ├── ... while a command ran            "the connection dropped while the command ran: ..."
+    │   ├── every channel busy too long        "all N channels to the host are busy ..."
+    │   └── the machine closed                 "machine NAME is closed"
+    └── OwnerUnsupported                       `chown` to a user the host does not have
+    OSError (its errno: FileNotFoundError...)  a file operation's or a spawn's own failure
 
 Idempotent calls (a spawn whose channel never opened, read, stat, list, write) that meet a
 connection dropped under them are retried once on a new connection; the others raise.
+
+The modules: `options` (the entry), `pool` (connections and their channel counts),
+`channel` (a command's command line, session channel and `Process`), `sftp` (SFTP answers
+as errnos and `FileStat`s), `watch` (inotifywait or polling), `machine` (`SshMachine`).
 """
 
 from agentbox.machines.ssh.channel import SshProcess, remote_command
