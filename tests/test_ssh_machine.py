@@ -28,7 +28,7 @@ from agentbox.config import SECRET_FIELDS
 from agentbox.machines.base import ExecRequest, Machine, environment_line
 from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
-from agentbox.machines.ssh import DEFAULT_MAX_SESSIONS, RemoteWatch, SshMachine, SshOptions
+from agentbox.machines.ssh import DEFAULT_MAX_SESSIONS, ConnectionPool, RemoteWatch, SshMachine, SshOptions
 from agentbox.machines.ssh.machine import TEMP_INFIX
 from agentbox.secrets import REDACTED, SecretBox, redact
 
@@ -286,6 +286,24 @@ async def test_a_relative_root_is_under_the_remote_home(make_ssh: MachineFactory
         assert ssh.capabilities()["root"] == ssh.root
     finally:
         shutil.rmtree(home / name, ignore_errors=True)
+
+
+async def test_the_pool_waits_for_room_then_says_every_channel_is_busy(ssh: SshMachine) -> None:
+    pool = ConnectionPool(ssh._connect, 1, max_connections=2, wait_seconds=SILENT_TIMEOUT, spare_idle=0.2)
+    try:
+        first, second = await pool.acquire(), await pool.acquire()
+        assert first is not second and len(pool.live()) == 2
+        started = time.monotonic()
+        with pytest.raises(MachineUnavailable, match="all 2 channels to the host are busy"):
+            await pool.acquire()
+        assert SILENT_TIMEOUT <= time.monotonic() - started < DEADLINE
+        waiting = asyncio.ensure_future(pool.acquire())
+        pool.release(first)
+        assert await asyncio.wait_for(waiting, DEADLINE) is first
+        pool.release(second)  # the spare connection closes once idle a while; the first stays
+        await eventually(lambda: pool.live() == [first], "the spare connection closed")
+    finally:
+        await pool.close()
 
 
 # --- files -----------------------------------------------------------------------------

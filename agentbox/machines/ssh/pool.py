@@ -42,7 +42,7 @@ class ConnectionPool:
 
     A caller leases one channel's room (`acquire`) and gives it back (`release`) when its
     channel has closed. Connections are opened one at a time; a failed connect is the answer
-    for every caller that was waiting on it, so a dead host costs one CONNECT_TIMEOUT, not
+    for every caller that was waiting on it, so a dead host costs one connect timeout, not
     one per waiting command.
     """
 
@@ -52,11 +52,17 @@ class ConnectionPool:
         capacity: int,
         *,
         max_connections: int = MAX_CONNECTIONS,
+        wait_seconds: float = CHANNEL_WAIT_SECONDS,
+        spare_idle: float = SPARE_IDLE_SECONDS,
         on_lost: Callable[[Link], None] | None = None,
     ) -> None:
         self._connect = connect
         self.capacity = capacity
         self.max_connections = max_connections
+        self.wait_seconds = wait_seconds
+        """Seconds `acquire` waits for room while every connection is full."""
+        self.spare_idle = spare_idle
+        """Seconds a connection other than the first stays open with no channel in use."""
         self.links: list[Link] = []
         self._on_lost = on_lost
         self._lock = asyncio.Lock()
@@ -72,7 +78,7 @@ class ConnectionPool:
 
     async def acquire(self) -> Link:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CHANNEL_WAIT_SECONDS
+        deadline = loop.time() + self.wait_seconds
         while True:
             link = self._with_room()
             if link is None and len(self.live()) < self.max_connections:
@@ -84,7 +90,7 @@ class ConnectionPool:
             if remaining <= 0:
                 raise MachineUnavailable(
                     f"all {self.max_connections * self.capacity} channels to the host are busy "
-                    f"(waited {CHANNEL_WAIT_SECONDS:g} s)"
+                    f"(waited {self.wait_seconds:g} s)"
                 )
             self._freed.clear()
             with contextlib.suppress(TimeoutError):
@@ -126,7 +132,7 @@ class ConnectionPool:
         live = self.live()
         if link.in_use == 0 and live and link is not live[0] and not link.closed:
             loop = asyncio.get_running_loop()
-            link.spare_timer = loop.call_later(SPARE_IDLE_SECONDS, self._close_spare, link)
+            link.spare_timer = loop.call_later(self.spare_idle, self._close_spare, link)
 
     def refuse(self, link: Link) -> None:
         """The sshd refused a channel below our count: its MaxSessions is lower; believe it."""
