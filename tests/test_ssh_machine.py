@@ -29,6 +29,7 @@ from agentbox.machines.base import ExecRequest, Machine, environment_line
 from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.ssh import DEFAULT_MAX_SESSIONS, ConnectionPool, RemoteWatch, SshMachine, SshOptions
+from agentbox.machines.ssh.channel import MAX_COMMAND_BYTES, STREAM_BUFFER
 from agentbox.machines.ssh.machine import TEMP_INFIX
 from agentbox.secrets import REDACTED, SecretBox, redact
 
@@ -158,6 +159,23 @@ async def test_commands_run_in_root_and_spawn_errors_are_oserrors(ssh: SshMachin
     assert unknown.value.filename == "no-such-program-here"
     with pytest.raises(PermissionError):
         await ssh.exec(ExecRequest(argv=("/etc/passwd",)))
+
+
+async def test_a_slow_reader_holds_the_output_back_and_loses_none(ssh: SshMachine) -> None:
+    size = 4 * STREAM_BUFFER
+    process = await ssh.spawn(ExecRequest(command=f"head -c {size} /dev/zero; echo done >&2"))
+    await asyncio.sleep(0.5)  # nobody reads: the channel stops reading at its buffer
+    assert len(process.stdout._buffer) <= 2 * STREAM_BUFFER + 65536  # type: ignore[attr-defined]
+    got = 0
+    while chunk := await process.stdout.read(65536):
+        got += len(chunk)
+    assert (got, await process.stderr.read(), await process.wait()) == (size, b"done\n", 0)
+
+
+async def test_a_command_line_too_long_for_one_request_is_e2big(ssh: SshMachine) -> None:
+    with pytest.raises(OSError) as too_long:
+        await ssh.exec(ExecRequest(command="echo " + "x" * MAX_COMMAND_BYTES))
+    assert too_long.value.errno == errno.E2BIG
 
 
 async def test_stdin_given_whole_or_written_by_the_caller(ssh: SshMachine) -> None:

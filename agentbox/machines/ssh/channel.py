@@ -30,7 +30,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 def remote_command(cwd: str, argv: list[str], env: Mapping[str, str], *, stdin: bool = False) -> str:
     """The command line of an exec request: the login shell checks, marks and execs (see the
-    module docstring). Its builtins alone run before `env`, so a command costs the host two
+    package docstring). Its builtins alone run before `env`, so a command costs the host two
     execs (env, then argv) beyond the login shell's. Without `stdin` the command reads
     /dev/null, so no EOF needs to cross the connection."""
     bad = [k for k in env if not ENV_NAME.fullmatch(k)]
