@@ -14,6 +14,15 @@ if ! command -v dockerd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &&
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io >/dev/null
 fi
+# A real sshd and inotifywait for the ssh machine kind's tests (tests/test_ssh_machine.py).
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  missing=""
+  for p in openssh-server inotify-tools; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+  if [ -n "$missing" ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  fi
+fi
 # The data image (about 3 GB, 3 minutes the first time): tests use every tool it has. Cached by
 # its request, so a rerun on the same machine skips it.
 .venv/bin/agentbox image build data --profile data

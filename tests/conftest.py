@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import pwd
+import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -528,3 +532,149 @@ def dockerd() -> Iterator[Dockerd]:
     remove_agentbox_containers(daemon)
     stop_dockerd(daemon)
     shutil.rmtree(run, ignore_errors=True)
+
+
+# --- a real sshd on loopback (the ssh machine kind) ------------------------------------------
+
+#: Debian's sshd and its SFTP server (openssh-server, installed by scripts/test.sh).
+SSHD = Path("/usr/sbin/sshd")
+SFTP_SERVER = Path("/usr/lib/openssh/sftp-server")
+#: The directory a root sshd needs for privilege separation (made at boot on a full system).
+SSHD_PRIVSEP_DIR = Path("/run/sshd")
+#: Seconds sshd may take to listen.
+SSHD_START_TIMEOUT = 10.0
+#: The account a root test run logs in as: kept between runs (like test_nonroot's), with /bin/sh
+#: as its login shell, so no rc file of root's (a pyenv init costs 300 ms a command) is timed.
+SSH_USER = "agentbox-ssh"
+
+
+@dataclass
+class Sshd:
+    """An sshd on 127.0.0.1:`port` with its own host key, trusting `user_key` (tests/test_ssh_machine.py)."""
+
+    port: int
+    dir: Path
+    user: str
+    """Whom `options` logs in as."""
+    password: str | None
+    """That user's password, when the test run could set one (as root)."""
+    host_key: str
+    """The host's public key line (`ssh-ed25519 AAAA...`)."""
+    user_key: Path
+    known_hosts: Path
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def options(self, **overrides: object) -> dict[str, object]:
+        """`[machines.<name>]` options of an ssh machine logging in as this process's user."""
+        base: dict[str, object] = {
+            "host": "127.0.0.1", "port": self.port, "user": self.user,
+            "key_file": str(self.user_key), "known_hosts": str(self.known_hosts),
+        }  # fmt: skip
+        return {**base, **overrides}
+
+    def owned_dir(self, path: Path) -> Path:
+        """Make `path` a directory of the login user's (a machine's root, say)."""
+        path.mkdir(parents=True, exist_ok=True)
+        entry = pwd.getpwnam(self.user)
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+        return path
+
+    def sessions(self) -> list[int]:
+        """Pids of the sshd processes that serve connections (every descendant named sshd)."""
+        parents: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:
+                    continue
+                comm_end = stat.rfind(")")
+                if stat[stat.find("(") + 1 : comm_end] == "sshd":
+                    parents[int(entry)] = int(stat[comm_end + 2 :].split()[1])
+        found, frontier = [], {self.process.pid}
+        while frontier:
+            frontier = {pid for pid, ppid in parents.items() if ppid in frontier}
+            found += sorted(frontier)
+        return found
+
+    def drop_connections(self) -> int:
+        """SIGKILL every connection's sshd (the commands they ran keep running); how many."""
+        pids = self.sessions()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return len(pids)
+
+    def log_tail(self) -> str:
+        return log_tail(self.log)
+
+
+@functools.cache
+def ssh_user() -> tuple[str, str | None]:
+    """The login user and its password: SSH_USER with a fresh password as root (once a run:
+    every sshd of the run logs it in), else oneself."""
+    if os.geteuid() != 0:
+        return pwd.getpwuid(os.geteuid()).pw_name, None
+    if subprocess.run(["id", SSH_USER], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", SSH_USER], check=True)
+    password = secrets.token_urlsafe(16)
+    subprocess.run(["chpasswd"], input=f"{SSH_USER}:{password}\n", text=True, check=True)
+    return SSH_USER, password
+
+
+def start_sshd(where: Path, config: str = "") -> Sshd:
+    """sshd -D on a free loopback port, keys and config in `where`; `config` is added to sshd_config.
+
+    `where` must be searchable by the login user: sshd reads authorized_keys as that user.
+    """
+    where.mkdir(parents=True, exist_ok=True)
+    where.chmod(0o755)
+    user, password = ssh_user()
+    for name in ("host_ed25519", "user_ed25519"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(where / name)], check=True)
+    host_key = " ".join((where / "host_ed25519.pub").read_text().split()[:2])
+    (where / "authorized_keys").write_text((where / "user_ed25519.pub").read_text())
+    (where / "authorized_keys").chmod(0o644)
+    port = free_port()
+    known_hosts = where / "known_hosts"
+    known_hosts.write_text(f"[127.0.0.1]:{port} {host_key}\n")
+    (where / "sshd_config").write_text(
+        "ListenAddress 127.0.0.1\n"
+        f"AuthorizedKeysFile {where / 'authorized_keys'}\n"
+        f"PidFile {where / 'sshd.pid'}\n"
+        "UsePAM no\nStrictModes no\nPermitRootLogin prohibit-password\n"
+        f"Subsystem sftp {SFTP_SERVER}\n{config}"
+    )
+    if os.geteuid() == 0:
+        SSHD_PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
+    log = where / "sshd.log"
+    config_file, key = where / "sshd_config", where / "host_ed25519"
+    argv = [str(SSHD), "-D", "-e", "-f", str(config_file), "-p", str(port), "-h", str(key)]
+    with open(log, "ab") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=out)
+    deadline = time.monotonic() + SSHD_START_TIMEOUT
+    while b"Server listening" not in log.read_bytes():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"sshd did not start; its log ends:\n{log_tail(log)}")
+        time.sleep(0.02)
+    return Sshd(port, where, user, password, host_key, where / "user_ed25519", known_hosts, process, log)
+
+
+def stop_sshd(sshd: Sshd) -> None:
+    sshd.process.terminate()
+    sshd.process.wait(10)
+    for pid in sshd.sessions():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
+    """One sshd for the test session (it serves many machines and connections)."""
+    server = start_sshd(
+        traversable(tmp_path_factory.mktemp("sshd"), tmp_path_factory), "PasswordAuthentication yes\n"
+    )
+    yield server
+    stop_sshd(server)

@@ -210,6 +210,13 @@ DOCKER_FIGURES = {
 }  # fmt: skip
 
 
+SSH_FIGURES = {
+    "raw_channel_builtin_true", "raw_channel_sh_true", "ssh_exec_true", "raw_channel_bin_true",
+    "ssh_exec_argv_true", "raw_sftp_read_1m", "ssh_read_1m", "raw_sftp_write_1m", "ssh_write_1m",
+    "raw_sftp_stat", "ssh_stat",
+}  # fmt: skip
+
+
 @pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
 def test_bench_docker_quick(tmp_path: Path, base_image: Image, dockerd: Dockerd) -> None:
     document = run_quick(
@@ -219,3 +226,10 @@ def test_bench_docker_quick(tmp_path: Path, base_image: Image, dockerd: Dockerd)
     check_figures(document, DOCKER_FIGURES, "bench_docker")
     steps = document["figures"]["cold_docker"]["extra"]["steps_ms"]
     assert {"engine start", "agent connected, ready", "first exec true"} <= set(steps)
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_ssh_quick(tmp_path: Path) -> None:
+    document = run_quick("bench_ssh.py", tmp_path / "ssh.json")
+    check_figures(document, SSH_FIGURES, "bench_ssh")
+    assert document["figures"]["ssh_exec_true"]["target"]["kind"] == "ratio"

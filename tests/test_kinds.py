@@ -6,11 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.config import HOST_KINDS, MachineConfig, Settings
+from agentbox.config import MachineConfig, Settings
 from agentbox.machines.base import ExecRequest, Lifetime, Machine
 from agentbox.machines.errors import MachineNotFound
 from agentbox.machines.kinds import KINDS
 from agentbox.machines.registry import Registry
+
+#: What each kind needs in its entry to be built (not started: nothing is reached).
+OPTIONS: dict[str, dict[str, object]] = {
+    "ssh": {"host": "127.0.0.1", "user": "nobody", "password": "unused"},
+    "docker": {"docker_host": "unix:///nonexistent/docker.sock"},
+}
 
 
 def settings_with(home: Path, **machines: MachineConfig) -> Settings:
@@ -19,7 +25,7 @@ def settings_with(home: Path, **machines: MachineConfig) -> Settings:
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 async def test_every_kind_builds_a_machine_of_the_interface(kind: str, sandbox_tmp: Path) -> None:
-    options = {"root": str(sandbox_tmp / "root")} if kind in HOST_KINDS else {}
+    options = OPTIONS.get(kind, {}) | ({"root": str(sandbox_tmp / "root")} if kind == "local" else {})
     config = MachineConfig("m", kind, options, env={"FROM_CONFIG": "1"})
     registry = Registry(settings_with(sandbox_tmp / "home", m=config))
     machine = registry.view("ses_kinds", "m")  # built, not started
@@ -34,5 +40,5 @@ async def test_every_kind_builds_a_machine_of_the_interface(kind: str, sandbox_t
 
 async def test_a_kind_that_does_not_exist_is_a_clear_error(tmp_path: Path) -> None:
     registry = Registry(settings_with(tmp_path, odd=MachineConfig("odd", "nosuchkind")))
-    with pytest.raises(MachineNotFound, match=r"kind 'nosuchkind'.*kinds: sandbox, local"):
+    with pytest.raises(MachineNotFound, match=r"kind 'nosuchkind'.*kinds: sandbox, docker, local, ssh"):
         registry.view("ses_kinds", "odd")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
 from test_mcp import http_session, text_of
 
 from agentbox.mcp import DATA_META_KEY
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import Server, Sshd, start_server, stop_server
 
 #: Seconds a turn or a server step may take on a loaded machine.
 DEADLINE = 60.0
@@ -105,5 +106,36 @@ async def test_a_sessions_sandbox_routes_act_on_its_own_machine(sandbox_tmp: Pat
             assert refused.status_code == 404 and "without a machine" in refused.text
             other = (await client.get("/sandboxes/not-a-session/v2/sandbox")).json()["data"]
             assert other["machine"]["kind"] == "sandbox"  # an id with no session: the default machine
+    finally:
+        stop_server(server)
+
+
+async def test_a_session_on_an_ssh_machine_runs_its_commands_there(sshd: Sshd, sandbox_tmp: Path) -> None:
+    """The ssh kind is one row of the table: a session names it and its commands run remotely."""
+    home, root = sandbox_tmp / "home", sshd.owned_dir(sandbox_tmp / "remote-root")
+    home.mkdir()
+    options = "\n".join(f"{k} = {json.dumps(v)}" for k, v in sshd.options(root=str(root)).items())
+    config = sandbox_tmp / "agentbox.toml"
+    config.write_text(f'delegable = ["sandbox", "remote"]\n[machines.remote]\nkind = "ssh"\n{options}\n')
+    server = start_server(home, {"AGENTBOX_CONFIG": str(config)})
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as client:
+            sid = (await client.post("/v1/sessions", json={"model": "scripted", "machine": "remote"})).json()[
+                "id"
+            ]
+            done = await client.post(
+                f"/sandboxes/{sid}/v1/shell/exec", json={"command": "pwd; echo remote > made.txt"}
+            )
+            assert done.status_code == 200, done.text
+            assert done.json()["data"]["output"].strip() == str(root)
+            described = (await client.get(f"/sandboxes/{sid}/v2/sandbox")).json()["data"]
+            assert described["machine"] == {
+                "name": "remote",
+                "kind": "ssh",
+                "os": "linux",
+                "root": str(root),
+                "isolated": False,
+            }
+        assert (root / "made.txt").read_text() == "remote\n"
     finally:
         stop_server(server)

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import posixpath
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
+
+from agentbox.machines.errors import PathEscape
 
 OS = Literal["linux", "darwin", "windows"]
 
@@ -179,6 +182,21 @@ class Lifetime(Protocol):
 
 
 Listener = Callable[[str, str], None]
+
+
+def inside_path(root: str, path: str) -> str:
+    """`path` as an absolute, normalised path inside a machine: relative paths are taken from `root`.
+
+    Lexical only: nothing is resolved, so `..` is folded here and symlinks are the machine's
+    business. An empty path or one with a NUL byte can name nothing and is a `PathEscape`.
+    """
+    if not path:
+        raise PathEscape("empty path", path=path)
+    if "\x00" in path:
+        raise PathEscape("path contains a NUL byte", path=path)
+    joined = path if path.startswith("/") else posixpath.join(root, path)
+    normal = posixpath.normpath(joined)
+    return "/" + normal.lstrip("/") if normal != "/" else "/"
 
 
 async def collect(process: Process, limit: int, timeout: float | None) -> ExecResult:

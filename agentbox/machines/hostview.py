@@ -50,6 +50,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentbox.machines.base import inside_path
 from agentbox.machines.errors import PathEscape, PermissionRequired
 
 #: Symlinks followed while resolving one path before giving up (as the kernel's ELOOP).
@@ -205,13 +206,7 @@ class HostView:
 
     def absolute(self, path: str) -> str:
         """Normalise an inside path; relative paths are taken from the root."""
-        if not path:
-            raise PathEscape("empty path", path=path)
-        if "\x00" in path:
-            raise PathEscape("path contains a NUL byte", path=path)
-        joined = path if path.startswith("/") else posixpath.join(self.root, path)
-        normal = posixpath.normpath(joined)
-        return "/" + normal.lstrip("/") if normal != "/" else "/"
+        return inside_path(self.root, path)
 
     def mount_for(self, inside: str) -> Mount | None:
         for m in self.mounts:

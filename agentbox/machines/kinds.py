@@ -29,6 +29,7 @@ from agentbox.machines.sandbox import (
     SandboxHost,
     SandboxMachine,
 )
+from agentbox.machines.ssh import SshMachine, SshOptions
 
 #: A sandbox's memory limit when its entry names none, in MiB.
 DEFAULT_MEMORY_MB = 2048
@@ -128,11 +129,20 @@ def docker_host(settings: Settings) -> DockerHost:
     return DockerHost(settings.home, images=settings.images)
 
 
+def make_ssh(build: Build) -> SshMachine:
+    try:
+        options = SshOptions.from_options(build.config.options)
+    except ValueError as exc:
+        raise MachineUnavailable(f"machine {build.config.name!r}: {exc}") from None
+    return SshMachine(build.config.name, options, build.env)
+
+
 KINDS: dict[str, Kind] = {
     kind.name: kind
     for kind in (
         Kind("sandbox", make_sandbox, shared=sandbox_host, workspace_disk=True),
         Kind("docker", make_docker, shared=docker_host),
         Kind("local", make_local),
+        Kind("ssh", make_ssh),
     )
 }
