@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentbox.machines.base import ExecRequest
 from tests.conftest import SandboxFactory, Server
 
 #: Runs inside the sandbox with its python3: every process not of this command's own
@@ -162,6 +163,9 @@ async def test_seen_from_the_host_the_agent_holds_only_null_its_pipe_and_its_soc
 ) -> None:
     """The same from outside (as root): what the agent, the sandbox's pid 1, has open."""
     m = await make_sandbox()
+    # One command first: the agent closes what it handed over at `R` just after sending it,
+    # and it serves a command only after that, so the listing below is never mid-close.
+    assert (await m.exec(ExecRequest(argv=("true",)))).exit_code == 0
     agent = m._child_pid
     assert agent and f"NSpid:\t{agent}\t1" in Path(f"/proc/{agent}/status").read_text()  # it is pid 1
     held = {int(fd): os.readlink(f"/proc/{agent}/fd/{fd}") for fd in os.listdir(f"/proc/{agent}/fd")}
