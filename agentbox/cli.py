@@ -15,6 +15,7 @@ import typer
 from agentbox import __version__
 from agentbox import config as config_mod
 from agentbox.config import is_loopback
+from agentbox.logs import config as log_config
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="A self-hosted execution environment for AI agents."
@@ -56,7 +57,12 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = DEFAULT_PORT,
     insecure: Annotated[bool, typer.Option(help="Allow a non-loopback bind without an API key.")] = False,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
+    log_level: Annotated[
+        str, typer.Option(help="Log level of agentbox and uvicorn (info adds one access line per request).")
+    ] = "warning",
+    log_format: Annotated[
+        str, typer.Option(help="Log lines as text or json (one object per line).")
+    ] = "text",
 ) -> None:
     """Serve the sandbox API (v2 + AIO v1) on the embedded defaults.
 
@@ -66,6 +72,11 @@ def serve(
     from agentbox.api.app import create_app
     from agentbox.home import HomeError, claim_home
 
+    try:
+        logging = log_config(log_level, log_format, _request_id)
+    except ValueError as exc:
+        typer.echo(f"agentbox serve: {exc}", err=True)
+        raise typer.Exit(2) from None
     settings = config_mod.load()
     settings.bind_host = host
     refusal = bind_refusal(host, settings.api_key, insecure)
@@ -80,7 +91,7 @@ def serve(
     with claim:
         typer.echo(f"agentbox serving on http://{host}:{port} (home {settings.home})", err=True)
         url = f"http://{reachable_host(host)}:{port}"
-        if not _serve(create_app(settings, claim), host, port, log_level, lambda: claim.announce(url)):
+        if not _serve(create_app(settings, claim), host, port, logging, lambda: claim.announce(url)):
             raise typer.Exit(3)
 
 
@@ -93,7 +104,17 @@ def reachable_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _serve(app: object, host: str, port: int, log_level: str, on_listening: Callable[[], None]) -> bool:
+def _request_id() -> str | None:
+    """The id of the request being served, for the log lines written while it runs."""
+    from agentbox.api.observe import current_request
+
+    state = current_request()
+    return None if state is None else state.request_id
+
+
+def _serve(
+    app: object, host: str, port: int, logging: dict[str, Any], on_listening: Callable[[], None]
+) -> bool:
     """uvicorn.run, calling `on_listening` once the socket accepts; False if startup failed."""
     import uvicorn
 
@@ -103,7 +124,8 @@ def _serve(app: object, host: str, port: int, log_level: str, on_listening: Call
             if self.started:
                 on_listening()
 
-    server = Announcing(uvicorn.Config(app, host=host, port=port, log_level=log_level))  # type: ignore[arg-type]
+    config = uvicorn.Config(app, host=host, port=port, log_config=logging, access_log=False)  # type: ignore[arg-type]
+    server = Announcing(config)
     server.run()
     return bool(server.started)
 

@@ -125,9 +125,11 @@ def start_server(
     port: int | None = None,
     user: HostUser | None = None,
     python: Sequence[str] = (),
+    args: Sequence[str] = (),
 ) -> Server:
     """`agentbox serve` on `home`, logging beside it; as `user` when given (the test is root),
-    with `python` (default: this interpreter) as the command that runs Python with agentbox."""
+    with `python` (default: this interpreter) as the command that runs Python with agentbox,
+    and `args` added to `serve`'s (`--log-format json`)."""
     port = port or free_port()
     full_env = {
         **os.environ,
@@ -138,7 +140,7 @@ def start_server(
     }
     log = open(home.parent / f"server-{port}.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
-        [*(python or [sys.executable]), "-m", "agentbox", "serve", "--port", str(port)],
+        [*(python or [sys.executable]), "-m", "agentbox", "serve", "--port", str(port), *args],
         env=full_env,
         stdout=log,
         stderr=log,

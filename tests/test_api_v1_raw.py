@@ -141,7 +141,8 @@ def test_file_failures_are_200_with_the_error_object(api: httpx.Client) -> None:
     reply = api.post("/v1/file/read", json={"file": "/tmp/demo/missing.txt"})
     assert reply.status_code == 200
     body = reply.json()
-    assert set(body) == {"success", "message", "data", "hint"} and body["success"] is False
+    assert set(body) == {"success", "message", "data", "hint", "request_id"} and body["success"] is False
+    assert body["request_id"] == reply.headers["x-request-id"]
     assert set(body["data"]) == ERROR_FIELDS
     error = body["data"]
     assert (error["error_type"], error["errno"], error["errno_name"]) == ("not_found", 2, "ENOENT")

@@ -345,6 +345,7 @@ def test_error_envelope_table(sb: Aio) -> None:
             "retryable": False,
         },
         "hint": None,
+        "request_id": missing.headers["x-request-id"],  # the id the logs name this request by
     }
     exists = failure(sb.http.post("/v2/fs/mkdir", json={"path": "/tmp/demo/src"}), 409, "already_exists")
     assert exists["data"]["errno_name"] == "EEXIST"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -62,11 +62,15 @@ class EventBus:
         """The delta queue of each subscriber that asked for deltas, by its wake flag."""
         self._published: dict[str, int] = {}
         """The highest seq published per session (one int per session this process published)."""
+        self.listeners: list[Callable[[Sequence[Event]], None]] = []
+        """Called with every batch published (the server's metrics count events and turns)."""
 
     def publish(self, events: Sequence[Event]) -> None:
         """Call after the transaction that inserted `events` committed (never before)."""
         for event in events:
             self._published[event.session_id] = max(self._published.get(event.session_id, 0), event.seq)
+        for listener in self.listeners:
+            listener(events)
         for session_id in {event.session_id for event in events}:
             for flag in self._flags.get(session_id, ()):
                 flag.set()

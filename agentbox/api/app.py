@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.middleware.base import RequestResponseEndpoint
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
@@ -24,8 +25,18 @@ from agentbox import __version__
 from agentbox.api import files as files_api
 from agentbox.api import sessions as sessions_api
 from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2_fs, v2_sandbox, v2_watch
-from agentbox.api.envelope import BodyError, BodyRefused, body_errors, error_response, query_error
+from agentbox.api.envelope import (
+    BodyError,
+    BodyRefused,
+    body_errors,
+    error_response,
+    query_error,
+    refused,
+    request_fields,
+)
 from agentbox.api.guard import Guard, GuardMiddleware
+from agentbox.api.metrics import Metrics
+from agentbox.api.observe import SESSION_PREFIX, RequestIdMiddleware, note_error
 from agentbox.config import Settings
 from agentbox.home import HomeClaim
 from agentbox.machines.errors import MachineError
@@ -34,8 +45,9 @@ from agentbox.system import opened_system
 from agentbox.workspace.errors import WorkspaceError, translate
 
 ROUTERS = [v2_fs, v2_watch, v2_commands, v2_sandbox, v1_file, v1_shell, v1_bash, v1_sandbox]
-#: Paths served without an API key.
-OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/docs/oauth2-redirect"}
+#: Paths served without an API key. `/metrics` is not one: it needs the key when one is set
+#: (route and machine names, counts). `/ready` is, like `/health`: probes carry no key.
+OPEN_PATHS = {"/health", "/ready", "/docs", "/openapi.json", "/docs/oauth2-redirect"}
 
 
 def presented_key(request: Request) -> str | None:
@@ -49,8 +61,15 @@ def presented_key(request: Request) -> str | None:
 
 
 def unauthorized() -> JSONResponse:
+    note_error("unauthorized")
     return JSONResponse(
-        {"success": False, "message": "missing or invalid API key", "data": None, "hint": None},
+        {
+            "success": False,
+            "message": "missing or invalid API key",
+            "data": None,
+            "hint": None,
+            **request_fields(),
+        },
         status_code=401,
         headers={"WWW-Authenticate": "Bearer"},
     )
@@ -58,13 +77,18 @@ def unauthorized() -> JSONResponse:
 
 def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     mcp_http = McpHttp()  # `/mcp`: the tools over MCP (streamable HTTP), see agentbox/mcp.py
+    metrics = Metrics(lambda: getattr(app.state, "system", None))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with opened_system(settings, claim) as system:  # the one composition root
+            metrics.wire(system)
             app.state.system = system
-            async with mcp_http.running():
-                yield
+            try:
+                async with mcp_http.running():
+                    yield
+            finally:
+                app.state.system = None  # `/ready` answers 503 from here on
 
     app = FastAPI(title="agentbox", version=__version__, lifespan=lifespan)
     app.state.settings = settings
@@ -92,7 +116,9 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"]
         )
-    app.add_middleware(GuardMiddleware, guard=Guard.of(settings))  # outermost: before anything runs
+    app.add_middleware(GuardMiddleware, guard=Guard.of(settings))  # before anything of the app runs
+    # Outside the guard: a refused request gets an id, an access line and a count too.
+    app.add_middleware(RequestIdMiddleware, on_finished=metrics.finished)
 
     @app.exception_handler(BodyRefused)
     async def refused_body(request: Request, exc: BodyRefused) -> Response:
@@ -113,11 +139,30 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict[str, str]:
+        """Liveness: the process answers (nothing else is checked)."""
         return {"status": "ok", "version": __version__}
+
+    @app.get("/ready", include_in_schema=False)
+    async def ready() -> Response:
+        """Readiness: the system is open and its database answers a trivial query; else 503."""
+        system = getattr(app.state, "system", None)
+        why = "the server is not open (starting or shutting down)"
+        if system is not None:
+            try:
+                await system.db.fetchone("SELECT 1")
+                return JSONResponse({"status": "ready", "version": __version__})
+            except Exception as exc:  # any failure of the database is "not ready"
+                why = f"the database does not answer: {type(exc).__name__}: {exc}"
+        return refused(503, "machine_unavailable", why, "ready", "NotReady")
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_text() -> Response:
+        """The Prometheus text format of this app's registry (`agentbox.api.metrics`)."""
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     for module in ROUTERS:
         app.include_router(module.router)
-        app.include_router(module.router, prefix="/sandboxes/{session_id}")
+        app.include_router(module.router, prefix=SESSION_PREFIX)
     # `/v1/files`: once, at the root; files belong to no sandbox and outlive their session.
     app.include_router(files_api.router)
     # `/v1/sessions`: once, at the root; a session is not a sandbox route.

@@ -6,6 +6,9 @@
     refused   a failure at the sandbox cap also has "retry_after": <seconds> beside "data",
               status 503 and a Retry-After header
 
+Every failure (and the 422 of a malformed body) also carries "request_id": the id the response's
+`X-Request-ID` header names (`agentbox.api.observe`), so a client's report finds the log lines.
+
 v2 sends failures with the HTTP status of their `error_type`; v1 sends them with 200
 (upstream AIO), except downloads and unknown watchers. A malformed JSON body is 422 with a
 top-level `errors` list (`location`, `message`, `type`) and, for the AIO SDK, `detail` as a
@@ -33,6 +36,7 @@ from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from agentbox.api.observe import current_request, note_error
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.files import limit_exceeded
 
@@ -106,6 +110,8 @@ def ok(data: Any = None, message: str = "Operation successful", **extra: Any) ->
 def failure(error: WorkspaceError, *, v1: bool = False) -> JSONResponse:
     status = 200 if v1 else STATUS_BY_TYPE.get(error.error_type, 500)
     body: dict[str, Any] = {"success": False, "message": error.message, "data": error.to_dict(), "hint": None}
+    body.update(request_fields())
+    note_error(error.error_type)
     if error.retry_after is None:
         return JSONResponse(body, status_code=status)
     body["retry_after"] = error.retry_after
@@ -131,10 +137,18 @@ def body_errors(errors: Sequence[Any], location_prefix: str = "body") -> JSONRes
     ]
     detail = [{"loc": i["location"], "msg": i["message"], "type": i["type"]} for i in items]
     message = "; ".join(f"{'.'.join(i['location'])}: {i['message']}" for i in items) or "invalid request body"
+    note_error("bad_request")
     return JSONResponse(
-        {"success": False, "message": message, "data": None, "hint": None, "errors": items, "detail": detail},
+        {"success": False, "message": message, "data": None, "hint": None, "errors": items, "detail": detail,
+         **request_fields()},
         status_code=422,
-    )
+    )  # fmt: skip
+
+
+def request_fields() -> dict[str, str]:
+    """`{"request_id": ...}` while serving a request (what every failure body carries), else {}."""
+    state = current_request()
+    return {} if state is None else {"request_id": state.request_id}
 
 
 def query_error(message: str) -> PlainTextResponse:

@@ -211,6 +211,8 @@ class Registry:
                         self._entries[key] = entry
             fut.set_result(entry)
         except BaseException as exc:
+            if isinstance(exc, MachineUnavailable):
+                log.warning("machine %s of session %s failed to start: %s", config.name, sid or "-", exc)
             fut.set_exception(exc)
             fut.exception()  # retrieved: waiters get it, nobody else must
             raise

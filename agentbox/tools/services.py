@@ -12,6 +12,7 @@ go when the session is deleted (`forget`) or the system closes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,9 +43,14 @@ class MachineServices:
 
     @classmethod
     def of(
-        cls, machine: Machine, session_id: str = DEFAULT_SESSION, index_path: Path | None = None
+        cls,
+        machine: Machine,
+        session_id: str = DEFAULT_SESSION,
+        index_path: Path | None = None,
+        on_command: Callable[[], None] | None = None,
     ) -> MachineServices:
-        return cls(session_id, machine, WatchHub(machine), CommandManager(machine), Editor(), index_path)  # type: ignore[arg-type]
+        commands = CommandManager(machine, on_command)
+        return cls(session_id, machine, WatchHub(machine), commands, Editor(), index_path)  # type: ignore[arg-type]
 
     async def knowledge(self) -> KnowledgeIndex:
         """The machine's knowledge index, opened (attached to this watch hub, refreshed) on first use."""
@@ -69,6 +75,8 @@ class Services:
         self._by_machine: dict[int, MachineServices] = {}
         self.routes: dict[str, str] = {}
         """Session id -> the machine its requests act on ("" = the default), as looked up once."""
+        self.on_command: list[Callable[[], None]] = []
+        """Called once per command any machine's CommandManager launches."""
 
     def remember(self, session_id: str, machine: str) -> None:
         if len(self.routes) >= MAX_ROUTES:
@@ -85,9 +93,13 @@ class Services:
         """The services of a machine that is already open."""
         services = self._by_machine.get(id(machine))
         if services is None or services.machine is not machine:
-            services = MachineServices.of(machine, session_id)
+            services = MachineServices.of(machine, session_id, on_command=self._command_started)
             self._by_machine[id(machine)] = services
         return services
+
+    def _command_started(self) -> None:
+        for hook in self.on_command:
+            hook()
 
     async def forget(self, session_id: str) -> None:
         self.routes.pop(session_id, None)

@@ -335,8 +335,10 @@ class ShellSession:
 class CommandManager:
     """Runs and remembers the commands of one machine; bounded in every count."""
 
-    def __init__(self, machine: Machine) -> None:
+    def __init__(self, machine: Machine, on_start: Callable[[], None] | None = None) -> None:
         self.machine = machine
+        self.on_start = on_start
+        """Called once per command launched (the server counts them for its metrics)."""
         self._commands: dict[str, Command] = {}
         self._finished: deque[str] = deque()
         self._sessions: dict[str, ShellSession] = {}
@@ -416,6 +418,8 @@ class CommandManager:
         cmd = Command(new_id(COMMAND), command, cwd, clean_env, timeout, session_id, stdin_open=stdin)
         cmd._process = process
         self._commands[cmd.id] = cmd
+        if self.on_start is not None:
+            self.on_start()
         if session is not None:
             _session_started(session, cmd)
         cmd._task = asyncio.create_task(self._supervise(cmd, process, keep_background))

@@ -1,0 +1,204 @@
+"""Request ids, the access log and `/metrics` over a real server with real sandboxes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Server, start_server, stop_server, traversable
+from prometheus_client.parser import text_string_to_metric_families
+
+from agentbox.api.observe import MAX_REQUEST_ID
+
+KEY = "observe-test-key"
+SECRET = "s3cr3t-never-logged"
+#: Seconds to wait for a turn to end or a log line to be written.
+DEADLINE = 20.0
+#: How `agentbox serve` announces itself on stderr (not a log line).
+BANNER = "agentbox serving on "
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    home = traversable(tmp_path_factory.mktemp("observe"), tmp_path_factory) / "home"
+    home.mkdir()
+    s = start_server(
+        home, env={"AGENTBOX_API_KEY": KEY}, args=["--log-format", "json", "--log-level", "info"]
+    )
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[httpx.Client]:
+    with server.client() as c:
+        yield c
+
+
+def samples(client: httpx.Client) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200, r.text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def value(got: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return got.get((name, frozenset(labels.items())), 0.0)
+
+
+def log_lines(path: Path) -> list[dict[str, object]]:
+    """The server log's JSON lines (uvicorn and agentbox alike); any other line fails the test,
+    except the banner `serve` prints before logging starts."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in lines if not line.startswith(BANNER)]
+
+
+def wait_for_line(path: Path, request_id: str) -> dict[str, object]:
+    deadline = time.monotonic() + DEADLINE
+    while time.monotonic() < deadline:
+        for line in log_lines(path):
+            if line.get("logger") == "agentbox.access" and line.get("request_id") == request_id:
+                return line
+        time.sleep(0.05)
+    raise AssertionError(f"no access line for {request_id}")
+
+
+def test_every_response_has_a_request_id_and_a_sane_one_is_echoed(client: httpx.Client) -> None:
+    fresh = {client.get("/health").headers["x-request-id"] for _ in range(3)}
+    assert len(fresh) == 3 and all(i.startswith("req_") for i in fresh)
+    assert (
+        client.get("/health", headers={"X-Request-ID": "trace-1.a:b"}).headers["x-request-id"]
+        == "trace-1.a:b"
+    )
+    for bad in ("x" * (MAX_REQUEST_ID + 1), "has space", 'quote"d', ""):
+        got = client.get("/health", headers={"X-Request-ID": bad}).headers["x-request-id"]
+        assert got != bad and got.startswith("req_")
+    unauthorized = httpx.get(f"{client.base_url}/v2/sandbox")  # no key
+    assert unauthorized.status_code == 401
+    assert unauthorized.json()["request_id"] == unauthorized.headers["x-request-id"]
+    missing = client.get("/v2/fs/download", params={"path": "/tmp/nowhere/at/all"})
+    assert missing.status_code == 404 and missing.json()["success"] is False
+    assert missing.json()["request_id"] == missing.headers["x-request-id"]
+    bad_body = client.post(
+        "/v2/commands", json={"command": "true", "mode": "later"}, headers={"X-Request-ID": "mine"}
+    )
+    assert bad_body.status_code == 422 and bad_body.json()["request_id"] == "mine"
+    refused = client.get("/health", headers={"Host": "evil.example"})  # the guard's 403 has one too
+    assert refused.status_code == 403 and refused.json()["request_id"] == refused.headers["x-request-id"]
+
+
+def test_the_access_line_redacts_secrets_and_the_log_is_json(server: Server, client: httpx.Client) -> None:
+    assert server.log is not None
+    r = httpx.get(f"{server.url}/health", params={"api_key": SECRET, "token": SECRET, "n": "1"})
+    line = wait_for_line(server.log, r.headers["x-request-id"])
+    assert line["level"] == "info" and line["method"] == "GET" and line["status"] == 200
+    assert line["path"] == "/health?api_key=[redacted]&token=[redacted]&n=1"
+    assert isinstance(line["duration_ms"], float) and "ts" in line
+    keyed = client.get("/v2/sandbox", headers={"X-Request-ID": "keyed"})
+    assert keyed.status_code == 200
+    wait_for_line(server.log, "keyed")
+    text = server.log.read_text()
+    assert SECRET not in text and KEY not in text  # neither query values nor headers
+
+
+def test_metrics_count_requests_commands_machines_and_turns(client: httpx.Client) -> None:
+    before = samples(client)
+    sid = "observe-cmd"
+    run = client.post(f"/sandboxes/{sid}/v2/commands", json={"command": "echo hi"})
+    assert run.status_code == 200 and run.json()["data"]["stdout"] == "hi\n", run.text
+    client.get("/v2/fs/download", params={"path": "/tmp/nowhere/at/all"})
+    after = samples(client)
+    route = "/sandboxes/{session_id}/v2/commands"
+    assert value(after, "agentbox_http_requests_total", method="POST", route=route, status="200") == (
+        value(before, "agentbox_http_requests_total", method="POST", route=route, status="200") + 1
+    )
+    assert value(after, "agentbox_http_request_duration_seconds_count", method="POST", route=route) >= 1
+    assert (
+        value(after, "agentbox_commands_started_total")
+        >= value(before, "agentbox_commands_started_total") + 1
+    )
+    assert value(after, "agentbox_live_machines", machine="sandbox") >= 1
+    assert value(after, "agentbox_errors_total", error_type="not_found") == (
+        value(before, "agentbox_errors_total", error_type="not_found") + 1
+    )
+
+    turns = value(after, "agentbox_turns_total", outcome="completed")
+    created = client.post("/v1/sessions", json={"model": "scripted", "script": [{"text": "Done."}]})
+    assert created.status_code == 201, created.text
+    session = created.json()["id"]
+    posted = client.post(f"/v1/sessions/{session}/messages", json={"content": "go"})
+    assert posted.status_code == 202, posted.text
+    deadline = time.monotonic() + DEADLINE
+    while value(samples(client), "agentbox_turns_total", outcome="completed") < turns + 1:
+        assert time.monotonic() < deadline, "the turn was never counted"
+        time.sleep(0.05)
+    final = samples(client)
+    assert value(final, "agentbox_events_published_total", type="turn.completed") >= 1
+    messages = "/v1/sessions/{session_id}/messages"  # a root route with the same parameter name
+    assert value(final, "agentbox_http_requests_total", method="POST", route=messages, status="202") >= 1
+
+
+def test_live_machines_gauge_is_one_for_a_fresh_server(tmp_path_factory: pytest.TempPathFactory) -> None:
+    home = traversable(tmp_path_factory.mktemp("gauge"), tmp_path_factory) / "home"
+    home.mkdir()
+    s = start_server(home)
+    try:
+        with s.client() as c:
+            assert value(samples(c), "agentbox_live_machines", machine="sandbox") == 0
+            assert c.post("/sandboxes/one/v2/commands", json={"command": "true"}).status_code == 200
+            assert value(samples(c), "agentbox_live_machines", machine="sandbox") == 1
+    finally:
+        stop_server(s)
+
+
+def test_metrics_need_the_key_and_ready_does_not(server: Server) -> None:
+    assert httpx.get(f"{server.url}/metrics").status_code == 401
+    ready = httpx.get(f"{server.url}/ready")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+
+def test_a_sandbox_that_fails_to_start_is_logged_with_its_request(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    home = traversable(tmp_path_factory.mktemp("broken"), tmp_path_factory) / "home"
+    home.mkdir()
+    config = home.parent / "agentbox.toml"
+    config.write_text('[machines.sandbox]\nkind = "sandbox"\nimage = "nosuchimage"\n')
+    s = start_server(home, env={"AGENTBOX_CONFIG": str(config)})  # text lines, warning level
+    try:
+        with s.client() as c:
+            r = c.post("/sandboxes/broken/v2/commands", json={"command": "true"})
+        assert r.status_code == 503 and r.json()["data"]["error_type"] == "machine_unavailable"
+        assert s.log is not None
+        deadline = time.monotonic() + DEADLINE
+        wanted = "machine sandbox of session broken failed to start"
+        while not [line for line in s.log.read_text().splitlines() if wanted in line]:
+            assert time.monotonic() < deadline, s.log.read_text()
+            time.sleep(0.05)
+        (line,) = [line for line in s.log.read_text().splitlines() if wanted in line]
+        assert " WARNING agentbox.machines.registry " in line and f"[{r.headers['x-request-id']}]" in line
+        assert "nosuchimage" in line
+        assert "agentbox.access" not in s.log.read_text()  # access lines are info, below warning
+    finally:
+        stop_server(s)
+
+
+def test_serve_refuses_an_unknown_log_format(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agentbox", "serve", "--log-format", "xml"],
+        env={**os.environ, "AGENTBOX_HOME": str(tmp_path / "home")},
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert done.returncode == 2 and "log format must be one of text, json" in done.stderr
