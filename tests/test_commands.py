@@ -8,7 +8,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
@@ -487,3 +487,34 @@ async def test_close_kills_everything(tmp_path: Path) -> None:
     with pytest.raises(WorkspaceError) as err:
         await manager.start("true")
     assert err.value.error_type == "io_error"
+
+
+async def test_a_run_cancelled_while_its_process_is_being_made_leaves_no_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller goes away after the machine started the process but before spawn returned
+    (a loaded host): nobody is left to stop it, so it must be killed, not left running."""
+    machine = local_machine(tmp_path / "root")
+    real_spawn = machine.spawn
+    spawned = asyncio.Event()
+
+    async def slow_spawn(request: Any) -> Any:
+        process = await real_spawn(request)
+        spawned.set()
+        await asyncio.sleep(0.5)  # the window a loaded event loop leaves
+        return process
+
+    monkeypatch.setattr(machine, "spawn", slow_spawn)
+    manager = CommandManager(machine)
+    task = asyncio.create_task(manager.run("echo $$ > pid; exec sleep 1000"))
+    await asyncio.wait_for(spawned.wait(), DEADLINE)
+    pid_file = root(manager) / "pid"
+    end = time.monotonic() + DEADLINE
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < end
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until_dead(int(pid_file.read_text()))
+    await manager.close()

@@ -410,9 +410,15 @@ class CommandManager:
         cwd = cwd or (session.working_dir if session else None)
         request = ExecRequest(command=command, cwd=cwd, env=clean_env, interactive=stdin)
         self._starting += 1
+        spawning = asyncio.ensure_future(self.machine.spawn(request))
         try:
             with operation("exec", cwd):
-                process = await self.machine.spawn(request)
+                process = await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            # The caller went away while the machine was making the process, which may already
+            # run: nobody is left to stop it, so it is stopped here once it exists.
+            spawning.add_done_callback(_kill_spawned)
+            raise
         finally:
             self._starting -= 1
         cmd = Command(new_id(COMMAND), command, cwd, clean_env, timeout, session_id, stdin_open=stdin)
@@ -663,6 +669,12 @@ class CommandManager:
     def _check_open(self, op: str) -> None:
         if self._closed:
             raise WorkspaceError("io_error", "The machine's command manager is closed", op, retryable=True)
+
+
+def _kill_spawned(spawning: asyncio.Future[Process]) -> None:
+    """Kill the process group a cancelled launch made (if it made one)."""
+    if not spawning.cancelled() and spawning.exception() is None:
+        spawning.result().kill(signal.SIGKILL)
 
 
 async def _pump(cmd: Command, stream: asyncio.StreamReader, buffer: OutputBuffer) -> None:
