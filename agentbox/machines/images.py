@@ -85,6 +85,8 @@ MAX_INCLUDES = 256
 BUILD_TIMEOUT = 3600
 #: Seconds mmdebstrap gets to clean up after SIGTERM before it is killed.
 STOP_GRACE = 20
+#: Bytes of tar's error output kept for the "unpacking failed" message.
+DIAGNOSTICS_TAIL = 2000
 #: Bytes read from mmdebstrap's tar stream at a time.
 CHUNK = 1 << 20
 #: Format of the manifest and of the tree's conventions; a change rebuilds every image.
@@ -417,12 +419,16 @@ def _build_in(request: Request, image: Path, tmp: Path, progress: Progress) -> M
     )
     # --preserve-permissions: a non-root tar otherwise applies its umask (/var/tmp would lose
     # its sticky bit); root's keeps the modes anyway, so both get the same tree.
-    tar = subprocess.Popen(
-        ["tar", "-x", "-f", "-", "-C", str(rootfs), "--no-same-owner", "--preserve-permissions",
-         "--numeric-owner", "--delay-directory-restore"],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-    )  # fmt: skip
-    assert debootstrap.stdout and debootstrap.stderr and tar.stdin and tar.stderr
+    # tar's complaints go to a file, not a pipe nobody reads while it unpacks: enough of them
+    # would fill the pipe and stop tar, and with it mmdebstrap and this loop.
+    tar_log = image.parent / "tar.log"
+    with open(tar_log, "wb") as tar_errors:
+        tar = subprocess.Popen(
+            ["tar", "-x", "-f", "-", "-C", str(rootfs), "--no-same-owner", "--preserve-permissions",
+             "--numeric-owner", "--delay-directory-restore"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=tar_errors, env=env,
+        )  # fmt: skip
+    assert debootstrap.stdout and debootstrap.stderr and tar.stdin
     log: list[str] = []
     reader = threading.Thread(target=_follow, args=(debootstrap.stderr, log, progress), daemon=True)
     reader.start()
@@ -448,7 +454,7 @@ def _build_in(request: Request, image: Path, tmp: Path, progress: Progress) -> M
     finally:
         timer.cancel()
         reader.join(timeout=5)
-    tar_error = tar.stderr.read().decode(errors="replace").strip()
+    tar_error = _tail(tar_log)
     if code != 0:
         raise ImageBuildFailed(f"mmdebstrap failed (exit {code}): {_reason(log)}")
     if tar_code != 0:
@@ -487,6 +493,13 @@ def _follow(stream: object, log: list[str], progress: Progress) -> None:
             log.append(line)
             del log[:-200]
             progress(line)
+
+
+def _tail(path: Path, limit: int = DIAGNOSTICS_TAIL) -> str:
+    """The last `limit` bytes of a log file, as text."""
+    with open(path, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
+        return f.read().decode(errors="replace").strip()
 
 
 def _reason(log: list[str]) -> str:
