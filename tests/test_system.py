@@ -139,3 +139,16 @@ async def test_a_session_on_an_ssh_machine_runs_its_commands_there(sshd: Sshd, s
         assert (root / "made.txt").read_text() == "remote\n"
     finally:
         stop_server(server)
+
+
+def test_the_session_route_cache_is_bounded(tmp_path: Path) -> None:
+    from agentbox.config import Settings
+    from agentbox.machines.registry import Registry
+    from agentbox.tools.services import MAX_ROUTES, Services
+
+    services = Services(Registry(Settings(home=tmp_path)))
+    for i in range(MAX_ROUTES):
+        services.remember(f"s{i}", "")
+    assert len(services.routes) == MAX_ROUTES and services.routes["s0"] == ""
+    services.remember("one-more", "host")
+    assert services.routes == {"one-more": "host"}  # past the cap it starts over
