@@ -4,18 +4,28 @@ A machine with the `HostFiles` capability is served by `files.py` on descriptors
 process spawn (small files inline on the event loop, anything larger in a worker thread);
 every other machine by `remote_files.py` through the `Machine` protocol. The routes, the
 editor and the tools call `file_ops(machine)` and never ask which kind they hold.
+
+Two levels: the API's operations (`read_text`, `list_dir`, `upload`, ... with their results
+and limits), and the primitives the tools build on (`resolve`, `within_root`, `lstat`,
+`read_bytes`, `write_bytes`, `walk`, ...). On host files the primitives resolve links inside
+the machine's view, by descriptor; through the protocol paths are lexical and the machine
+resolves them itself, so `resolve` there cannot see where a link leads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import posixpath
+import stat as stat_mod
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from agentbox.machines.base import FileStat, Machine
 from agentbox.machines.errors import MachineError
-from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.hostfs import HostFiles, to_stat
+from agentbox.machines.hostview import Node
 from agentbox.workspace import files, remote_files
 from agentbox.workspace.errors import operation
 
@@ -61,6 +71,34 @@ def host_unchanged(target: files.DownloadTarget) -> bool:
     except (OSError, MachineError):
         return False
     return (st.st_ino, st.st_size, st.st_mtime) == (target.inode, target.size, target.mtime)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A path as asked (absolute inside path) and where it leads (inside path, links resolved)."""
+
+    requested: str
+    inside: str
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.inside)
+
+
+@dataclass(frozen=True)
+class WalkNode:
+    """One entry of a walk: its path relative to the walk's start, its inside path, its lstat."""
+
+    rel: str
+    name: str
+    inside: str
+    stat: FileStat
+    """As `lstat` gives it: a symlink is described as itself."""
+
+
+def within(root: str, inside: str) -> bool:
+    base = root.rstrip("/")
+    return inside == root or inside.startswith(base + "/") or base == ""
 
 
 class HostOps:
@@ -133,6 +171,74 @@ class HostOps:
     async def stat(self, path: str) -> FileStat:
         return files.stat(self.machine, path)
 
+    # primitives ------------------------------------------------------------------------
+
+    def resolve(self, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
+        view = self.machine.view
+        return Resolved(view.absolute(path), view.resolve(path, follow=follow, missing_ok=True, write=write))
+
+    def within_root(self, inside: str) -> bool:
+        return bool(self.machine.view.within_root(inside))
+
+    async def lstat(self, path: str, *, follow: bool = False) -> FileStat | None:
+        """`path` as itself (with `follow`, what a final link leads to), or None when missing."""
+        st = files.lstat_or_none(self.machine, path, follow=follow)
+        if st is None:
+            return None
+        return to_stat(self.machine.view.absolute(path), st, stat_mod.S_ISLNK(st.st_mode))
+
+    async def read_bytes(self, path: str, limit: int) -> bytes:
+        """A regular file's bytes (by descriptor, never through a swapped-in link); EFBIG past `limit`."""
+        size = self._size(path)
+        return await self._offload(size, self.machine.view.read_bytes, path, limit)
+
+    async def write_bytes(self, path: str, data: bytes) -> None:
+        """Write in place (the inode is kept), created for the machine's default owner if missing."""
+        owner = files.new_owner(self.machine, None)
+        await self._offload(len(data), files.write_in_place, self.machine, path, data, owner=owner)
+
+    async def makedirs(self, path: str) -> None:
+        self.machine.view.makedirs(path, owner=files.new_owner(self.machine, None))
+
+    async def unlink(self, path: str) -> None:
+        self.machine.view.unlink(path)
+
+    async def rename(self, src: str, dst: str) -> None:
+        self.machine.view.rename(src, dst)
+
+    async def listdir(self, path: str) -> list[WalkNode]:
+        inside = self.machine.view.absolute(path)
+        return [
+            WalkNode(
+                name,
+                name,
+                posixpath.join(inside, name),
+                to_stat(posixpath.join(inside, name), st, stat_mod.S_ISLNK(st.st_mode)),
+            )
+            for name, st in await asyncio.to_thread(self.machine.view.listdir, path)
+        ]
+
+    async def walk(
+        self,
+        path: str,
+        *,
+        max_depth: int | None = None,
+        descend: Callable[[WalkNode], bool] | None = None,
+        limit: int = files.MAX_SEARCH_SCANNED,
+    ) -> list[WalkNode]:
+        """Entries below the directory `path`, depth first in name order, never through a link:
+        at most `limit` of them (a caller that gets `limit` knows it may have been cut)."""
+
+        def node(n: Node) -> WalkNode:
+            return WalkNode(n.rel, n.name, n.inside, to_stat(n.inside, n.st, n.is_symlink))
+
+        def run() -> list[WalkNode]:
+            keep = None if descend is None else (lambda n: descend(node(n)))
+            walk = self.machine.view.walk(path, max_depth=max_depth, descend=keep)
+            return [node(n) for n in itertools.islice(walk, limit)]
+
+        return await asyncio.to_thread(run)
+
 
 class RemoteOps:
     """`remote_files.py` on any machine, through the `Machine` protocol only."""
@@ -187,6 +293,57 @@ class RemoteOps:
 
     async def stat(self, path: str) -> FileStat:
         return await remote_files.stat(self.machine, path)
+
+    # primitives ------------------------------------------------------------------------
+
+    def resolve(self, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
+        inside = remote_files.shown_path(self.machine, path)
+        return Resolved(inside, inside)
+
+    def within_root(self, inside: str) -> bool:
+        return within(self.machine.root, remote_files.shown_path(self.machine, inside))
+
+    async def lstat(self, path: str, *, follow: bool = False) -> FileStat | None:
+        """What `Machine.stat` says (a link is described by its target either way)."""
+        return await remote_files.stat_or_none(self.machine, path)
+
+    async def read_bytes(self, path: str, limit: int) -> bytes:
+        return await self.machine.read(self.shown_path(path), limit=limit)
+
+    async def write_bytes(self, path: str, data: bytes) -> None:
+        await self.machine.write(self.shown_path(path), data)
+
+    async def makedirs(self, path: str) -> None:
+        await self.machine.mkdir(self.shown_path(path), parents=True)
+
+    async def unlink(self, path: str) -> None:
+        await self.machine.remove(self.shown_path(path))
+
+    async def rename(self, src: str, dst: str) -> None:
+        await self.machine.rename(self.shown_path(src), self.shown_path(dst))
+
+    async def listdir(self, path: str) -> list[WalkNode]:
+        return [
+            WalkNode(e.name, e.name, e.path, e.stat) for e in await self.machine.list(self.shown_path(path))
+        ]
+
+    async def walk(
+        self,
+        path: str,
+        *,
+        max_depth: int | None = None,
+        descend: Callable[[WalkNode], bool] | None = None,
+        limit: int = files.MAX_SEARCH_SCANNED,
+    ) -> list[WalkNode]:
+        def keep(n: remote_files.RemoteNode) -> bool:
+            return descend is None or descend(WalkNode(n.rel, n.name, n.inside, n.stat))
+
+        return [
+            WalkNode(n.rel, n.name, n.inside, n.stat)
+            async for n in remote_files.walk(
+                self.machine, self.shown_path(path), max_depth=max_depth, descend=keep
+            )
+        ]
 
 
 FileOps = HostOps | RemoteOps
