@@ -14,10 +14,11 @@ if ! command -v dockerd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &&
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io >/dev/null
 fi
-# A real sshd and inotifywait for the ssh machine kind's tests (tests/test_ssh_machine.py).
+# A real sshd, inotifywait and ripgrep on the "remote" host for the ssh machine kind's tests
+# (tests/test_ssh_machine.py, tests/test_remote_files.py): searches run the remote host's rg.
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   missing=""
-  for p in openssh-server inotify-tools; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+  for p in openssh-server inotify-tools ripgrep; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
   if [ -n "$missing" ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null

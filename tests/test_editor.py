@@ -21,7 +21,6 @@ from agentbox.workspace.editor import (
     SNAPSHOT_OVERHEAD_BYTES,
     EditHistory,
     Editor,
-    replace_in_file,
 )
 from agentbox.workspace.errors import WorkspaceError
 
@@ -420,6 +419,7 @@ async def test_paths_are_inside_paths(tmp_path: Path, editor: Editor) -> None:
 
 
 async def test_replace_in_file(machine: LocalMachine, root: Path) -> None:
+    replace_in_file = Editor().replace
     target = write(root / "r.txt", "a.b a.b\nab\n")
     assert await replace_in_file(machine, target, "a.b", "X") == 2
     assert Path(target).read_text() == "X X\nab\n"

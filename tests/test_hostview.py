@@ -151,7 +151,7 @@ def test_walk_never_enters_a_link_and_names_inside_paths(tmp_path: Path) -> None
 
 
 async def test_machine_read_is_bounded_at_its_limit(tmp_path: Path) -> None:
-    from agentbox.machines.hostfs import MAX_MACHINE_READ_BYTES
+    from agentbox.machines.base import MAX_MACHINE_READ_BYTES
     from agentbox.machines.local import LocalMachine
 
     machine = LocalMachine("local", tmp_path)

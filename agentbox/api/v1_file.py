@@ -39,11 +39,9 @@ Choices where upstream is silent or this server differs:
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import posixpath
-import stat as stat_mod
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from email.utils import formatdate
 from typing import Annotated, Any, Literal, cast
@@ -55,13 +53,13 @@ from pydantic import BaseModel
 from starlette.datastructures import FormData, UploadFile
 
 from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body, read_form
-from agentbox.api.sandboxes import CurrentSandbox, Sandbox
+from agentbox.api.sandboxes import CurrentSandbox
 from agentbox.api.v2_watch import HEARTBEAT_SECONDS, SSE_HEADERS, resume_position, sse
-from agentbox.machines.errors import MachineError
-from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.base import Machine
 from agentbox.workspace import editor as editor_mod
 from agentbox.workspace import files, grep
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
+from agentbox.workspace.fileops import Download, FileOps, file_ops
 from agentbox.workspace.watch import DEFAULT_POLL_LIMIT, wait_for
 
 router = APIRouter(prefix="/v1/file", tags=["file"])
@@ -84,19 +82,6 @@ MAX_FORM_FIELDS = 2
 UPLOAD_CHUNK_BYTES = 1024 * 1024
 
 ChangePolicy = Literal["ignore", "abort"]
-
-
-#: A machine whose files the server reaches directly (local and sandbox kinds).
-FileMachine = HostFiles
-
-
-def machine_of(sb: Sandbox) -> FileMachine:
-    if not isinstance(sb.machine, HostFiles):
-        raise WorkspaceError(
-            "invalid_target", "This machine's files cannot be reached by the file API", "open",
-            exception_type="NotHostMapped",
-        )  # fmt: skip
-    return sb.machine
 
 
 def resource_error(error: WorkspaceError, status: int | None = None) -> JSONResponse:
@@ -240,16 +225,13 @@ class WaitBody(BaseModel):
 async def read(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Text of a file, or lines [start_line, end_line) of it (0-based, end exclusive)."""
     body = await parse_body(request, ReadBody)
-    result = await asyncio.to_thread(
-        files.read_text, machine_of(sb), body.file, body.start_line, body.end_line
-    )
+    result = await file_ops(sb.machine).read_text(body.file, body.start_line, body.end_line)
     return ok({"content": result.content, "file": result.path, "line_count": result.line_count})
 
 
 @router.post("/write", openapi_extra=json_body(WriteBody))
 async def write(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, WriteBody)
-    machine = machine_of(sb)
     data = files.decode_content(
         body.content,
         cast(files.Encoding, body.encoding or "utf-8"),
@@ -257,45 +239,40 @@ async def write(request: Request, sb: CurrentSandbox) -> JSONResponse:
         trailing_newline=bool(body.trailing_newline),
         path=body.file,
     )
-    result = await asyncio.to_thread(write_making_parents, machine, body.file, data, bool(body.append))
+    ops = file_ops(sb.machine)
+    await ensure_parent(ops, body.file, "write")
+    result = await ops.write_file(body.file, data, append=bool(body.append))
     return ok({"file": result.path, "bytes_written": result.bytes_written})
 
 
-def ensure_parent(machine: FileMachine, path: str, op: str) -> None:
+async def ensure_parent(ops: FileOps, path: str, op: str) -> None:
     """Create the missing directories above `path` (write and upload do, as upstream does)."""
     parent = posixpath.dirname(path)
     with operation(op, path):
-        missing = bool(parent) and files.lstat_or_none(machine, parent, follow=True) is None
+        missing = bool(parent) and not await ops.exists(parent)
     if missing:
-        files.mkdir(machine, parent, parents=True)
-
-
-def write_making_parents(machine: FileMachine, path: str, data: bytes, append: bool) -> files.WriteResult:
-    ensure_parent(machine, path, "write")
-    return files.write_file(machine, path, data, append=append)
+        await ops.mkdir(parent, parents=True)
 
 
 @router.post("/replace", openapi_extra=json_body(ReplaceBody))
 async def replace(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Replace every occurrence of `old_str`, literally; zero occurrences is a success with 0."""
     body = await parse_body(request, ReplaceBody)
-    machine = machine_of(sb)
-    count = await editor_mod.replace_in_file(machine, body.file, body.old_str, body.new_str)
-    return ok({"file": shown(machine, body.file, "replace"), "replaced_count": count})
+    count = await sb.editor.replace(sb.machine, body.file, body.old_str, body.new_str)
+    return ok({"file": shown(sb.machine, body.file, "replace"), "replaced_count": count})
 
 
 @router.post("/search", openapi_extra=json_body(SearchBody))
 async def search(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Lines of one file matching a regex, with 0-based line numbers (upstream's older route)."""
     body = await parse_body(request, SearchBody)
-    machine = machine_of(sb)
-    matches, numbers = await grep.search_in_file(machine, body.file, body.regex)
-    return ok({"file": shown(machine, body.file, "search"), "matches": matches, "line_numbers": numbers})
+    matches, numbers = await grep.search_in_file(sb.machine, body.file, body.regex)
+    return ok({"file": shown(sb.machine, body.file, "search"), "matches": matches, "line_numbers": numbers})
 
 
-def shown(machine: FileMachine, path: str, op: str) -> str:
+def shown(machine: Machine, path: str, op: str) -> str:
     with operation(op, path):
-        return files.shown_path(machine, path)
+        return file_ops(machine).shown_path(path)
 
 
 # ---------------------------------------------------------------- find, grep, glob, list, mkdir
@@ -304,7 +281,7 @@ def shown(machine: FileMachine, path: str, op: str) -> str:
 @router.post("/find", openapi_extra=json_body(FindBody))
 async def find(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, FindBody)
-    result = await asyncio.to_thread(files.search, machine_of(sb), body.path, body.glob)
+    result = await file_ops(sb.machine).search(body.path, body.glob)
     return ok({"path": result.path, "files": result.files, "truncated": result.truncated})
 
 
@@ -313,7 +290,7 @@ async def grep_files(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Content search with ripgrep; each match's `line_number` counts from 1."""
     body = await parse_body(request, GrepBody)
     result = await grep.grep(
-        machine_of(sb),
+        sb.machine,
         body.path,
         body.pattern,
         include=body.include,
@@ -345,19 +322,16 @@ async def grep_files(request: Request, sb: CurrentSandbox) -> JSONResponse:
 @router.post("/glob", openapi_extra=json_body(GlobBody))
 async def glob(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, GlobBody)
-    result = await asyncio.to_thread(
-        lambda: files.glob_files(
-            machine_of(sb),
-            body.path,
-            body.pattern,
-            exclude=body.exclude,
-            include_hidden=bool(body.include_hidden),
-            files_only=body.files_only is not False,
-            include_metadata=body.include_metadata is not False,
-            max_results=body.max_results,
-            sort_by=cast(files.GlobSort, body.sort_by or "path"),
-            sort_desc=bool(body.sort_desc),
-        )
+    result = await file_ops(sb.machine).glob_files(
+        body.path,
+        body.pattern,
+        exclude=body.exclude,
+        include_hidden=bool(body.include_hidden),
+        files_only=body.files_only is not False,
+        include_metadata=body.include_metadata is not False,
+        max_results=body.max_results,
+        sort_by=cast(files.GlobSort, body.sort_by or "path"),
+        sort_desc=bool(body.sort_desc),
     )
     return ok(
         {
@@ -373,19 +347,16 @@ async def glob(request: Request, sb: CurrentSandbox) -> JSONResponse:
 @router.post("/list", openapi_extra=json_body(ListBody))
 async def list_path(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, ListBody)
-    result = await asyncio.to_thread(
-        lambda: files.list_dir(
-            machine_of(sb),
-            body.path,
-            recursive=bool(body.recursive),
-            max_depth=body.max_depth,
-            show_hidden=body.show_hidden is not False,
-            file_types=body.file_types,
-            sort_by=cast(files.ListSort, body.sort_by or "name"),
-            sort_desc=bool(body.sort_desc),
-            include_size=body.include_size is not False,
-            include_permissions=bool(body.include_permissions),
-        )
+    result = await file_ops(sb.machine).list_dir(
+        body.path,
+        recursive=bool(body.recursive),
+        max_depth=body.max_depth,
+        show_hidden=body.show_hidden is not False,
+        file_types=body.file_types,
+        sort_by=cast(files.ListSort, body.sort_by or "name"),
+        sort_desc=bool(body.sort_desc),
+        include_size=body.include_size is not False,
+        include_permissions=bool(body.include_permissions),
     )
     return ok(
         {
@@ -403,7 +374,7 @@ async def list_path(request: Request, sb: CurrentSandbox) -> JSONResponse:
 async def mkdir(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Not upstream (seed 002 uses it): create a directory, with `parents` like `mkdir -p`."""
     body = await parse_body(request, MkdirBody)
-    result = await asyncio.to_thread(files.mkdir, machine_of(sb), body.path, parents=bool(body.parents))
+    result = await file_ops(sb.machine).mkdir(body.path, parents=bool(body.parents))
     return ok({"path": result.path, "created": result.created})
 
 
@@ -420,7 +391,7 @@ async def str_replace_editor(request: Request, sb: CurrentSandbox) -> JSONRespon
             "document views (page_range, sheet_name, row_range, slide_range) are not supported",
             body.path,
         )
-    result = await run_editor(sb.editor, machine_of(sb), body)
+    result = await run_editor(sb.editor, sb.machine, body)
     data: dict[str, Any] = {
         "output": result.output,
         "error": None,
@@ -435,9 +406,7 @@ async def str_replace_editor(request: Request, sb: CurrentSandbox) -> JSONRespon
     return ok(data)
 
 
-async def run_editor(
-    editor: editor_mod.Editor, machine: FileMachine, body: EditorBody
-) -> editor_mod.EditResult:
+async def run_editor(editor: editor_mod.Editor, machine: Machine, body: EditorBody) -> editor_mod.EditResult:
     def need(value: Any, name: str) -> Any:
         if value is None:
             raise bad_request("edit", f"`{name}` is required for command `{body.command}`", body.path)
@@ -468,7 +437,7 @@ async def run_editor(
 @router.post("/upload")
 async def upload(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Multipart `file` (and optional `path`), staged beside the target and renamed over it."""
-    machine = machine_of(sb)
+    ops = file_ops(sb.machine)
     async with upload_form(request) as form:
         part = form.get("file")
         if not isinstance(part, UploadFile):
@@ -479,9 +448,11 @@ async def upload(request: Request, sb: CurrentSandbox) -> JSONResponse:
             }
             raise BodyError([missing])
         path = form.get("path")
-        target = upload_target(machine, path if isinstance(path, str) else None, part.filename)
-        await asyncio.to_thread(ensure_parent, machine, target, "upload")
-        result = await files.upload(machine, target, spooled(part))
+        target = await upload_target(
+            ops, sb.machine.root, path if isinstance(path, str) else None, part.filename
+        )
+        await ensure_parent(ops, target, "upload")
+        result = await ops.upload(target, spooled(part))
     return ok({"file_path": result.file_path, "file_size": result.file_size, "success": True})
 
 
@@ -501,17 +472,16 @@ async def upload_form(request: Request) -> AsyncIterator[FormData]:
         await form.close()
 
 
-def upload_target(machine: FileMachine, path: str | None, filename: str | None) -> str:
+async def upload_target(ops: FileOps, root: str, path: str | None, filename: str | None) -> str:
     """Where an upload goes: `path`, or the part's file name inside `path` / the machine root."""
     if path and not path.endswith("/"):
         with operation("upload", path):
-            st = files.lstat_or_none(machine, path, follow=True)
-            if st is None or not stat_mod.S_ISDIR(st.st_mode):
+            if not await ops.exists(path) or not (await ops.stat(path)).is_dir:
                 return path
     name = posixpath.basename(filename or "")
     if name in ("", ".", ".."):
         raise bad_request("upload", "the file part has no usable file name; give `path`", path)
-    return posixpath.join(path or machine.root, name)
+    return posixpath.join(path or root, name)
 
 
 async def spooled(part: UploadFile) -> AsyncIterator[bytes]:
@@ -529,14 +499,6 @@ class FileChanged(WorkspaceError):
         )  # fmt: skip
 
 
-def unchanged(target: files.DownloadTarget) -> bool:
-    try:
-        st = target.machine.view.stat(target.path)
-    except (OSError, MachineError):
-        return False
-    return (st.st_ino, st.st_size, st.st_mtime) == (target.inode, target.size, target.mtime)
-
-
 @router.get("/download")
 async def download(
     request: Request,
@@ -546,19 +508,19 @@ async def download(
 ) -> Response:
     """Stream a file's bytes; `Range` gives 206; failures are HTTP errors, not a 200 envelope."""
     try:
-        target = await asyncio.to_thread(files.download, machine_of(sb), path)
+        target = await file_ops(sb.machine).download(path)
         span = files.parse_range(request.headers.get("range"), target.size, path)
         start, end = span if span is not None else (0, max(target.size - 1, 0))
-        chunks = files.iter_download(target, start, end if span is not None else None)
-        first = await asyncio.to_thread(next, chunks, b"")
-        if change_policy == "abort" and not await asyncio.to_thread(unchanged, target):
+        chunks = target.chunks(start, end if span is not None else None)
+        first = await anext(chunks, b"")
+        if change_policy == "abort" and not await target.unchanged():
+            await aclose(chunks)
             raise FileChanged(path)
     except files.RangeNotSatisfiable as exc:
         response = resource_error(exc, 416)
         response.headers["Content-Range"] = f"bytes */{exc.size}"
         return response
     except FileChanged as exc:
-        close(chunks)
         return resource_error(exc, 409)
     except WorkspaceError as exc:
         return resource_error(exc)
@@ -567,7 +529,7 @@ async def download(
         "Content-Length": str(length),
         "Accept-Ranges": "bytes",
         "Content-Disposition": f"attachment; filename*=UTF-8''{quote(posixpath.basename(target.path))}",
-        "ETag": f'"{target.inode:x}-{target.size:x}-{int(target.mtime * 1e9):x}"',
+        "ETag": target.etag,
         "Last-Modified": formatdate(target.mtime, usegmt=True),
     }
     if span is not None:
@@ -581,24 +543,24 @@ async def download(
     )
 
 
-def stream(first: bytes, rest: Iterator[bytes], pinned: files.DownloadTarget | None) -> Iterator[bytes]:
+async def stream(first: bytes, rest: AsyncIterator[bytes], pinned: Download | None) -> AsyncIterator[bytes]:
     """The chunks of a download. With a pinned target each chunk is checked after it is read and
     before it is sent; once the file has changed the generator raises, which cuts the response."""
     try:
         if first:
             yield first
-        for chunk in rest:
-            if pinned is not None and not unchanged(pinned):
+        async for chunk in rest:
+            if pinned is not None and not await pinned.unchanged():
                 raise FileChanged(pinned.path)
             yield chunk
     finally:
-        close(rest)
+        await aclose(rest)
 
 
-def close(chunks: Iterator[bytes]) -> None:
+async def aclose(chunks: AsyncIterator[bytes]) -> None:
     """Close a download's generator now (and with it the file), not when it is collected."""
-    if isinstance(chunks, Generator):
-        chunks.close()
+    if isinstance(chunks, AsyncGenerator):
+        await chunks.aclose()
 
 
 # ---------------------------------------------------------------- watchers

@@ -26,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 import mimetypes
 import posixpath
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from email.utils import formatdate
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
@@ -40,11 +40,13 @@ from starlette.datastructures import UploadFile
 from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body, refuse_declared
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
 from agentbox.api.v1_file import upload_form
+from agentbox.machines.base import Machine
 from agentbox.machines.hostfs import HostFiles
 from agentbox.workspace import files, grep, tree
 from agentbox.workspace.editor import Editor
-from agentbox.workspace.errors import bad_request, operation
-from agentbox.workspace.files import HostMachine, RangeNotSatisfiable
+from agentbox.workspace.errors import bad_request
+from agentbox.workspace.fileops import check_user, file_ops
+from agentbox.workspace.files import RangeNotSatisfiable
 
 router = APIRouter(tags=["v2 files"])
 
@@ -67,23 +69,12 @@ PathQuery = Annotated[
 # ---------------------------------------------------------------- shared pieces
 
 
-#: What these routes need of a machine: the `HostFiles` capability (local, sandbox).
-FileMachine = HostFiles
-
-
-def host_machine(sandbox: Sandbox) -> FileMachine:
-    """The sandbox's machine as the file operations need it, or a clear 400 for other kinds."""
+def host_files(sandbox: Sandbox, op: str) -> HostFiles:
+    """The tar routes stream a tree by descriptor: only host-file machines serve them."""
     machine = sandbox.machine
     if not isinstance(machine, HostFiles):
-        raise bad_request("files", f"machine {machine.name!r} ({machine.kind}) does not serve the file API")
+        raise bad_request(op, f"machine {machine.name!r} ({machine.kind}) does not serve /v2/fs/tree")
     return machine
-
-
-def check_user(machine: HostMachine, user: str | None, op: str, path: str) -> None:
-    """Refuse an owner the machine cannot give files to, on routes that create nothing."""
-    if user is not None:
-        with operation(op, path):
-            machine.owner_of(user)
 
 
 def refuse_user(request: Request, op: str) -> None:
@@ -149,15 +140,13 @@ class EditBody(BaseModel):
 @router.post("/v2/fs/mkdir", openapi_extra=json_body(MkdirBody))
 async def mkdir(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
     body = await parse_body(request, MkdirBody)
-    machine = host_machine(sandbox)
-    result = await run_in_threadpool(files.mkdir, machine, body.path, parents=body.parents, user=user)
+    result = await file_ops(sandbox.machine).mkdir(body.path, parents=body.parents, user=user)
     return ok(data_of(result))
 
 
 @router.post("/v2/fs/write", openapi_extra=json_body(WriteBody))
 async def write(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
     body = await parse_body(request, WriteBody)
-    machine = host_machine(sandbox)
     data = files.decode_content(
         body.content,
         body.encoding,
@@ -165,9 +154,7 @@ async def write(request: Request, sandbox: CurrentSandbox, user: UserQuery = Non
         trailing_newline=body.trailing_newline,
         path=body.path,
     )
-    result = await offload(
-        len(data), files.write_file, machine, body.path, data, append=body.append, user=user
-    )
+    result = await file_ops(sandbox.machine).write_file(body.path, data, append=body.append, user=user)
     return ok(data_of(result))
 
 
@@ -185,11 +172,8 @@ async def list_dir(
     include_permissions: bool = False,
     user: UserQuery = None,
 ) -> JSONResponse:
-    machine = host_machine(sandbox)
-    check_user(machine, user, "list", path)
-    result = await run_in_threadpool(
-        files.list_dir,
-        machine,
+    await check_user(sandbox.machine, user, "list", path)
+    result = await file_ops(sandbox.machine).list_dir(
         path,
         recursive=recursive,
         max_depth=max_depth,
@@ -216,11 +200,8 @@ async def search(
     max_results: int | None = None,
     user: UserQuery = None,
 ) -> JSONResponse:
-    machine = host_machine(sandbox)
-    check_user(machine, user, "search", path)
-    result = await run_in_threadpool(
-        files.search,
-        machine,
+    await check_user(sandbox.machine, user, "search", path)
+    result = await file_ops(sandbox.machine).search(
         path,
         pattern,
         exclude=exclude,
@@ -234,10 +215,9 @@ async def search(
 @router.post("/v2/fs/grep", openapi_extra=json_body(GrepBody))
 async def grep_route(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
     body = await parse_body(request, GrepBody)
-    machine = host_machine(sandbox)
-    check_user(machine, user, "grep", body.path)
+    await check_user(sandbox.machine, user, "grep", body.path)
     result = await grep.grep(
-        machine,
+        sandbox.machine,
         body.path,
         body.pattern,
         include=body.include,
@@ -261,13 +241,12 @@ async def grep_route(request: Request, sandbox: CurrentSandbox, user: UserQuery 
 @router.post("/v2/fs/edit", openapi_extra=json_body(EditBody))
 async def edit(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
     body = await parse_body(request, EditBody)
-    machine = host_machine(sandbox)
-    check_user(machine, user, "edit", body.path)
-    result = await run_edit(sandbox.editor, machine, body)
+    await check_user(sandbox.machine, user, "edit", body.path)
+    result = await run_edit(sandbox.editor, sandbox.machine, body)
     return ok(data_of(result))
 
 
-async def run_edit(editor: Editor, machine: FileMachine, body: EditBody) -> Any:
+async def run_edit(editor: Editor, machine: Machine, body: EditBody) -> Any:
     """One of the three editor commands v2 keeps; the others name the route to use instead."""
     command, path = body.command, body.path
     if command in EDIT_REPLACEMENTS:
@@ -295,38 +274,15 @@ async def read(
     end_line: Annotated[int | None, Query(description="Line to stop before (exclusive).")] = None,
     user: UserQuery = None,
 ) -> JSONResponse:
-    machine = host_machine(sandbox)
-    check_user(machine, user, "read", path)
-    result = await offload(size_of(machine, path), files.read_text, machine, path, start_line, end_line)
+    await check_user(sandbox.machine, user, "read", path)
+    result = await file_ops(sandbox.machine).read_text(path, start_line, end_line)
     return ok(data_of(result))
-
-
-#: Files up to this size are read or written on the event loop: a thread hop costs more.
-INLINE_IO_BYTES = 64 * 1024
-
-T = TypeVar("T")
-
-
-async def offload(size: int | None, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run small file work inline and anything larger (or of unknown size) in a thread."""
-    if size is not None and size <= INLINE_IO_BYTES:
-        return fn(*args, **kwargs)
-    return await run_in_threadpool(fn, *args, **kwargs)
-
-
-def size_of(machine: Any, path: str) -> int | None:
-    """The file's size if it is cheap to tell; None sends the real operation (and its errors) to a thread."""
-    try:
-        return int(machine.view.stat(path).st_size)
-    except Exception:
-        return None
 
 
 @router.get("/v2/fs/download", response_class=StreamingResponse)
 async def download(request: Request, sandbox: CurrentSandbox, path: PathQuery) -> Response:
     refuse_user(request, "download")
-    machine = host_machine(sandbox)
-    target = await run_in_threadpool(files.download, machine, path)
+    target = await file_ops(sandbox.machine).download(path)
     try:
         span = files.parse_range(request.headers.get("range"), target.size, path)
     except RangeNotSatisfiable as exc:
@@ -342,12 +298,12 @@ async def download(request: Request, sandbox: CurrentSandbox, path: PathQuery) -
     media_type = mimetypes.guess_type(target.path)[0] or "application/octet-stream"
     if span is None:
         headers["Content-Length"] = str(target.size)
-        return StreamingResponse(files.iter_download(target), media_type=media_type, headers=headers)
+        return StreamingResponse(target.chunks(0, None), media_type=media_type, headers=headers)
     start, end = span
     headers["Content-Length"] = str(end - start + 1)
     headers["Content-Range"] = f"bytes {start}-{end}/{target.size}"
     return StreamingResponse(
-        files.iter_download(target, start, end), status_code=206, media_type=media_type, headers=headers
+        target.chunks(start, end), status_code=206, media_type=media_type, headers=headers
     )
 
 
@@ -388,7 +344,7 @@ UPLOAD_FORM = {
 @router.post("/v2/fs/upload", openapi_extra=UPLOAD_FORM)
 async def upload(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
     """Read within `v1_file.MAX_UPLOAD_FORM_BYTES` while it arrives (never spooled past it)."""
-    machine = host_machine(sandbox)
+    machine = sandbox.machine
     async with upload_form(request) as form:
         file, path = form.get("file"), form.get("path")
         if not isinstance(file, UploadFile):
@@ -398,11 +354,11 @@ async def upload(request: Request, sandbox: CurrentSandbox, user: UserQuery = No
         if path is not None and not isinstance(path, str):
             raise BodyError([{"loc": ["path"], "msg": "`path` must be a text field", "type": "string_type"}])
         target = path if path is not None else upload_default_path(machine, file.filename)
-        result = await files.upload(machine, target, upload_chunks(file), user=user)
+        result = await file_ops(machine).upload(target, upload_chunks(file), user=user)
     return ok({"path": result.file_path, **data_of(result)})
 
 
-def upload_default_path(machine: HostMachine, filename: str | None) -> str:
+def upload_default_path(machine: Machine, filename: str | None) -> str:
     """Without `path`, an upload lands in the machine's root under the part's own file name."""
     name = posixpath.basename(filename or "")
     if name in ("", ".", ".."):
@@ -418,7 +374,7 @@ async def upload_chunks(file: UploadFile) -> AsyncIterator[bytes]:
 @router.get("/v2/fs/tree", response_class=StreamingResponse)
 async def get_tree(request: Request, sandbox: CurrentSandbox, path: PathQuery) -> Response:
     refuse_user(request, "tree")
-    machine = host_machine(sandbox)
+    machine = host_files(sandbox, "tree")
     chunks: Iterator[bytes] = await run_in_threadpool(tree.tar_stream, machine, path)
     name = posixpath.basename(path.rstrip("/")) or "root"
     headers = {"Content-Disposition": attachment(f"{name}.tar")}
@@ -437,7 +393,7 @@ TAR_BODY = {
 async def put_tree(
     request: Request, sandbox: CurrentSandbox, path: PathQuery, user: UserQuery = None
 ) -> JSONResponse:
-    machine = host_machine(sandbox)
+    machine = host_files(sandbox, "tree")
     refuse_declared(request, tree.MAX_TREE_BYTES, "tree")  # a larger body is refused unread
     result = await tree.untar(machine, path, request.stream(), user=user)
     return ok(data_of(result))

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import posixpath
 import signal
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -27,6 +27,8 @@ OS = Literal["linux", "darwin", "windows"]
 DEFAULT_OUTPUT_LIMIT = 1024 * 1024
 #: Seconds a finished (or killed) command's pipes may stay open before they are abandoned.
 DRAIN_GRACE_SECONDS = 2.0
+#: Largest rest of a file `Machine.read` returns when the caller names no `length`.
+MAX_MACHINE_READ_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -124,9 +126,21 @@ class Machine(Protocol):
 
     async def spawn(self, request: ExecRequest) -> Process: ...
 
-    async def read(self, path: str) -> bytes: ...
+    async def read(
+        self, path: str, *, offset: int = 0, length: int | None = None, limit: int = MAX_MACHINE_READ_BYTES
+    ) -> bytes:
+        """Bytes of a regular file from `offset`: `length` of them (fewer at its end), or all the
+        rest, refused (EFBIG) when that is more than `limit`. A directory is EISDIR."""
+        ...
 
-    async def write(self, path: str, data: bytes) -> None: ...
+    async def write(self, path: str, data: bytes) -> None:
+        """Replace (or create) the file with `data`, following a final symlink."""
+        ...
+
+    async def write_stream(self, path: str, chunks: AsyncIterable[bytes], *, limit: int) -> int:
+        """Write the file from `chunks` atomically: the old content or the whole new one, never a
+        part. More than `limit` bytes is EFBIG and leaves the target as it was. Returns the size."""
+        ...
 
     async def list(self, path: str) -> list[FileEntry]: ...
 
@@ -139,6 +153,14 @@ class Machine(Protocol):
     async def rename(self, src: str, dst: str) -> None: ...
 
     async def chown(self, path: str, user: str) -> None: ...
+
+    async def find_program(self, name: str) -> str | None:
+        """Where the machine's own `name` program is (`rg` for searches), or None."""
+        ...
+
+    async def user_ids(self, user: str) -> tuple[int, int]:
+        """The (uid, gid) a file given to inside `user` gets; `OwnerUnsupported` when there is none."""
+        ...
 
     async def close(self) -> None: ...
 

@@ -10,16 +10,20 @@ machine's default owner so that its processes can use them.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import posixpath
 import stat as stat_mod
+import uuid
+from collections.abc import AsyncIterable
 
-from agentbox.machines.base import ExecRequest, FileEntry, FileStat, Process
+from agentbox.machines.base import MAX_MACHINE_READ_BYTES, ExecRequest, FileEntry, FileStat, Process
 from agentbox.machines.errors import MachineError, OwnerUnsupported
 from agentbox.machines.hostview import HostView
 
 Owner = tuple[int, int]
-#: Largest file `HostFiles.read` returns whole.
-MAX_MACHINE_READ_BYTES = 64 * 1024 * 1024
+#: Flags of the part `write_stream` stages beside its target.
+_PART_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def to_stat(inside: str, st: os.stat_result, is_symlink: bool = False) -> FileStat:
@@ -61,8 +65,59 @@ class HostFiles:
             return self.users[user]
         raise OwnerUnsupported(f"this machine cannot give files to user {user!r}", path=None)
 
-    async def read(self, path: str) -> bytes:
-        return await asyncio.to_thread(self.view.read_bytes, path, MAX_MACHINE_READ_BYTES)
+    async def find_program(self, name: str) -> str | None:
+        return self.ripgrep if name == "rg" else None
+
+    async def user_ids(self, user: str) -> Owner:
+        return self.owner_of(user)
+
+    async def read(
+        self, path: str, *, offset: int = 0, length: int | None = None, limit: int = MAX_MACHINE_READ_BYTES
+    ) -> bytes:
+        if offset == 0 and length is None:
+            return await asyncio.to_thread(self.view.read_bytes, path, limit)
+        return await asyncio.to_thread(self._read_range, path, offset, length, limit)
+
+    def _read_range(self, path: str, offset: int, length: int | None, limit: int) -> bytes:
+        fd = self.view.open(path, os.O_RDONLY)
+        try:
+            if stat_mod.S_ISDIR(os.fstat(fd).st_mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            want = limit + 1 if length is None else length
+            data = os.pread(fd, want, offset)
+        finally:
+            os.close(fd)
+        if length is None and len(data) > limit:
+            raise OSError(errno.EFBIG, f"{path} is larger than {limit} bytes", path)
+        return data
+
+    async def write_stream(self, path: str, chunks: AsyncIterable[bytes], *, limit: int) -> int:
+        target = self.view.resolve(path, missing_ok=True, write=True)
+        part = posixpath.join(posixpath.dirname(target), f".agentbox-{uuid.uuid4().hex}.part")
+        fd = self.view.open(part, _PART_FLAGS, follow=False)
+        size = 0
+        try:
+            owner = self.default_owner()
+            if owner is not None:
+                os.fchown(fd, *owner)
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise OSError(errno.EFBIG, f"{path} would be larger than {limit} bytes", path)
+                await asyncio.to_thread(_write_all, fd, chunk)
+            await asyncio.to_thread(os.fsync, fd)
+            os.close(fd)
+            fd = -1
+            self.view.rename(part, target)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                self.view.unlink(part)
+            except OSError:
+                pass
+            raise
+        return size
 
     async def write(self, path: str, data: bytes) -> None:
         await asyncio.to_thread(self._write, path, data)
@@ -73,9 +128,7 @@ class HostFiles:
             owner = self.default_owner()
             if owner is not None and os.fstat(fd).st_uid != owner[0]:
                 os.fchown(fd, *owner)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            _write_all(fd, data)
         finally:
             os.close(fd)
 
@@ -115,3 +168,9 @@ class HostFiles:
 
     async def chown(self, path: str, user: str) -> None:
         self.view.chown(path, *self.owner_of(user))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

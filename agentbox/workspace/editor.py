@@ -15,24 +15,26 @@ differences, each because the original loses data or surprises users:
 Every command runs its read-modify-write without awaiting in between, so two edits sent
 to one event loop never interleave. History is keyed by (machine name, inside path of the
 file after following symlinks), so an edit through a link and an undo through the target
-meet. `replace_in_file` (v1 `/v1/file/replace`) lives here too: it is the same literal
+meet. `Editor.replace` (v1 `/v1/file/replace`) lives here too: it is the same literal
 edit, without history.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import posixpath
 import stat as stat_mod
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from contextlib import suppress
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
+from agentbox.machines.base import Machine
 from agentbox.machines.hostfs import HostFiles
-from agentbox.workspace import files
+from agentbox.workspace import files, remote_files
 from agentbox.workspace.errors import WorkspaceError, bad_request, operation
 
 #: Previous versions kept per file; the oldest is dropped past this.
@@ -412,6 +414,10 @@ def dir_listing(machine: HostMachine, inside: str) -> list[str]:
         if len(entries) > MAX_VIEW_DIR_ENTRIES:
             break
         entries.append(node.inside)
+    return capped_listing(entries)
+
+
+def capped_listing(entries: list[str]) -> list[str]:
     if len(entries) > MAX_VIEW_DIR_ENTRIES:
         del entries[MAX_VIEW_DIR_ENTRIES:]
         entries.append(f"[listing stopped after {MAX_VIEW_DIR_ENTRIES} entries]")
@@ -435,41 +441,178 @@ def target(machine: HostMachine, path: str, *, write: bool) -> Target:
     return Target(inside, (machine.name, inside), shown)
 
 
+class TextFiles(Protocol):
+    """What an editor command needs of a machine's files."""
+
+    async def target(self, path: str, *, write: bool) -> Target: ...
+
+    async def is_dir(self, inside: str) -> bool: ...
+
+    async def read_capped(self, inside: str, path: str, op: str) -> bytes | None: ...
+
+    async def write(self, inside: str, data: bytes) -> None: ...
+
+    async def make_parents(self, inside: str) -> None: ...
+
+    async def unlink(self, inside: str) -> None: ...
+
+    async def dir_listing(self, inside: str) -> list[str]: ...
+
+    async def load_text(self, inside: str, path: str, op: str) -> TextFile: ...
+
+    async def readable_or_none(self, inside: str, path: str) -> bytes | None: ...
+
+
+class _Text:
+    """`load_text` and `readable_or_none` from `read_capped`, for both kinds."""
+
+    async def read_capped(self, inside: str, path: str, op: str) -> bytes | None:
+        raise NotImplementedError
+
+    async def load_text(self, inside: str, path: str, op: str) -> TextFile:
+        raw = await self.read_capped(inside, path, op)
+        if raw is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        return TextFile.decode(raw)
+
+    async def readable_or_none(self, inside: str, path: str) -> bytes | None:
+        """The current bytes for `old_content` where they can be had; a file grown past the
+        limit must not stop an undo from putting back the smaller version."""
+        try:
+            return await self.read_capped(inside, path, "edit")
+        except WorkspaceError:
+            return None
+
+
+class HostText(_Text):
+    """Host files by descriptor; nothing here awaits, so a command runs without a break."""
+
+    def __init__(self, machine: HostMachine) -> None:
+        self.machine = machine
+
+    async def target(self, path: str, *, write: bool) -> Target:
+        return target(self.machine, path, write=write)
+
+    async def is_dir(self, inside: str) -> bool:
+        return stat_mod.S_ISDIR(self.machine.view.stat(inside).st_mode)
+
+    async def read_capped(self, inside: str, path: str, op: str) -> bytes | None:
+        return read_capped(self.machine, inside, path, op)
+
+    async def write(self, inside: str, data: bytes) -> None:
+        write_in_place(self.machine, inside, data)
+
+    async def make_parents(self, inside: str) -> None:
+        make_parents(self.machine, inside)
+
+    async def unlink(self, inside: str) -> None:
+        self.machine.view.unlink(inside)
+
+    async def dir_listing(self, inside: str) -> list[str]:
+        return dir_listing(self.machine, inside)
+
+
+class RemoteText(_Text):
+    """Files through the `Machine` protocol. Paths are taken lexically (the machine resolves
+    links), so an edit through a link and an undo through its target keep separate histories;
+    writes are atomic renames, so the inode changes."""
+
+    def __init__(self, machine: Machine) -> None:
+        self.machine = machine
+
+    async def target(self, path: str, *, write: bool) -> Target:
+        inside = remote_files.shown_path(self.machine, path)
+        return Target(inside, (self.machine.name, inside), inside)
+
+    async def is_dir(self, inside: str) -> bool:
+        return (await remote_files.require_stat(self.machine, inside)).is_dir
+
+    async def read_capped(self, inside: str, path: str, op: str) -> bytes | None:
+        st = await self.machine.stat(inside)
+        if st is None:
+            return None
+        if st.is_dir:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if st.size > MAX_EDIT_BYTES:
+            raise too_large(op, path, st.size)
+        try:
+            return await self.machine.read(inside, limit=MAX_EDIT_BYTES)
+        except OSError as exc:
+            if exc.errno == errno.EFBIG:
+                raise too_large(op, path, st.size) from exc
+            raise
+
+    async def write(self, inside: str, data: bytes) -> None:
+        await self.machine.write(inside, data)
+
+    async def make_parents(self, inside: str) -> None:
+        await self.machine.mkdir(posixpath.dirname(inside), parents=True)
+
+    async def unlink(self, inside: str) -> None:
+        await self.machine.remove(inside)
+
+    async def dir_listing(self, inside: str) -> list[str]:
+        entries = [inside]
+        async for node in remote_files.walk(
+            self.machine, inside, max_depth=VIEW_DIR_DEPTH, descend=lambda n: not n.name.startswith(".")
+        ):
+            if node.name.startswith("."):
+                continue
+            if len(entries) > MAX_VIEW_DIR_ENTRIES:
+                break
+            entries.append(node.inside)
+        return capped_listing(entries)
+
+
 class Editor:
     """The five editor commands over one shared `EditHistory` (one per server)."""
 
     def __init__(self, history: EditHistory | None = None) -> None:
         self.history = history if history is not None else EditHistory()
+        self._remote = asyncio.Lock()
 
-    async def view(
-        self, machine: HostMachine, path: str, view_range: Sequence[int] | None = None
-    ) -> EditResult:
+    @asynccontextmanager
+    async def _command(self, machine: Machine, path: str, op: str = "edit") -> AsyncIterator[TextFiles]:
+        """The machine's files for one command, its failures made WorkspaceErrors.
+
+        Host files are worked on without awaiting anything in between, so commands never
+        interleave; a machine reached through the protocol awaits at every step, so its
+        commands take turns under one lock.
+        """
+        with operation(op, path):
+            if isinstance(machine, HostFiles):
+                yield HostText(machine)
+            else:
+                async with self._remote:
+                    yield RemoteText(machine)
+
+    async def view(self, machine: Machine, path: str, view_range: Sequence[int] | None = None) -> EditResult:
         """A file as `cat -n` (optionally lines `view_range`), or a directory two levels deep."""
-        with operation("edit", path):
-            t = target(machine, path, write=False)
-            if stat_mod.S_ISDIR(machine.view.stat(t.inside).st_mode):
+        async with self._command(machine, path) as fs:
+            t = await fs.target(path, write=False)
+            if await fs.is_dir(t.inside):
                 if view_range:
                     raise bad_request("edit", "view_range is not allowed when path is a directory", path)
-                listing = "\n".join(dir_listing(machine, t.inside))
+                listing = "\n".join(await fs.dir_listing(t.inside))
                 output = (
                     f"Here's the files and directories up to {VIEW_DIR_DEPTH} levels deep in {t.shown}, "
                     f"excluding hidden items:\n{listing}\n"
                 )
                 return EditResult(t.shown, output, None, None, True)
-            lines = display_lines(load_text(machine, t.inside, path, "edit").text)
+            lines = display_lines((await fs.load_text(t.inside, path, "edit")).text)
             start, end = checked_range(view_range, len(lines), path) if view_range else (1, len(lines))
             return EditResult(t.shown, cat_n(lines[start - 1 : end], start, t.shown), None, None, True)
 
-    async def create(self, machine: HostMachine, path: str, file_text: str) -> EditResult:
+    async def create(self, machine: Machine, path: str, file_text: str) -> EditResult:
         """Write `file_text` (over any existing file, as upstream does), making parent dirs."""
-        with operation("edit", path):
-            t = target(machine, path, write=True)
+        async with self._command(machine, path) as fs:
+            t = await fs.target(path, write=True)
             data = file_text.encode("utf-8")
             if len(data) > MAX_EDIT_BYTES:
                 raise too_large("edit", path, len(data))
-            previous = read_capped(machine, t.inside, path, "edit")
-            make_parents(machine, t.inside)
-            write_in_place(machine, t.inside, data)
+            previous = await fs.read_capped(t.inside, path, "edit")
+            await fs.make_parents(t.inside)
+            await fs.write(t.inside, data)
             self.history.push(t.key, previous)
             verb = "overwritten" if previous is not None else "created"
             return EditResult(
@@ -482,17 +625,17 @@ class Editor:
 
     async def str_replace(
         self,
-        machine: HostMachine,
+        machine: Machine,
         path: str,
         old_str: str,
         new_str: str,
         replace_mode: str | None = None,
     ) -> EditResult:
         """Replace `old_str`, which must occur exactly once unless `replace_mode` says which."""
-        with operation("edit", path):
+        async with self._command(machine, path) as fs:
             mode = checked_mode(replace_mode, path)
-            t = target(machine, path, write=True)
-            before = load_text(machine, t.inside, path, "edit")
+            t = await fs.target(path, write=True)
+            before = await fs.load_text(t.inside, path, "edit")
             old, new = before.adapt(old_str), before.adapt(new_str)
             if not old:
                 raise bad_request("edit", "old_str must not be empty", path)
@@ -501,7 +644,7 @@ class Editor:
                     "edit", "No replacement was performed: old_str and new_str are identical", path
                 )
             done = apply_replace(before.text, old, new, mode, path)
-            self._commit(machine, t, before, checked_encode(before, done.text, "edit", path))
+            await self._commit(fs, t, before, checked_encode(before, done.text, "edit", path))
             start, end = line_at(done.text, done.start), line_at(done.text, max(done.end - 1, done.start))
             output = (
                 f"The file {t.shown} has been edited. "
@@ -510,11 +653,11 @@ class Editor:
             )
             return EditResult(t.shown, output, before.content, before.whole(done.text), True)
 
-    async def insert(self, machine: HostMachine, path: str, insert_line: int, new_str: str) -> EditResult:
+    async def insert(self, machine: Machine, path: str, insert_line: int, new_str: str) -> EditResult:
         """Insert `new_str` as whole lines after line `insert_line` (0 = at the top)."""
-        with operation("edit", path):
-            t = target(machine, path, write=True)
-            before = load_text(machine, t.inside, path, "edit")
+        async with self._command(machine, path) as fs:
+            t = await fs.target(path, write=True)
+            before = await fs.load_text(t.inside, path, "edit")
             text = before.text
             n_lines = line_count(text)
             if not 0 <= insert_line <= n_lines:
@@ -531,7 +674,7 @@ class Editor:
             else:
                 piece = body if body.endswith("\n") else body + before.newline
             after = text[:at] + piece + text[at:]
-            self._commit(machine, t, before, checked_encode(before, after, "edit", path))
+            await self._commit(fs, t, before, checked_encode(before, after, "edit", path))
             inserted = max(1, len(display_lines(body)))
             output = (
                 f"The file {t.shown} has been edited. "
@@ -540,25 +683,25 @@ class Editor:
             )
             return EditResult(t.shown, output, before.content, before.whole(after), True)
 
-    async def undo_edit(self, machine: HostMachine, path: str) -> EditResult:
+    async def undo_edit(self, machine: Machine, path: str) -> EditResult:
         """Put back the file as it was before its last edit; delete it if that edit created it."""
-        with operation("edit", path):
-            t = target(machine, path, write=True)
+        async with self._command(machine, path) as fs:
+            t = await fs.target(path, write=True)
             snap = self.history.latest(t.key)
             if snap is None:
                 raise bad_request("edit", f"No edit history found for {t.shown}.", path)
-            current = readable_or_none(machine, t.inside, path)
+            current = await fs.readable_or_none(t.inside, path)
             current_text = current.decode("utf-8", "replace") if current is not None else None
             if snap.content is None:
                 with suppress(FileNotFoundError):
-                    machine.view.unlink(t.inside)
+                    await fs.unlink(t.inside)
                 self.history.drop_latest(t.key)
                 output = (
                     f"Last edit to {t.shown} undone successfully. "
                     f"The file did not exist before that edit, so it has been removed."
                 )
                 return EditResult(t.shown, output, current_text, None, current is not None)
-            write_in_place(machine, t.inside, snap.content)
+            await fs.write(t.inside, snap.content)
             self.history.drop_latest(t.key)
             restored = snap.content.decode("utf-8", "replace")
             output = f"Last edit to {t.shown} undone successfully. " + cat_n(
@@ -566,26 +709,24 @@ class Editor:
             )
             return EditResult(t.shown, output, current_text, restored, current is not None)
 
-    def _commit(self, machine: HostMachine, t: Target, before: TextFile, data: bytes) -> None:
-        write_in_place(machine, t.inside, data)
+    async def _commit(self, fs: TextFiles, t: Target, before: TextFile, data: bytes) -> None:
+        await fs.write(t.inside, data)
         self.history.push(t.key, before.raw)
 
+    async def replace(self, machine: Machine, path: str, old_str: str, new_str: str) -> int:
+        """v1 `/v1/file/replace`: replace every occurrence of `old_str`, literally; no history.
 
-async def replace_in_file(machine: HostMachine, path: str, old_str: str, new_str: str) -> int:
-    """v1 `/v1/file/replace`: replace every occurrence of `old_str`, literally; no history.
-
-    Zero occurrences is a success that returns 0 and leaves the file untouched (upstream's
-    `replaced_count` defaults to 0); the editor's `str_replace` is the strict one.
-    """
-    with operation("replace", path):
+        Zero occurrences is a success that returns 0 and leaves the file untouched (upstream's
+        `replaced_count` defaults to 0); `str_replace` is the strict one.
+        """
         if not old_str:
             raise bad_request("replace", "old_str must not be empty", path)
-        with machine.view.at(path, write=True) as at:
-            inside = at.inside
-        file = load_text(machine, inside, path, "replace")
-        count = file.text.count(old_str)
-        if count and old_str != new_str:
-            write_in_place(
-                machine, inside, checked_encode(file, file.text.replace(old_str, new_str), "replace", path)
-            )
-        return count
+        async with self._command(machine, path, "replace") as fs:
+            inside = (await fs.target(path, write=True)).inside
+            file = await fs.load_text(inside, path, "replace")
+            count = file.text.count(old_str)
+            if count and old_str != new_str:
+                await fs.write(
+                    inside, checked_encode(file, file.text.replace(old_str, new_str), "replace", path)
+                )
+            return count

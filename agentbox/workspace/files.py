@@ -354,24 +354,38 @@ def read_text(
 ) -> ReadResult:
     """UTF-8 text of a file, or lines [start_line, end_line) of it (0-based, end exclusive)."""
     with operation("read", path):
-        start = 0 if start_line is None else start_line
-        if start < 0 or (end_line is not None and end_line < 0):
-            raise bad_request("read", "start_line and end_line must not be negative", path)
-        if end_line is not None and end_line < start:
-            raise bad_request("read", f"end_line {end_line} is before start_line {start}", path)
+        start = check_lines(start_line, end_line, path)
         fd = machine.view.open(path, os.O_RDONLY)
         with os.fdopen(fd, "rb") as f:
             size = _require_regular(f.fileno(), "read", path).st_size
             data = f.read(MAX_READ_BYTES + 1) if size <= MAX_READ_BYTES else b""
         if size > MAX_READ_BYTES or len(data) > MAX_READ_BYTES:
-            raise limit_exceeded(
-                "read", path, f"file is larger than the {MAX_READ_BYTES} bytes a read returns; download it"
-            )
-        lines = split_lines(data.decode("utf-8"))
-        stop = len(lines) if end_line is None else min(end_line, len(lines))
-        first = min(start, stop)
-        content = "".join(lines[first:stop])
-        return ReadResult(content, shown_path(machine, path), len(lines), first, stop, len(data))
+            raise read_too_large(path)
+        return text_lines(data, shown_path(machine, path), start, end_line)
+
+
+def check_lines(start_line: int | None, end_line: int | None, path: str) -> int:
+    """The first line a read asks for, after refusing a range that can name no lines."""
+    start = 0 if start_line is None else start_line
+    if start < 0 or (end_line is not None and end_line < 0):
+        raise bad_request("read", "start_line and end_line must not be negative", path)
+    if end_line is not None and end_line < start:
+        raise bad_request("read", f"end_line {end_line} is before start_line {start}", path)
+    return start
+
+
+def read_too_large(path: str) -> WorkspaceError:
+    return limit_exceeded(
+        "read", path, f"file is larger than the {MAX_READ_BYTES} bytes a read returns; download it"
+    )
+
+
+def text_lines(data: bytes, shown: str, start: int, end_line: int | None) -> ReadResult:
+    """Lines [start, end_line) of a file's bytes, decoded as UTF-8 (a `decode_error` otherwise)."""
+    lines = split_lines(data.decode("utf-8"))
+    stop = len(lines) if end_line is None else min(end_line, len(lines))
+    first = min(start, stop)
+    return ReadResult("".join(lines[first:stop]), shown, len(lines), first, stop, len(data))
 
 
 # ---------------------------------------------------------------- write
@@ -503,17 +517,44 @@ def _node_stat(machine: HostMachine, node: Node) -> tuple[os.stat_result, bool]:
 
 def _to_entry(machine: HostMachine, inside: str, node: Node, *, size: bool, permissions: bool) -> Entry:
     st, link = _node_stat(machine, node)
-    is_dir = stat_mod.S_ISDIR(st.st_mode)
+    return entry_of(node.name, inside, to_stat(inside, st, link), size=size, permissions=permissions)
+
+
+def entry_of(name: str, inside: str, st: FileStat, *, size: bool, permissions: bool) -> Entry:
+    """A listing entry for `st` (for a symlink: what it leads to, with `is_symlink` set)."""
     return Entry(
-        name=node.name,
+        name=name,
         path=inside,
-        is_directory=is_dir,
-        size=st.st_size if size else None,
-        modified_time=iso_time(st.st_mtime),
-        permissions=stat_mod.filemode(st.st_mode)[1:] if permissions else None,
-        extension=None if is_dir else (posixpath.splitext(node.name)[1] or None),
-        is_symlink=link,
+        is_directory=st.is_dir,
+        size=st.size if size else None,
+        modified_time=iso_time(st.mtime),
+        permissions=stat_mod.filemode(st.mode)[1:] if permissions else None,
+        extension=None if st.is_dir else (posixpath.splitext(name)[1] or None),
+        is_symlink=st.is_symlink,
     )
+
+
+def check_listing(sort_by: str, max_depth: int | None, path: str) -> None:
+    if sort_by not in LIST_SORT_KEYS:
+        raise bad_request("list", f"sort_by must be one of {sorted(LIST_SORT_KEYS)}", path)
+    if max_depth is not None and max_depth < 1:
+        raise bad_request("list", "max_depth must be at least 1", path)
+
+
+def type_filter(file_types: list[str] | None) -> Callable[[Entry], bool]:
+    """Whether an entry passes `file_types` (`[".py"]`, dot optional, any case: files only)."""
+    if file_types is None:
+        return lambda entry: True
+    suffixes = {"." + t.lstrip(".").lower() for t in file_types}
+    return lambda e: not e.is_directory and (e.extension or "").lower() in suffixes
+
+
+def listed(
+    base: str, entries: list[Entry], sort_by: ListSort, sort_desc: bool, truncated: bool
+) -> ListResult:
+    entries.sort(key=LIST_SORT_KEYS[sort_by], reverse=sort_desc)
+    dirs = sum(e.is_directory for e in entries)
+    return ListResult(base, entries, len(entries), dirs, len(entries) - dirs, truncated)
 
 
 LIST_SORT_KEYS: dict[str, Callable[[Entry], tuple[object, ...]]] = {
@@ -544,13 +585,10 @@ def list_dir(
     described by what they lead to inside the machine, or as themselves when that fails.
     """
     with operation("list", path):
-        if sort_by not in LIST_SORT_KEYS:
-            raise bad_request("list", f"sort_by must be one of {sorted(LIST_SORT_KEYS)}", path)
-        if max_depth is not None and max_depth < 1:
-            raise bad_request("list", "max_depth must be at least 1", path)
+        check_listing(sort_by, max_depth, path)
         require_dir(machine, path)
         base = shown_path(machine, path)
-        suffixes = None if file_types is None else {"." + t.lstrip(".").lower() for t in file_types}
+        wanted = type_filter(file_types)
 
         def visible(node: Node) -> bool:
             return show_hidden or not node.name.startswith(".")
@@ -570,15 +608,13 @@ def list_dir(
                 )
             except FileNotFoundError:  # gone since the scan
                 continue
-            if suffixes is not None and (item.is_directory or (item.extension or "").lower() not in suffixes):
+            if not wanted(item):
                 continue
             if len(entries) == MAX_LIST_ENTRIES:
                 truncated = True
                 break
             entries.append(item)
-        entries.sort(key=LIST_SORT_KEYS[sort_by], reverse=sort_desc)
-        dirs = sum(e.is_directory for e in entries)
-        return ListResult(base, entries, len(entries), dirs, len(entries) - dirs, truncated)
+        return listed(base, entries, sort_by, sort_desc, truncated)
 
 
 # ---------------------------------------------------------------- search, glob
@@ -602,6 +638,46 @@ def _excluded(rel: str, name: str, exclude: list[str]) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class GlobPlan:
+    """What a search walks and keeps, checked once for both kinds of machine."""
+
+    pattern: str
+    limit: int
+    flags: int
+    depth: int | None
+    """None for a `**` pattern; otherwise the walk stops at the pattern's depth."""
+    skip_hidden: bool
+    excludes: list[str]
+
+    def descends(self, rel: str, name: str) -> bool:
+        return not (self.skip_hidden and name.startswith(".")) and not _excluded(rel, name, self.excludes)
+
+    def matches(self, rel: str, name: str) -> bool:
+        return wc_glob.globmatch(rel, self.pattern, flags=self.flags) and not _excluded(
+            rel, name, self.excludes
+        )
+
+
+def glob_plan(
+    op: str, path: str, pattern: str, exclude: list[str] | None, include_hidden: bool, max_results: int | None
+) -> GlobPlan:
+    limit = DEFAULT_SEARCH_RESULTS if max_results is None else max_results
+    if not 1 <= limit <= MAX_SEARCH_RESULTS:
+        raise bad_request(op, f"max_results must be between 1 and {MAX_SEARCH_RESULTS}", path)
+    if not pattern or pattern.startswith("/"):
+        raise bad_request(op, "pattern must be a non-empty glob relative to path", path)
+    check_patterns(op, [pattern, *(exclude or [])], path)
+    return GlobPlan(
+        pattern=pattern,
+        limit=limit,
+        flags=wc_glob.GLOBSTAR | wc_glob.BRACE | (wc_glob.DOTGLOB if include_hidden else 0),
+        depth=None if "**" in pattern else pattern.count("/") + 1,
+        skip_hidden=not include_hidden and not any(s.startswith(".") for s in pattern.split("/")),
+        excludes=exclude or [],
+    )
+
+
 def _glob(
     machine: HostMachine,
     op: str,
@@ -614,38 +690,24 @@ def _glob(
     max_results: int | None,
 ) -> tuple[str, list[_Hit], bool]:
     """The shared walk of `search` and `glob_files`: (base inside path, hits, truncated)."""
-    limit = DEFAULT_SEARCH_RESULTS if max_results is None else max_results
-    if not 1 <= limit <= MAX_SEARCH_RESULTS:
-        raise bad_request(op, f"max_results must be between 1 and {MAX_SEARCH_RESULTS}", path)
-    if not pattern or pattern.startswith("/"):
-        raise bad_request(op, "pattern must be a non-empty glob relative to path", path)
-    check_patterns(op, [pattern, *(exclude or [])], path)
+    plan = glob_plan(op, path, pattern, exclude, include_hidden, max_results)
     require_dir(machine, path)
     base = shown_path(machine, path)
-    excludes = exclude or []
-    flags = wc_glob.GLOBSTAR | wc_glob.BRACE | (wc_glob.DOTGLOB if include_hidden else 0)
-    depth = None if "**" in pattern else pattern.count("/") + 1
-    skip_hidden = not include_hidden and not any(s.startswith(".") for s in pattern.split("/"))
-
-    def descend(node: Node) -> bool:
-        return not (skip_hidden and node.name.startswith(".")) and not _excluded(
-            node.rel, node.name, excludes
-        )
-
     hits: list[_Hit] = []
     truncated = False
-    for scanned, node in enumerate(machine.view.walk(path, max_depth=depth, descend=descend), 1):
+    walk = machine.view.walk(path, max_depth=plan.depth, descend=lambda n: plan.descends(n.rel, n.name))
+    for scanned, node in enumerate(walk, 1):
         if scanned > MAX_SEARCH_SCANNED:
             truncated = True
             break
-        if not wc_glob.globmatch(node.rel, pattern, flags=flags) or _excluded(node.rel, node.name, excludes):
+        if not plan.matches(node.rel, node.name):
             continue
         inside = posixpath.join(base, node.rel)
         st, _ = _node_stat(machine, node)
         is_dir = stat_mod.S_ISDIR(st.st_mode)
         if files_only and is_dir:
             continue
-        if len(hits) == limit:
+        if len(hits) == plan.limit:
             truncated = True
             break
         hits.append(_Hit(inside, node, is_dir))
@@ -746,12 +808,16 @@ def download(machine: HostMachine, path: str) -> DownloadTarget:
     """Check that `path` is a regular file and describe it; `iter_download` streams it."""
     with operation("download", path):
         resolved = machine.view.resolve(path)
-        st = machine.view.stat(resolved)
-        if stat_mod.S_ISDIR(st.st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-        if not stat_mod.S_ISREG(st.st_mode):
-            raise wrong_kind("download", path, f"{path} is not a regular file")
-        return DownloadTarget(machine, resolved, st.st_size, st.st_mtime, st.st_ino)
+        st = to_stat(resolved, machine.view.stat(resolved))
+        require_regular(st, "download", path)
+        return DownloadTarget(machine, resolved, st.size, st.mtime, st.inode)
+
+
+def require_regular(st: FileStat, operation_name: str, path: str) -> None:
+    if st.is_dir:
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    if not st.is_file:
+        raise wrong_kind(operation_name, path, f"{path} is not a regular file")
 
 
 def iter_download(target: DownloadTarget, start: int = 0, end: int | None = None) -> Iterator[bytes]:
@@ -843,9 +909,13 @@ def remove(machine: HostMachine, path: str, *, recursive: bool = False) -> str:
     with operation("remove", path):
         shown = shown_path(machine, path)
         if shown == machine.root or machine.view.is_mount_root(shown):
-            raise wrong_kind("remove", path, f"{shown} is the root of the machine or of a mount")
+            raise root_refused(path, shown)
         machine.view.remove(shown, recursive=recursive)  # by descriptor; never follows a link
         return shown
+
+
+def root_refused(path: str, shown: str) -> WorkspaceError:
+    return wrong_kind("remove", path, f"{shown} is the root of the machine or of a mount")
 
 
 def stat(machine: HostMachine, path: str) -> FileStat:

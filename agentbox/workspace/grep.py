@@ -37,10 +37,11 @@ from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
-from agentbox.machines.base import ExecRequest
+from agentbox.machines.base import ExecRequest, Machine
 from agentbox.machines.errors import PathEscape
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import data_kind_ok
+from agentbox.workspace import remote_files
 from agentbox.workspace.editor import MAX_EDIT_BYTES
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
 from agentbox.workspace.patterns import check_patterns
@@ -296,10 +297,10 @@ async def read_capped_stream(stream: asyncio.StreamReader, limit: int) -> bytes:
 
 
 async def run_rg(
-    machine: HostFiles, args: list[str], cwd: str, collector: MatchCollector, timeout: float
+    machine: Machine, rg: str, args: list[str], cwd: str, collector: MatchCollector, timeout: float
 ) -> tuple[int | None, str]:
     """Feed rg's records to `collector` until it is done or rg ends; rg never outlives this."""
-    request = ExecRequest(argv=(machine.ripgrep, *args), cwd=cwd, env=RG_ENV)
+    request = ExecRequest(argv=(rg, *args), cwd=cwd, env=RG_ENV)
     proc = await machine.spawn(request)
     done = False
     stderr = asyncio.ensure_future(read_capped_stream(proc.stderr, MAX_STDERR_BYTES))
@@ -338,17 +339,42 @@ def rg_message(stderr: str) -> str:
 # --- the operations --------------------------------------------------------------------
 
 
-async def run_search(
-    machine: HostFiles, path: str, options: GrepOptions, op: str, timeout: float, *, file_only: bool = False
-) -> GrepResult:
-    with operation(op, path):
-        options.check(op, path)
+@dataclass(frozen=True)
+class _Where:
+    target: str
+    """What rg searches: the inside path with links resolved where the server can tell."""
+    shown: str
+    is_dir: bool
+    rg: str
+
+
+async def _where(machine: Machine, path: str, op: str) -> _Where:
+    """Where the search runs, refusing what rg cannot search without hanging (a FIFO, a device)."""
+    if isinstance(machine, HostFiles):
         target = machine.view.resolve(path)
-        shown = machine.view.resolve(path, follow=False)
         st = machine.view.stat(target)  # ENOENT when missing
         if not data_kind_ok(st):  # rg would block on a FIFO until the timeout
             raise PathEscape(f"{path} is a device, fifo or socket", path=path)
-        is_dir = stat_mod.S_ISDIR(st.st_mode)
+        return _Where(
+            target, machine.view.resolve(path, follow=False), stat_mod.S_ISDIR(st.st_mode), machine.ripgrep
+        )
+    fst = await remote_files.require_stat(machine, path)
+    if not (fst.is_dir or fst.is_file):
+        raise PathEscape(f"{path} is a device, fifo or socket", path=path)
+    rg = await machine.find_program("rg")
+    if rg is None:
+        raise bad_request(op, f"machine {machine.name!r} has no ripgrep (rg) to search with", path)
+    shown = remote_files.shown_path(machine, path)
+    return _Where(shown, shown, fst.is_dir, rg)
+
+
+async def run_search(
+    machine: Machine, path: str, options: GrepOptions, op: str, timeout: float, *, file_only: bool = False
+) -> GrepResult:
+    with operation(op, path):
+        options.check(op, path)
+        where = await _where(machine, path, op)
+        target, shown, is_dir = where.target, where.shown, where.is_dir
         if file_only and is_dir:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         collector = MatchCollector(
@@ -357,6 +383,7 @@ async def run_search(
         try:
             code, stderr = await run_rg(
                 machine,
+                where.rg,
                 options.rg_args(target),
                 target if is_dir else posixpath.dirname(target),
                 collector,
@@ -387,7 +414,7 @@ async def run_search(
 
 
 async def grep(
-    machine: HostFiles,
+    machine: Machine,
     path: str,
     pattern: str,
     *,
@@ -433,7 +460,7 @@ async def grep(
 
 
 async def search_in_file(
-    machine: HostFiles, path: str, regex: str, *, timeout: float = GREP_TIMEOUT_SECONDS
+    machine: Machine, path: str, regex: str, *, timeout: float = GREP_TIMEOUT_SECONDS
 ) -> tuple[list[str], list[int]]:
     """v1 `/v1/file/search`: the lines of one file matching `regex`, with 0-BASED line numbers.
 

@@ -14,16 +14,24 @@ import shlex
 import signal
 import stat as stat_mod
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import asyncssh
 
-from agentbox.machines.base import OS, ExecRequest, ExecResult, FileEntry, FileStat, collect, inside_path
+from agentbox.machines.base import (
+    MAX_MACHINE_READ_BYTES,
+    OS,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    FileStat,
+    collect,
+    inside_path,
+)
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
-from agentbox.machines.hostfs import MAX_MACHINE_READ_BYTES
 from agentbox.machines.local import BASE_PATH
 from agentbox.machines.ssh.channel import CommandChannel, SshProcess, remote_command
 from agentbox.machines.ssh.options import KEEPALIVE_COUNT, SshOptions
@@ -491,18 +499,22 @@ class SshMachine:
                 raise self.unavailable(exc, FILE_OP_TIMEOUT) from None
         raise AssertionError("unreachable")
 
-    async def read(self, path: str, limit: int = MAX_MACHINE_READ_BYTES) -> bytes:
-        """The whole file, refused (EFBIG) past `limit` bytes."""
+    async def read(
+        self, path: str, *, offset: int = 0, length: int | None = None, limit: int = MAX_MACHINE_READ_BYTES
+    ) -> bytes:
+        """`length` bytes from `offset`, or the rest of the file, refused (EFBIG) past `limit`."""
 
         async def op(sftp: asyncssh.SFTPClient, target: str) -> bytes:
             async with sftp.open(target, "rb") as f:
                 attrs = await f.stat()
                 if attrs.permissions is not None and stat_mod.S_ISDIR(attrs.permissions):
                     raise OSError(errno.EISDIR, "is a directory", path)
-                size = attrs.size or 0
-                if size > limit:
+                if length is not None:
+                    return await _read_exactly(f, offset, length)
+                rest = max((attrs.size or 0) - offset, 0)
+                if rest > limit:
                     raise OSError(errno.EFBIG, f"{path} is larger than {limit} bytes", path)
-                data: bytes = await f.read(size) if size else await f.read(limit + 1)
+                data = await _read_exactly(f, offset, limit + 1)
                 if len(data) > limit:
                     raise OSError(errno.EFBIG, f"{path} is larger than {limit} bytes", path)
                 return data
@@ -513,26 +525,57 @@ class SshMachine:
         """Replace the file atomically: a temp file beside it, renamed over it."""
 
         async def op(sftp: asyncssh.SFTPClient, target: str) -> None:
-            old = await lstat_or_none(sftp, target)
-            if old is not None and is_link(old):  # write where the link points, as a local write does
-                target = await sftp.realpath(target)
-                old = await lstat_or_none(sftp, target)
-            if old is not None and stat_mod.S_ISDIR(old.permissions or 0):
-                raise OSError(errno.EISDIR, "is a directory", path)
-            parent, name = posixpath.split(target)
-            temp = posixpath.join(parent, f".{name}{TEMP_INFIX}{secrets.token_hex(6)}.tmp")
-            try:
-                async with sftp.open(temp, "xb") as f:
-                    await f.write(data)
-                    if old is not None:
-                        await f.setstat(self._kept_attrs(old))
-                await posix_rename(sftp, temp, target)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await sftp.remove(temp)
-                raise
+            async def put(f: asyncssh.SFTPClientFile) -> None:
+                await f.write(data)
+
+            await self._staged(sftp, target, path, put)
 
         await self._files(path, op, idempotent=True)
+
+    async def write_stream(self, path: str, chunks: AsyncIterable[bytes], *, limit: int) -> int:
+        """`write` from chunks as they arrive; nothing replaces the target before the last one."""
+        size = 0
+
+        async def op(sftp: asyncssh.SFTPClient, target: str) -> None:
+            async def put(f: asyncssh.SFTPClientFile) -> None:
+                nonlocal size
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > limit:
+                        raise OSError(errno.EFBIG, f"{path} would be larger than {limit} bytes", path)
+                    await f.write(chunk)
+
+            await self._staged(sftp, target, path, put)
+
+        await self._files(path, op, idempotent=False)  # the chunks cannot be read twice
+        return size
+
+    async def _staged(
+        self,
+        sftp: asyncssh.SFTPClient,
+        target: str,
+        path: str,
+        put: Callable[[asyncssh.SFTPClientFile], Awaitable[None]],
+    ) -> None:
+        """Write a temp file beside `target` with `put`, then rename it over `target`."""
+        old = await lstat_or_none(sftp, target)
+        if old is not None and is_link(old):  # write where the link points, as a local write does
+            target = await sftp.realpath(target)
+            old = await lstat_or_none(sftp, target)
+        if old is not None and stat_mod.S_ISDIR(old.permissions or 0):
+            raise OSError(errno.EISDIR, "is a directory", path)
+        parent, name = posixpath.split(target)
+        temp = posixpath.join(parent, f".{name}{TEMP_INFIX}{secrets.token_hex(6)}.tmp")
+        try:
+            async with sftp.open(temp, "xb") as f:
+                await put(f)
+                if old is not None:
+                    await f.setstat(self._kept_attrs(old))
+            await posix_rename(sftp, temp, target)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await sftp.remove(temp)
+            raise
 
     def _kept_attrs(self, old: asyncssh.SFTPAttrs) -> asyncssh.SFTPAttrs:
         """The replaced file's mode, and as root its owner, for the file that replaces it."""
@@ -621,14 +664,19 @@ class SshMachine:
         await self._files(src, op, idempotent=False)
 
     async def chown(self, path: str, user: str) -> None:
-        uid, gid = await self.owner_of(user)
+        uid, gid = await self.user_ids(user)
 
         async def op(sftp: asyncssh.SFTPClient, target: str) -> None:
             await sftp.chown(target, uid, gid, follow_symlinks=False)
 
         await self._files(path, op, idempotent=True)
 
-    async def owner_of(self, user: str) -> tuple[int, int]:
+    async def find_program(self, name: str) -> str | None:
+        """Programs the connection probe looks for (`rg`, `grep`, `inotifywait`); others are None."""
+        facts = await self.ready()
+        return {"rg": facts.rg, "grep": facts.grep, "inotifywait": facts.inotifywait}.get(name)
+
+    async def user_ids(self, user: str) -> tuple[int, int]:
         """The remote uid and gid of `user`, asked of the host once (`id`)."""
         if user not in self._owners:
             code, out, _ = await self._plain(f"id -u -- {shlex.quote(user)} && id -g -- {shlex.quote(user)}")
@@ -710,6 +758,19 @@ async def _lines(stream: asyncio.StreamReader) -> AsyncGenerator[bytes, None]:
             yield line
     if pending:
         yield pending
+
+
+async def _read_exactly(f: asyncssh.SFTPClientFile, offset: int, length: int) -> bytes:
+    """Up to `length` bytes from `offset`: SFTP servers may answer a read with fewer."""
+    parts: list[bytes] = []
+    got = 0
+    while got < length:
+        chunk: bytes = await f.read(length - got, offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
 
 
 def _bytes(data: bytes | str | None) -> bytes:
