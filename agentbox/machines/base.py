@@ -319,7 +319,7 @@ class WatchStream(Protocol):
 
 
 @runtime_checkable
-class Watching(Protocol):
+class Watching(Machine, Protocol):
     """A machine that reports its own file changes (one without `HostFiles`, whose files the
     server cannot watch itself). `agentbox.workspace.watch.WatchHub` stands on it."""
 
