@@ -301,6 +301,9 @@ class WatchChange(NamedTuple):
     path: str
     is_dir: bool = False
     old_path: str | None = None
+    size: int | None = None
+    """The file's size and mtime when the source knows them (a scan); else they are looked up."""
+    mtime: float | None = None
 
 
 class WatchStream(Protocol):

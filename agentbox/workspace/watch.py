@@ -69,8 +69,11 @@ docstring) and records its changes in the same ring, with the same cursor, limit
 and shapes. Its watchers are made with `start` (the machine is asked first, so a missing
 path is `not_found` and a remote failure is `machine_unavailable`). What differs:
 
-    mtime, size    from an SFTP stat of the path when its change is recorded: whole seconds
-                   for mtime; null for a remove, or when the path is gone by then
+    mtime, size    polling: from the scan; inotifywait: from an SFTP stat of the path when
+                   its change is recorded (whole seconds for mtime; null when the path is gone
+                   by then). The stats are pipelined, MAX_STATS_AHEAD at once: about a
+                   thousand events a second over loopback; a burst past that waits in the
+                   remote queue (and overflows past its bound). Null for a remove.
     inode          null (SFTP v3 has none)
     rename         with inotifywait, a MOVED_FROM paired with the MOVED_TO that follows it;
                    polling cannot see moves: a remove of the old path, a create of the new
@@ -804,6 +807,8 @@ class _Feed:
     async def _meta(self, change: WatchChange) -> _Meta | None:
         if change.event in ("remove", "overflow"):
             return None
+        if change.size is not None and change.mtime is not None:
+            return _Meta(change.is_dir, change.mtime, change.size, None)  # the source's scan knew
         return await _remote_meta(self.machine, change.path)
 
 

@@ -74,6 +74,10 @@ class _Seen:
     mtime: str
     mode: str
 
+    def change(self, event: str, path: str) -> WatchChange:
+        """A change of this entry, with what the scan knows of it (no stat needed)."""
+        return WatchChange(event, path, self.kind == "d", None, self.size, float(self.mtime))
+
 
 class RemoteWatch:
     """Changes under one remote path, as `WatchChange`s (the mapping is the module's docstring).
@@ -149,12 +153,15 @@ class RemoteWatch:
             self._process.kill()
 
     def _emit(self, event: str, path: str, is_dir: bool = False, old_path: str | None = None) -> None:
+        self._put(WatchChange(event, path, is_dir, old_path))
+
+    def _put(self, change: WatchChange) -> None:
         if self._queue.qsize() >= MAX_QUEUED_CHANGES:
             if not self._overflowed:
                 self._overflowed = True
                 self._queue.put_nowait(WatchChange("overflow", self.target, True))
             return
-        self._queue.put_nowait(WatchChange(event, path, is_dir, old_path))
+        self._queue.put_nowait(change)
 
     # inotifywait
 
@@ -309,7 +316,7 @@ class RemoteWatch:
                 await asyncio.sleep(self.machine.options.poll_seconds)
                 new = await self._snapshot()
                 for change in changes(old, new):
-                    self._emit(*change)
+                    self._put(change)
                 old = new
         except asyncio.CancelledError:
             raise
@@ -330,18 +337,18 @@ def changes(old: dict[str, _Seen], new: dict[str, _Seen]) -> list[WatchChange]:
     ]
     for p in sorted(new.keys() - old.keys()):
         seen = new[p]
-        out.append(WatchChange("create", p, seen.kind == "d"))
+        out.append(seen.change("create", p))
         if seen.kind == "f" and seen.size > 0:
-            out.append(WatchChange("write", p))
+            out.append(seen.change("write", p))
     for p in sorted(old.keys() & new.keys()):
         a, b = old[p], new[p]
         if a.kind == b.kind == "d":
             if a.mode != b.mode:
-                out.append(WatchChange("chmod", p, True))
+                out.append(b.change("chmod", p))
         elif (a.kind, a.size, a.mtime) != (b.kind, b.size, b.mtime):
-            out.append(WatchChange("write", p))
+            out.append(b.change("write", p))
         elif a.mode != b.mode:
-            out.append(WatchChange("chmod", p))
+            out.append(b.change("chmod", p))
     return out
 
 
