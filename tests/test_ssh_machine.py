@@ -471,7 +471,7 @@ async def changes_until(watch: RemoteWatch, wanted: set[tuple[str, str]]) -> set
 
     async def read() -> None:
         async for change in watch:
-            got.add(change)
+            got.add((change.event, change.path))
             if wanted <= got:
                 return
 

@@ -59,7 +59,7 @@ class WatchBody(BaseModel):
 @router.post("/v2/watch", openapi_extra=json_body(WatchBody))
 async def create(request: Request, sandbox: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, WatchBody)
-    watcher = sandbox.watches.create(body.path, recursive=body.recursive, exclude=body.exclude)
+    watcher = await sandbox.watches.start(body.path, recursive=body.recursive, exclude=body.exclude)
     return ok(watcher.to_dict(), watcher_id=watcher.id)
 
 

@@ -17,7 +17,7 @@ import posixpath
 import signal
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from agentbox.machines.errors import PathEscape
 
@@ -307,3 +307,49 @@ async def iter_output(process: Process) -> AsyncIterator[tuple[str, bytes]]:
 def environment_line(machine: Machine) -> str:
     """The line seed 004 puts in every system prompt."""
     return f"Machine: {machine.name} ({machine.kind}, {machine.os}), workspace {machine.root}"
+
+
+# -- the optional watch capability -----------------------------------------------------------
+
+
+class WatchChange(NamedTuple):
+    """One change a machine's watch stream reports; paths are inside paths.
+
+    `event` is create, write, remove, chmod, rename (`old_path` set) or overflow (with the
+    watched path: changes were dropped, rescan).
+    """
+
+    event: str
+    path: str
+    is_dir: bool = False
+    old_path: str | None = None
+    size: int | None = None
+    """The file's size and mtime when the source knows them (a scan); else they are looked up."""
+    mtime: float | None = None
+
+
+class WatchStream(Protocol):
+    """Changes under one path, from `start` (or `async with`) until `aclose`; a dropped
+    connection ends the iteration with `MachineUnavailable`."""
+
+    async def start(self) -> None:
+        """Begin watching (the path must exist: `FileNotFoundError` otherwise)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop watching: whatever the machine runs to watch ends."""
+        ...
+
+    def __aiter__(self) -> AsyncIterator[WatchChange]: ...
+
+
+@runtime_checkable
+class Watching(Machine, Protocol):
+    """A machine that reports its own file changes (one without `HostFiles`, whose files the
+    server cannot watch itself). `agentbox.workspace.watch.WatchHub` stands on it."""
+
+    def watch(self, path: str, *, recursive: bool = True) -> WatchStream: ...
+
+    def watch_kind(self) -> str:
+        """How changes are seen (`inotifywait`, `polling (2 s)`): stated in capabilities."""
+        ...

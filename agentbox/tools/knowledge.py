@@ -713,7 +713,7 @@ class KnowledgeIndex:
             raise RuntimeError("the index already follows a watcher")
         self._hub, self._own_hub = hub, own
         self._settling = asyncio.Lock()
-        self._watcher = hub.create(self.root, recursive=True)
+        self._watcher = await hub.start(self.root, recursive=True)
         self._follower = asyncio.get_running_loop().create_task(self._follow(), name="knowledge-follow")
 
     async def settle(self) -> None:

@@ -50,7 +50,8 @@ class MachineServices:
         on_command: Callable[[], None] | None = None,
     ) -> MachineServices:
         commands = CommandManager(machine, on_command)
-        return cls(session_id, machine, WatchHub(machine), commands, Editor(), index_path)  # type: ignore[arg-type]
+        # The hub picks its source: inotify on host files, else the machine's own watch.
+        return cls(session_id, machine, WatchHub(machine), commands, Editor(), index_path)
 
     async def knowledge(self) -> KnowledgeIndex:
         """The machine's knowledge index, opened (attached to this watch hub, refreshed) on first use."""

@@ -1,7 +1,7 @@
 """Watchers: a machine's file changes as numbered events (seed 002, "监听文件变化").
 
-A `WatchHub` belongs to one machine with host files (local or sandbox). It owns one inotify
-instance and one reader task; each `Watcher` it creates subscribes to the inotify watches
+A `WatchHub` belongs to one machine. On a machine with host files (local, sandbox, docker)
+it owns one inotify instance and one reader task; each `Watcher` it creates subscribes to the inotify watches
 of the directories under its root and keeps its own numbered events (`seq` from 1) in a
 ring that `poll` (cursor + long-poll), `stream` (SSE with resume) and `wait_for` (v1
 `watch/wait`) read. Processes inside a bubblewrap sandbox write to the same host
@@ -61,6 +61,33 @@ directory two watchers share counts once). A watcher whose tree needs more is cr
 anyway and truncated: the directories past the bound are not watched, and it reports
 overflow as above, so a client knows to rescan (or to watch a smaller tree, or to exclude
 more). Deleting watchers gives their watches back.
+
+A machine without host files that has the `Watching` capability (ssh) is the second source
+of events: each watcher runs one watch stream on the machine (`inotifywait -m` on the remote
+host, or polling with `find`; the mapping from the host's changes is `machines/ssh/watch.py`'s
+docstring) and records its changes in the same ring, with the same cursor, limits, excludes
+and shapes. Its watchers are made with `start` (the machine is asked first, so a missing
+path is `not_found` and a remote failure is `machine_unavailable`). What differs:
+
+    mtime, size    polling: from the scan; inotifywait: from an SFTP stat of the path when
+                   its change is recorded (whole seconds for mtime; null when the path is gone
+                   by then). The stats are pipelined, MAX_STATS_AHEAD at once: about a
+                   thousand events a second over loopback; a burst past that waits in the
+                   remote queue (and overflows past its bound). Null for a remove.
+    inode          null (SFTP v3 has none)
+    rename         with inotifywait, a MOVED_FROM paired with the MOVED_TO that follows it;
+                   polling cannot see moves: a remove of the old path, a create of the new
+    write          polling: once per scan however many writes came (latency poll_seconds);
+                   inotifywait: when the file is closed (no OPEN_WRITE_FLUSH_SECONDS)
+    excludes       applied here: the remote host still watches (or scans) excluded directories
+    limits         MAX_WATCHED_DIRS and MAX_WATCHES_PER_MACHINE count this server's inotify
+                   watches: not applied; the remote host's own inotify limit fails the
+                   `start` (`no_space_left`)
+    overflow       a remote queue past its bound, and a stream that ended (connection dropped):
+                   the watcher watches again after REWATCH_SECONDS and reports overflow
+    wait_for       watches the nearest existing directory (recursively if the path is deeper)
+
+Deleting a watcher ends its stream (the remote inotifywait is killed).
 """
 
 from __future__ import annotations
@@ -86,13 +113,18 @@ from typing import Literal, cast
 from asyncinotify import Event as RawEvent
 from asyncinotify import Inotify, Mask, Watch
 
+from agentbox.machines.base import Machine, WatchChange, Watching, WatchStream, inside_path
 from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.hostview import HostView
 from agentbox.workspace.errors import WorkspaceError, bad_request, operation
 from agentbox.workspace.patterns import check_patterns
 
-#: What a hub watches: a machine with the `HostFiles` capability.
+#: What a hub watches through inotify: a machine with the `HostFiles` capability.
 HostMachine = HostFiles
+#: What a hub can watch: host files, or a machine that watches itself (any other machine
+#: gets a hub whose watchers fail to start).
+WatchedMachine = HostFiles | Watching | Machine
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +158,11 @@ SCAN_ECHO_SECONDS = 5.0
 MAX_FRESH_FILES = 4096
 #: Bytes of events read from inotify at once, in full-size (NAME_MAX) events.
 READ_BATCH_EVENTS = 256
+#: Changes of a remote watcher whose metadata (one SFTP stat each) is fetched at once, ahead
+#: of the change being recorded; past it the watcher reads its stream no further until one is.
+MAX_STATS_AHEAD = 64
+#: Seconds a remote watcher waits to watch again after its stream ended (a dropped connection).
+REWATCH_SECONDS = 1.0
 
 #: The upstream AIO defaults; an explicit `exclude` list replaces them.
 DEFAULT_EXCLUDES: tuple[str, ...] = (
@@ -297,6 +334,16 @@ class Scope:
 
 
 @dataclass(frozen=True)
+class _Meta:
+    """What an event says about its path's file, when the path is there."""
+
+    is_dir: bool
+    mtime: float
+    size: int
+    inode: int | None
+
+
+@dataclass(frozen=True)
 class _Change:
     """What happened to one host path, before any watcher's scope or numbering."""
 
@@ -304,6 +351,8 @@ class _Change:
     host: Path
     is_dir: bool
     old_host: Path | None = None
+    meta: _Meta | None = None
+    """The path's file as the source saw it (a remote stat); None: lstat it when recorded."""
 
 
 @dataclass
@@ -333,11 +382,20 @@ class _Move:
     timer: asyncio.TimerHandle
 
 
-def _lstat(machine: HostMachine, inside: Path) -> os.stat_result | None:
+def _lstat(hub: WatchHub, inside: Path) -> os.stat_result | None:
+    """The host file at `inside` (None when it is gone, or the hub's machine has no host files)."""
+    if hub.files is None:
+        return None
     try:
-        return machine.view.lstat(str(inside))
+        return hub.files.view.lstat(str(inside))
     except (OSError, MachineError):
         return None
+
+
+def _host_meta(st: os.stat_result | None) -> _Meta | None:
+    if st is None:
+        return None
+    return _Meta(stat_mod.S_ISDIR(st.st_mode), st.st_mtime, st.st_size, st.st_ino)
 
 
 class Watcher:
@@ -361,6 +419,8 @@ class Watcher:
         self._wds: set[int] = set()
         self._root_wd: int | None = None
         self._scanned: dict[Path, _Scanned] = {}
+        self._feed: _Feed | None = None
+        """The remote stream this watcher's events come from (None: the hub's inotify)."""
 
     @property
     def last_seq(self) -> int:
@@ -441,11 +501,18 @@ class Watcher:
 
     # -- recording -------------------------------------------------------------------------
 
-    def _emit(self, kind: EventType, host: Path, is_dir: bool, old_host: Path | None = None) -> Event | None:
+    def _emit(
+        self,
+        kind: EventType,
+        host: Path,
+        is_dir: bool,
+        old_host: Path | None = None,
+        meta: _Meta | None = None,
+    ) -> Event:
         rel = self.scope.relative(host)
         inside = str(host)
         old_inside = str(old_host) if old_host is not None else None
-        st = _lstat(self.hub.machine, host)
+        st = meta or _host_meta(_lstat(self.hub, host))
         event = Event(
             seq=self._next_seq,
             type=kind,
@@ -454,9 +521,9 @@ class Watcher:
             is_dir=is_dir,
             timestamp=time.time(),
             old_path=old_inside,
-            mtime=st.st_mtime if st else None,
-            size=st.st_size if st else None,
-            inode=st.st_ino if st else None,
+            mtime=st.mtime if st else None,
+            size=st.size if st else None,
+            inode=st.inode if st else None,
         )
         self._next_seq += 1
         if len(self._events) == self._events.maxlen and self._events[0].seq > self._delivered:
@@ -498,7 +565,7 @@ class Watcher:
         if self._is_echo(change):
             return  # a scan reported it already (and watched it, if it is a directory)
         if visible:
-            self._emit(cast(EventType, change.kind), change.host, change.is_dir)
+            self._emit(cast(EventType, change.kind), change.host, change.is_dir, meta=change.meta)
         if change.kind == "create" and change.is_dir and self.scope.descends(rel):
             self._enter(change.host, rel, synthesize=True)
 
@@ -507,9 +574,9 @@ class Watcher:
         old_rel = self.scope.relative(change.old_host) if change.old_host is not None else None
         if rel is not None and self.scope.visible(rel):
             if old_rel is not None:
-                self._emit("rename", change.host, change.is_dir, change.old_host)
+                self._emit("rename", change.host, change.is_dir, change.old_host, change.meta)
             else:
-                self._emit("create", change.host, change.is_dir)
+                self._emit("create", change.host, change.is_dir, meta=change.meta)
         elif old_rel is not None and change.old_host is not None and self.scope.visible(old_rel):
             self._emit("remove", change.old_host, change.is_dir)
         if change.is_dir:
@@ -517,6 +584,8 @@ class Watcher:
 
     def _resubscribe(self, host: Path, rel: Rel | None) -> None:
         """After a directory moved to `host`: keep, drop or add the watches below it."""
+        if self._feed is not None:
+            return  # a remote stream follows its directories itself
         mine = [wd for wd in self._wds if self.hub._dir_is_under(wd, host)]
         if rel is None or not self.scope.descends(rel):
             for wd in mine:
@@ -530,13 +599,15 @@ class Watcher:
         With `synthesize`, whatever is already there is reported as created: it appeared
         before the watch did, so inotify will not say so.
         """
+        if self._feed is not None:
+            return  # a remote stream watches (and scans) new directories itself
         pending = deque([(host, rel)])
         while pending:
             directory, dir_rel = pending.popleft()
             if self.hub._subscribe(self, directory) is None:
                 continue
             try:
-                entries = self.hub.machine.view.listdir(str(directory))
+                entries = self.hub.view.listdir(str(directory))
             except (OSError, MachineError):
                 continue
             for name, st in entries:
@@ -548,7 +619,7 @@ class Watcher:
                     pending.append((directory / name, entry_rel))
 
     def _synthesize(self, host: Path, is_dir: bool) -> None:
-        st = _lstat(self.hub.machine, host)
+        st = _lstat(self.hub, host)
         if st is None:
             return
         seen = self._scanned.get(host)
@@ -572,7 +643,7 @@ class Watcher:
         if change.kind not in ("create", "write"):
             del self._scanned[change.host]
             return False
-        st = _lstat(self.hub.machine, change.host)
+        st = _lstat(self.hub, change.host)
         echo = False
         if change.kind == "create" and seen.create:
             seen.create = False
@@ -595,12 +666,174 @@ class Watcher:
         for wd in list(self._wds):
             self.hub._unsubscribe(self, wd)
 
+    # -- remote changes --------------------------------------------------------------------
+
+    def _wants(self, change: WatchChange) -> bool:
+        """Whether a remote change can make an event here (excluded ones are not stat'ed)."""
+        if change.event == "overflow":
+            return True
+        for path in (change.path, change.old_path):
+            rel = self.scope.relative(Path(path)) if path is not None else None
+            if (rel == () and change.event == "remove") or (rel and self.scope.visible(rel)):
+                return True
+        return False
+
+    def _record(self, change: WatchChange, meta: _Meta | None) -> bool:
+        """A remote change, as this watcher's events; False once the watched root is gone."""
+        host = Path(change.path)
+        if change.event == "overflow":
+            self._lost()
+        elif change.event == "remove" and host == self.scope.root:
+            self._root_gone()
+            return False
+        elif change.event in ("create", "write", "remove", "chmod", "rename"):
+            old = Path(change.old_path) if change.old_path is not None else None
+            kind = cast(ChangeKind, change.event)
+            self._apply(_Change(kind, host, meta.is_dir if meta else change.is_dir, old, meta))
+        return True
+
+
+class _Feed:
+    """A remote watcher's source: its machine's watch stream, each change with its metadata.
+
+    Metadata is fetched (a stat each) up to MAX_STATS_AHEAD changes ahead of the one being
+    recorded, in order, so a burst costs round trips side by side rather than one after
+    another. A stream that ends (the connection dropped, the remote watch died) is a loss:
+    the watcher reports overflow and the feed watches again every REWATCH_SECONDS, until it
+    can, or the watched root is gone, or the watcher is deleted.
+    """
+
+    def __init__(self, machine: Watching, watcher: Watcher) -> None:
+        self.machine = machine
+        self.watcher = watcher
+        self._stream: WatchStream | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def recursive(self) -> bool:
+        """Whether the stream watches below its root (a watched file's parent needs not)."""
+        scope = self.watcher.scope
+        return scope.recursive if scope.target is None else len(scope.target) > 1
+
+    async def open(self) -> None:
+        """Start the machine's stream; its failure is the caller's (`not_found`, ...)."""
+        stream = self.machine.watch(str(self.watcher.scope.root), recursive=self.recursive)
+        try:
+            await stream.start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+            raise
+        self._stream = stream
+
+    def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name=f"watch-{self.watcher.id}")
+
+    async def stop(self) -> None:
+        """End the stream (and what the machine runs for it)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._close_stream()
+
+    async def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def _run(self) -> None:
+        try:
+            while self._stream is not None:
+                try:
+                    if not await self._relay(self._stream):
+                        return  # the watched root is gone
+                except Exception as exc:
+                    log.info("watch %s on %s ended: %s", self.watcher.id, self.watcher.path, exc)
+                await self._close_stream()
+                self.watcher._lost()
+                await self._reopen()
+        finally:
+            await self._close_stream()
+
+    async def _reopen(self) -> None:
+        while self._stream is None:
+            await asyncio.sleep(REWATCH_SECONDS)
+            try:
+                await self.open()
+            except FileNotFoundError:
+                self.watcher._root_gone()
+                return
+            except (MachineError, OSError) as exc:
+                log.info("watch %s: cannot watch %s again yet: %s", self.watcher.id, self.watcher.path, exc)
+
+    async def _relay(self, stream: WatchStream) -> bool:
+        """Record the stream's changes until it fails; False once the watched root went."""
+        ahead: asyncio.Queue[tuple[WatchChange, asyncio.Future[_Meta | None]] | Exception]
+        ahead = asyncio.Queue(MAX_STATS_AHEAD)
+        reader = asyncio.ensure_future(self._read(stream, ahead))
+        try:
+            while True:
+                item = await ahead.get()
+                if isinstance(item, Exception):
+                    raise item
+                change, meta = item
+                if not self.watcher._record(change, await meta):
+                    return False
+        finally:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+            while not ahead.empty():
+                if not isinstance(item := ahead.get_nowait(), Exception):
+                    item[1].cancel()
+
+    async def _read(
+        self,
+        stream: WatchStream,
+        ahead: asyncio.Queue[tuple[WatchChange, asyncio.Future[_Meta | None]] | Exception],
+    ) -> None:
+        try:
+            async for change in stream:
+                if self.watcher._wants(change):
+                    await ahead.put((change, asyncio.ensure_future(self._meta(change))))
+        except Exception as exc:
+            await ahead.put(exc)
+        else:
+            await ahead.put(OSError(errno.EIO, "the watch stream ended"))
+
+    async def _meta(self, change: WatchChange) -> _Meta | None:
+        if change.event in ("remove", "overflow"):
+            return None
+        if change.size is not None and change.mtime is not None:
+            return _Meta(change.is_dir, change.mtime, change.size, None)  # the source's scan knew
+        return await _remote_meta(self.machine, change.path)
+
+
+async def _remote_meta(machine: Watching, inside: str) -> _Meta | None:
+    """What a remote stat says of `inside`; None when it is gone (or the stat failed)."""
+    try:
+        st = await machine.stat(inside)
+    except (MachineError, OSError):
+        return None
+    return None if st is None else _Meta(st.is_dir, st.mtime, st.size, st.inode or None)
+
 
 class WatchHub:
-    """The watchers of one machine, over one inotify instance and one reader task."""
+    """The watchers of one machine: over one inotify instance and one reader task when it has
+    host files, else over one watch stream of the machine's per watcher."""
 
-    def __init__(self, machine: HostMachine) -> None:
+    def __init__(self, machine: WatchedMachine) -> None:
         self.machine = machine
+        self.files: HostMachine | None = machine if isinstance(machine, HostFiles) else None
+        """The machine's host files: inotify's source (None: the machine watches itself)."""
+        self.watching: Watching | None = None
+        if self.files is None and isinstance(machine, Watching):
+            self.watching = machine
+        self._starting = 0
+        self._stopping: set[asyncio.Task[None]] = set()
         self._watchers: dict[str, Watcher] = {}
         self._inotify: Inotify | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -612,11 +845,45 @@ class WatchHub:
 
     # -- public surface --------------------------------------------------------------------
 
-    def create(self, path: str, *, recursive: bool = True, exclude: Iterable[str] | None = None) -> Watcher:
-        """Start recording changes under `path` (a directory, or a single file)."""
+    @property
+    def view(self) -> HostView:
+        """The host files' view (what inotify watches through)."""
+        if self.files is None:
+            raise RuntimeError("a machine without host files has no view")
+        return self.files.view
+
+    async def start(
+        self, path: str, *, recursive: bool = True, exclude: Iterable[str] | None = None
+    ) -> Watcher:
+        """Start recording changes under `path` (a directory, or a single file), on any machine."""
+        if self.files is not None:
+            return self.create(path, recursive=recursive, exclude=exclude)
+        machine = self._remote(path)
         with operation("watch", path):
-            host = Path(self.machine.view.resolve(path))
-            st = self.machine.view.stat(str(host))
+            st = await machine.stat(path)
+            if st is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        inside = Path(st.path)
+        if st.is_dir:
+            excludes = DEFAULT_EXCLUDES if exclude is None else tuple(exclude)
+            check_patterns("watch", excludes, path)
+            scope = Scope(inside, recursive, excludes)
+        else:
+            scope = Scope(inside.parent, recursive, (), target=(inside.name,))
+        return await self._open_remote(machine, scope, path, str(inside), listed=True)
+
+    def create(self, path: str, *, recursive: bool = True, exclude: Iterable[str] | None = None) -> Watcher:
+        """`start`, at once, on a machine with host files."""
+        if self.files is None:
+            raise WorkspaceError(
+                "io_error",
+                "Failed to watch path: a remote machine's watchers are started with start()",
+                "watch",
+                path,
+            )
+        with operation("watch", path):
+            host = Path(self.view.resolve(path))
+            st = self.view.stat(str(host))
         if stat_mod.S_ISDIR(st.st_mode):
             excludes = DEFAULT_EXCLUDES if exclude is None else tuple(exclude)
             check_patterns("watch", excludes, path)
@@ -637,6 +904,10 @@ class WatchHub:
         del self._watchers[watcher_id]
         for wd in list(watcher._wds):
             self._unsubscribe(watcher, wd)
+        if watcher._feed is not None:
+            stopping = asyncio.ensure_future(watcher._feed.stop())
+            self._stopping.add(stopping)
+            stopping.add_done_callback(self._stopping.discard)
         watcher._close()
 
     def list(self) -> builtins.list[Watcher]:
@@ -659,12 +930,16 @@ class WatchHub:
         if self._inotify is not None:
             self._inotify.close()
             self._inotify = None
+        if self._stopping:
+            await asyncio.gather(*self._stopping, return_exceptions=True)
 
     # -- creating watchers -----------------------------------------------------------------
 
-    def _exact(self, path: str) -> Watcher:
+    async def _exact(self, path: str) -> Watcher:
         """An unlisted watcher for exactly `path`, which may not exist yet (for `wait_for`)."""
-        view = self.machine.view
+        if self.files is None:
+            return await self._exact_remote(path)
+        view = self.view
         with operation("watch", path):
             wanted = Path(view.absolute(path))
             root = wanted.parent
@@ -674,17 +949,66 @@ class WatchHub:
         scope = Scope(real_root, True, (), target=wanted.relative_to(root).parts)
         return self._open(scope, path, str(wanted), listed=False)
 
+    async def _exact_remote(self, path: str) -> Watcher:
+        """`_exact` on a remote machine: its stream watches the nearest existing directory."""
+        machine = self._remote(path)
+        with operation("watch", path):
+            here = await machine.stat(".")  # connected from here on: the root is known
+            wanted = Path(inside_path(here.path if here is not None else machine.root, path))
+            root = wanted.parent
+            while root != root.parent and not (
+                (meta := await _remote_meta(machine, str(root))) and meta.is_dir
+            ):
+                root = root.parent
+        scope = Scope(root, True, (), target=wanted.relative_to(root).parts)
+        return await self._open_remote(machine, scope, path, str(wanted), listed=False)
+
+    def _remote(self, path: str) -> Watching:
+        if self.watching is None:
+            raise WorkspaceError(
+                "io_error", "Failed to watch path: this machine cannot be watched", "watch", path
+            )
+        return self.watching
+
+    async def _open_remote(
+        self, machine: Watching, scope: Scope, path: str, inside: str, *, listed: bool
+    ) -> Watcher:
+        self._check_room(path)
+        watcher = Watcher(self, self._new_id(), scope, inside, listed=listed)
+        feed = watcher._feed = _Feed(machine, watcher)
+        self._starting += 1  # a slot, held while the machine starts the stream
+        try:
+            with operation("watch", path):
+                await feed.open()
+        finally:
+            self._starting -= 1
+        if self._closed:
+            await feed.stop()
+            self._check_room(path)
+        self._watchers[watcher.id] = watcher
+        feed.run()
+        return watcher
+
+    async def _stat(self, inside: Path) -> _Meta | None:
+        """The file at `inside` now, on either kind of machine."""
+        if self.watching is not None:
+            return await _remote_meta(self.watching, str(inside))
+        return _host_meta(_lstat(self, inside))
+
     def _is_dir(self, inside: str) -> bool:
         try:
-            return stat_mod.S_ISDIR(self.machine.view.stat(inside).st_mode)
+            return stat_mod.S_ISDIR(self.view.stat(inside).st_mode)
         except (OSError, MachineError):
             return False
 
-    def _open(self, scope: Scope, path: str, inside: str, *, listed: bool) -> Watcher:
+    def _check_room(self, path: str) -> None:
         if self._closed:
             raise WorkspaceError("io_error", "Failed to watch path: the machine is closing", "watch", path)
-        if len(self._watchers) >= MAX_WATCHERS_PER_HUB:
+        if len(self._watchers) + self._starting >= MAX_WATCHERS_PER_HUB:
             raise TooManyWatchers(MAX_WATCHERS_PER_HUB, path)
+
+    def _open(self, scope: Scope, path: str, inside: str, *, listed: bool) -> Watcher:
+        self._check_room(path)
         self._start()
         watcher = Watcher(self, self._new_id(), scope, inside, listed=listed)
         with operation("watch", path):
@@ -712,7 +1036,7 @@ class WatchHub:
             watcher._lost()
             return None
         try:
-            with self.machine.view.opendir(str(host), follow=False) as fd:
+            with self.view.opendir(str(host), follow=False) as fd:
                 watch = self._inotify.add_watch(f"/proc/self/fd/{fd}", DIR_MASK)
         except MachineError:
             if strict:
@@ -905,7 +1229,7 @@ class WatchHub:
 
 
 async def wait_for(
-    source: WatchHub | HostMachine,
+    source: WatchHub | WatchedMachine,
     path: str,
     timeout: float,
     event_types: Iterable[str] = EVENT_TYPES,
@@ -932,12 +1256,12 @@ async def wait_for(
 
 
 async def _wait(hub: WatchHub, path: str, timeout: float, types: set[str]) -> Event | None:
-    watcher = hub._exact(path)
+    watcher = await hub._exact(path)
     try:
         assert watcher.scope.target is not None
         host = watcher.scope.root.joinpath(*watcher.scope.target)
-        if "create" in types and (st := _lstat(hub.machine, host)) is not None:
-            return watcher._emit("create", host, stat_mod.S_ISDIR(st.st_mode))
+        if "create" in types and (meta := await hub._stat(host)) is not None:
+            return watcher._emit("create", host, meta.is_dir, meta=meta)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(timeout, 0.0)
         cursor = 0

@@ -44,10 +44,11 @@ old file's mode (and, as root, its owner) and is renamed over the target
 (`posix-rename@openssh.com`), so readers see the old content or the new, never a part.
 SFTP v3 has no inode numbers: `FileStat.inode` is 0, and `mtime` is whole seconds.
 
-Watching and search (methods of their own, beside the `Machine` protocol): `watch` runs
-`inotifywait -m` on the host when it has it, else polls with GNU `find` every
-`poll_seconds`; `grep` runs the host's `rg`, else its `grep -r`. `capabilities()` says
-which (known after the first connection).
+Watching and search: `watch` (the optional `Watching` capability of `machines.base`, which
+the server's watch API stands on) runs `inotifywait -m` on the host when it has it, else
+polls with GNU `find` every `poll_seconds` (the option `watch = "polling"` forces polling,
+`"inotifywait"` requires it); `grep` runs the host's `rg`, else its `grep -r`.
+`capabilities()` says which (known after the first connection).
 
 Every way a call fails here, each bounded in time (`connect_timeout`, `keepalive_seconds`
 and the named constants of `machine.py` and `pool.py`):

@@ -699,7 +699,8 @@ class SshMachine:
         return polling
 
     def watch(self, path: str, *, recursive: bool = True) -> RemoteWatch:
-        """Changes under `path` as (event, path) pairs: `async with machine.watch(p) as w: async for ...`."""
+        """Changes under `path` as `WatchChange`s: `async with machine.watch(p) as w: async for ...`
+        (the optional `Watching` capability of `agentbox.machines.base`)."""
         return RemoteWatch(self, path, recursive)
 
     async def grep(

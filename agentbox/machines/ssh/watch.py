@@ -1,4 +1,28 @@
-"""`RemoteWatch`: a remote tree's changes, from `inotifywait -m` on the host or by polling."""
+"""`RemoteWatch`: a remote tree's changes, from `inotifywait -m` on the host or by polling.
+
+How the host's changes become `WatchChange`s (the events of `agentbox.workspace.watch`):
+
+    inotifywait                    polling (GNU find every poll_seconds)
+    CREATE           create        a new path: create (and write, for a non-empty file)
+    CLOSE_WRITE      write, only   a file whose size or mtime changed: write
+                     after MODIFY  (several writes within one interval are one)
+    ATTRIB           chmod, not    a mode that changed: chmod
+                     before a new
+                     file's close
+    DELETE           remove        a path gone: remove (children before their directory)
+    MOVED_FROM then  rename        a move is a remove of the old path and a create of the
+    MOVED_TO                       new one: polling cannot see moves
+    MOVED_TO alone   create
+    MOVED_FROM alone remove
+    DELETE_SELF or   remove of the
+    MOVE_SELF (root) root
+
+inotifywait prints no cookies, so a MOVED_FROM is paired with the MOVED_TO that follows it
+at once (the kernel queues the two of one rename together); one that nothing follows within
+MOVE_PAIR_SECONDS is a move out. A file kept open for writing reports its write when it is
+closed. A directory made under a recursive watch is scanned when it appears, so what was
+put in it before its watch was added is reported (create, and write for a non-empty file).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agentbox.machines.base import ExecRequest, inside_path
+from agentbox.machines.base import ExecRequest, WatchChange, inside_path
 from agentbox.machines.errors import MachineUnavailable
 
 if TYPE_CHECKING:
@@ -22,16 +46,25 @@ MAX_POLL_ENTRIES = 100_000
 MAX_QUEUED_CHANGES = 10_000
 #: Seconds `inotifywait -r` may take to set up its watches.
 WATCH_SETUP_TIMEOUT = 60.0
-#: inotify events `watch` asks for, and the event each becomes.
-INOTIFY_EVENTS = {
-    "CREATE": "create",
-    "MOVED_TO": "create",
-    "CLOSE_WRITE": "write",
-    "DELETE": "remove",
-    "MOVED_FROM": "remove",
-    "DELETE_SELF": "remove",
-    "ATTRIB": "chmod",
-}
+#: Seconds a MOVED_FROM waits for the MOVED_TO of the same rename before it is a move out.
+MOVE_PAIR_SECONDS = 0.05
+#: Seconds a path reported by the scan of a new directory stays remembered, so that
+#: inotify's own create of it (when its watch came in time) is not reported twice.
+SCAN_ECHO_SECONDS = 5.0
+#: Files created and not yet closed, or written and not yet closed, a watch remembers.
+MAX_OPEN_FILES = 4096
+#: The inotify events `watch` asks inotifywait for.
+INOTIFY_EVENTS = (
+    "attrib",
+    "close_write",
+    "create",
+    "delete",
+    "delete_self",
+    "modify",
+    "move_self",
+    "moved_from",
+    "moved_to",
+)
 
 
 @dataclass(frozen=True)
@@ -41,15 +74,16 @@ class _Seen:
     mtime: str
     mode: str
 
+    def change(self, event: str, path: str) -> WatchChange:
+        """A change of this entry, with what the scan knows of it (no stat needed)."""
+        return WatchChange(event, path, self.kind == "d", None, self.size, float(self.mtime))
+
 
 class RemoteWatch:
-    """Changes under one remote path, as (event, path): create, write, remove, chmod.
+    """Changes under one remote path, as `WatchChange`s (the mapping is the module's docstring).
 
-    A move shows as `remove` of the old path and `create` of the new. `overflow` (with the
-    watched path) says changes were dropped for a slow reader: rescan. With inotifywait,
-    a directory made under a recursive watch is scanned when it appears, so what was put
-    in it before its watch was added is reported as `create` too. A dropped connection
-    ends the iteration with `MachineUnavailable`.
+    An `overflow` change (with the watched path) says changes were dropped for a slow
+    reader: rescan. A dropped connection ends the iteration with `MachineUnavailable`.
     """
 
     def __init__(self, machine: SshMachine, path: str, recursive: bool) -> None:
@@ -58,11 +92,15 @@ class RemoteWatch:
         self.recursive = recursive
         self.kind = ""
         self.target = ""
-        self._queue: asyncio.Queue[tuple[str, str] | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[WatchChange | BaseException] = asyncio.Queue()
         self._overflowed = False
         self._task: asyncio.Task[None] | None = None
         self._process: SshProcess | None = None
         self._scanned: dict[str, float] = {}
+        self._fresh: dict[str, None] = {}
+        self._modified: dict[str, None] = {}
+        self._moved_from: tuple[str, bool] | None = None
+        self._move_timer: asyncio.TimerHandle | None = None
 
     async def __aenter__(self) -> RemoteWatch:
         await self.start()
@@ -74,7 +112,7 @@ class RemoteWatch:
     def __aiter__(self) -> RemoteWatch:
         return self
 
-    async def __anext__(self) -> tuple[str, str]:
+    async def __anext__(self) -> WatchChange:
         item = await self._queue.get()
         if isinstance(item, BaseException):
             self._queue.put_nowait(item)  # every later call ends the same way
@@ -82,6 +120,11 @@ class RemoteWatch:
         if self._queue.empty():
             self._overflowed = False
         return item
+
+    @property
+    def pid(self) -> int | None:
+        """The remote inotifywait's pid (None while polling)."""
+        return self._process.pid if self._process is not None else None
 
     async def start(self) -> None:
         """Begin watching: changes from here on are reported."""
@@ -100,6 +143,8 @@ class RemoteWatch:
             self._task = asyncio.ensure_future(self._poll(await self._snapshot()))
 
     async def aclose(self) -> None:
+        if self._move_timer is not None:
+            self._move_timer.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):
@@ -107,19 +152,21 @@ class RemoteWatch:
         if self._process is not None and not self._process.channel.exited.done():
             self._process.kill()
 
-    def _emit(self, event: str, path: str) -> None:
+    def _emit(self, event: str, path: str, is_dir: bool = False, old_path: str | None = None) -> None:
+        self._put(WatchChange(event, path, is_dir, old_path))
+
+    def _put(self, change: WatchChange) -> None:
         if self._queue.qsize() >= MAX_QUEUED_CHANGES:
             if not self._overflowed:
                 self._overflowed = True
-                self._queue.put_nowait(("overflow", self.target))
+                self._queue.put_nowait(WatchChange("overflow", self.target, True))
             return
-        self._queue.put_nowait((event, path))
+        self._queue.put_nowait(change)
 
     # inotifywait
 
     async def _start_inotify(self, binary: str) -> None:
-        events = ",".join(sorted({e.lower() for e in INOTIFY_EVENTS}))
-        argv = [binary, "-m", *(["-r"] if self.recursive else []), "-e", events]
+        argv = [binary, "-m", *(["-r"] if self.recursive else []), "-e", ",".join(INOTIFY_EVENTS)]
         argv += ["--format", "%e %w%f%0", "--no-newline", "--", self.target]
         process = await self.machine.spawn(ExecRequest(argv=tuple(argv), cwd="/"))
         self._process = process
@@ -145,36 +192,101 @@ class RemoteWatch:
                 *records, pending = pending.split(b"\0")
                 for record in records:
                     flags, _, path = record.decode(errors="surrogateescape").partition(" ")
-                    await self._inotify_event(flags.split(","), path.rstrip("/") or path)
+                    await self._inotify_event(set(flags.split(",")), path.rstrip("/") or path)
+                if self._moved_from is not None and self._move_timer is None:
+                    loop = asyncio.get_running_loop()
+                    self._move_timer = loop.call_later(MOVE_PAIR_SECONDS, self._moved_out)
             await process.wait()
+            self._moved_out()
             self._queue.put_nowait(MachineUnavailable(f"the watch on {self.target} ended"))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             self._queue.put_nowait(exc)
 
-    async def _inotify_event(self, flags: list[str], path: str) -> None:
-        event = next((INOTIFY_EVENTS[f] for f in flags if f in INOTIFY_EVENTS), None)
-        if event is None:
+    async def _inotify_event(self, flags: set[str], path: str) -> None:
+        is_dir = "ISDIR" in flags
+        if "MOVED_TO" in flags and self._moved_from is not None:
+            old, _ = self._moved_from
+            self._moved_from = None
+            self._cancel_move_timer()
+            self._carry(old, path)
+            self._emit("rename", path, is_dir, old)
             return
+        self._moved_out()
+        if "CREATE" in flags or "MOVED_TO" in flags:
+            await self._created(path, is_dir, moved="MOVED_TO" in flags)
+        elif "MODIFY" in flags:
+            _remember(self._modified, path)
+        elif "CLOSE_WRITE" in flags:
+            self._fresh.pop(path, None)
+            if self._modified.pop(path, 0) is None:
+                self._emit("write", path)
+        elif "ATTRIB" in flags:
+            if path not in self._fresh:
+                self._emit("chmod", path, is_dir)
+        elif "DELETE" in flags:
+            self._forget(path)
+            self._emit("remove", path, is_dir)
+        elif "MOVED_FROM" in flags:
+            self._moved_from = (path, is_dir)
+        elif flags & {"DELETE_SELF", "MOVE_SELF"} and path == self.target:
+            self._emit("remove", path, True)
+
+    async def _created(self, path: str, is_dir: bool, *, moved: bool) -> None:
         now = time.monotonic()
-        if event == "create" and self._scanned.pop(path, 0) > now - 5:
+        if self._scanned.pop(path, 0) > now - SCAN_ECHO_SECONDS:
             return  # the scan of its new parent reported it already
-        self._emit(event, path)
-        if event == "create" and "ISDIR" in flags and self.recursive:
+        self._emit("create", path, is_dir)
+        if not is_dir and not moved:
+            _remember(self._fresh, path)
+        if is_dir and self.recursive:
             if len(self._scanned) > MAX_QUEUED_CHANGES:
                 self._scanned.clear()
-            for child in await self._scan(path):
+            for child, child_is_dir, size in await self._scan(path):
                 self._scanned[child] = now
-                self._emit("create", child)
+                self._emit("create", child, child_is_dir)
+                if size > 0 and not child_is_dir:
+                    self._emit("write", child)
 
-    async def _scan(self, path: str) -> list[str]:
-        """What is already in a directory that just appeared (its watch came after)."""
+    def _moved_out(self) -> None:
+        """A MOVED_FROM that no MOVED_TO followed: the path left the watched tree."""
+        self._cancel_move_timer()
+        if self._moved_from is not None:
+            path, is_dir = self._moved_from
+            self._moved_from = None
+            self._forget(path)
+            self._emit("remove", path, is_dir)
+
+    def _cancel_move_timer(self) -> None:
+        if self._move_timer is not None:
+            self._move_timer.cancel()
+            self._move_timer = None
+
+    def _carry(self, old: str, new: str) -> None:
+        """A file renamed while open keeps its state under its new name."""
+        if self._fresh.pop(old, 0) is None:
+            _remember(self._fresh, new)
+        if self._modified.pop(old, 0) is None:
+            _remember(self._modified, new)
+
+    def _forget(self, path: str) -> None:
+        self._fresh.pop(path, None)
+        self._modified.pop(path, None)
+
+    async def _scan(self, path: str) -> list[tuple[str, bool, int]]:
+        """What is already in a directory that just appeared (its watch came after):
+        (path, is_dir, size) each."""
         try:
-            found = await self.machine.run(("find", path, "-mindepth", "1", "-print0"))
+            found = await self.machine.run(("find", path, "-mindepth", "1", "-printf", "%y %s %p\\0"))
         except (MachineUnavailable, OSError):
             return []
-        return [p for p in found.stdout.decode(errors="surrogateescape").split("\0") if p]
+        entries = []
+        for record in found.stdout.decode(errors="surrogateescape").split("\0"):
+            kind, size, child = [*record.split(" ", 2), "", ""][:3]
+            if child:
+                entries.append((child, kind == "d", int(size) if size.isdigit() else 0))
+        return entries
 
     # polling
 
@@ -203,8 +315,8 @@ class RemoteWatch:
             while True:
                 await asyncio.sleep(self.machine.options.poll_seconds)
                 new = await self._snapshot()
-                for event, path in changes(old, new):
-                    self._emit(event, path)
+                for change in changes(old, new):
+                    self._put(change)
                 old = new
         except asyncio.CancelledError:
             raise
@@ -212,19 +324,31 @@ class RemoteWatch:
             self._queue.put_nowait(exc)
 
 
-def changes(old: dict[str, _Seen], new: dict[str, _Seen]) -> list[tuple[str, str]]:
+def _remember(paths: dict[str, None], path: str) -> None:
+    paths[path] = None
+    if len(paths) > MAX_OPEN_FILES:
+        del paths[next(iter(paths))]
+
+
+def changes(old: dict[str, _Seen], new: dict[str, _Seen]) -> list[WatchChange]:
     """The events between two scans. A directory's own times move with its entries: not reported."""
-    out = [("remove", p) for p in sorted(old.keys() - new.keys(), reverse=True)]
-    out += [("create", p) for p in sorted(new.keys() - old.keys())]
+    out = [
+        WatchChange("remove", p, old[p].kind == "d") for p in sorted(old.keys() - new.keys(), reverse=True)
+    ]
+    for p in sorted(new.keys() - old.keys()):
+        seen = new[p]
+        out.append(seen.change("create", p))
+        if seen.kind == "f" and seen.size > 0:
+            out.append(seen.change("write", p))
     for p in sorted(old.keys() & new.keys()):
         a, b = old[p], new[p]
         if a.kind == b.kind == "d":
             if a.mode != b.mode:
-                out.append(("chmod", p))
+                out.append(b.change("chmod", p))
         elif (a.kind, a.size, a.mtime) != (b.kind, b.size, b.mtime):
-            out.append(("write", p))
+            out.append(b.change("write", p))
         elif a.mode != b.mode:
-            out.append(("chmod", p))
+            out.append(b.change("chmod", p))
     return out
 
 
