@@ -288,3 +288,19 @@ async def test_list_truncates_at_its_limit(ssh: SshMachine, monkeypatch: pytest.
     await ssh.write("d.txt", b"")
     cut = await remote_files.list_dir(ssh, ".")
     assert (cut.total_count, cut.truncated) == (3, True)
+
+
+async def test_a_v1_watcher_on_ssh_sees_a_write(api: httpx.AsyncClient, root: Path) -> None:
+    """v1's watch route starts the machine's own watch stream (it was host-only)."""
+    data(await api.post("/v2/fs/mkdir", json={"path": "watched"}))
+    made = await api.post("/v1/file/watch", json={"path": f"{root}/watched"})
+    assert made.status_code == 200, made.text
+    watcher, cursor = made.json()["watcher_id"], made.json()["data"]["initial_cursor"]
+    data(await api.post("/v1/file/write", json={"file": f"{root}/watched/new.txt", "content": "hi"}))
+    seen: set[str] = set()
+    while f"{root}/watched/new.txt" not in seen:  # the staged write arrives as create, write, rename
+        page = data(await api.post(f"/v1/file/watch/{watcher}/poll", json={"cursor": cursor, "timeout": 10}))
+        assert page["events"], f"no more events; saw {seen}"
+        seen |= {e["path"] for e in page["events"]}
+        cursor = page["cursor"]
+    assert (await api.delete(f"/v1/file/watch/{watcher}")).status_code == 200
