@@ -9,14 +9,17 @@ every operation goes through the `Machine` protocol only (`agentbox/workspace/re
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
+import tarfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import Server, Sshd, start_server, stop_server, traversable
+from test_api_v2 import evil_tar
 
 from agentbox.machines.ssh import SshMachine, SshOptions
 from agentbox.workspace import files, remote_files
@@ -208,8 +211,42 @@ async def test_errors_keep_the_envelope(api: httpx.AsyncClient, root: Path) -> N
         400,
         "bad_request",
     )
-    tree = await api.get("/v2/fs/tree", params={"path": "adir"})
-    assert tree.status_code == 400 and "does not serve /v2/fs/tree" in tree.text
+
+
+async def test_tree_round_trip_and_evil_archives_on_ssh(api: httpx.AsyncClient, root: Path) -> None:
+    (root / "t/src").mkdir(parents=True)
+    (root / "t/src/app.py").write_text("print(1)\n")
+    (root / "t/README.md").write_text("# t\n")
+    (root / "t/link").symlink_to("src/app.py")
+    got = await api.get("/v2/fs/tree", params={"path": "t"})
+    assert got.status_code == 200, got.text
+    with tarfile.open(fileobj=io.BytesIO(got.content)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert sorted(members) == ["README.md", "link", "src", "src/app.py"]
+        assert members["link"].issym() and members["link"].linkname == "src/app.py"
+    put = data(await api.put("/v2/fs/tree", params={"path": "copy"}, content=got.content))
+    assert (put["path"], put["files_written"]) == (f"{root}/copy", 3)
+    assert (root / "copy/src/app.py").read_text() == "print(1)\n"
+    assert os.readlink(root / "copy/link") == "src/app.py"
+    for name, member in (("escape", "../escaped.txt"), ("absolute", "/tmp/absolute.txt")):
+        reply = refused(
+            await api.put("/v2/fs/tree", params={"path": name}, content=evil_tar(member)), 400, "invalid_path"
+        )
+        assert member in reply["message"]
+    linked = await api.put("/v2/fs/tree", params={"path": "linked"}, content=evil_tar("ok.txt", link="/etc"))
+    refused(linked, 400, "invalid_path")
+    assert not {"escape", "absolute", "linked", "escaped.txt"} & {p.name for p in root.iterdir()}
+    refused(await api.put("/v2/fs/tree", params={"path": "junk"}, content=b"not a tar"), 400, "bad_request")
+    (root / "copy/blocker").write_text("a file where the archive needs a directory")
+    needs_dir = io.BytesIO()
+    with tarfile.open(fileobj=needs_dir, mode="w") as tar:
+        info = tarfile.TarInfo("blocker/inner.txt")
+        tar.addfile(info, io.BytesIO(b""))
+    refused(
+        await api.put("/v2/fs/tree", params={"path": "copy"}, content=needs_dir.getvalue()),
+        400,
+        "invalid_target",
+    )
 
 
 # ---------------------------------------------------------------- the operations themselves

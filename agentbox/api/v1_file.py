@@ -580,7 +580,9 @@ async def watch_create(request: Request, sb: CurrentSandbox) -> JSONResponse:
             raise bad_request("watch", "include_patterns is not supported; use exclude", body.path)
         if body.debounce is not None and body.debounce < 0:
             raise bad_request("watch", f"debounce must not be negative, got {body.debounce}", body.path)
-        watcher = await sb.watches.start(body.path, recursive=body.recursive is not False, exclude=body.exclude)
+        watcher = await sb.watches.start(
+            body.path, recursive=body.recursive is not False, exclude=body.exclude
+        )
     except WorkspaceError as exc:
         return resource_error(exc)
     return mirrored({**watcher.to_dict(), "initial_cursor": watcher.last_seq})

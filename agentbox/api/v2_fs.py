@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import mimetypes
 import posixpath
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from email.utils import formatdate
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
@@ -34,14 +34,12 @@ from urllib.parse import quote
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body, refuse_declared
-from agentbox.api.sandboxes import CurrentSandbox, Sandbox
+from agentbox.api.sandboxes import CurrentSandbox
 from agentbox.api.v1_file import upload_form
 from agentbox.machines.base import Machine
-from agentbox.machines.hostfs import HostFiles
 from agentbox.workspace import files, grep, tree
 from agentbox.workspace.editor import Editor
 from agentbox.workspace.errors import bad_request
@@ -67,14 +65,6 @@ PathQuery = Annotated[
 
 
 # ---------------------------------------------------------------- shared pieces
-
-
-def host_files(sandbox: Sandbox, op: str) -> HostFiles:
-    """The tar routes stream a tree by descriptor: only host-file machines serve them."""
-    machine = sandbox.machine
-    if not isinstance(machine, HostFiles):
-        raise bad_request(op, f"machine {machine.name!r} ({machine.kind}) does not serve /v2/fs/tree")
-    return machine
 
 
 def refuse_user(request: Request, op: str) -> None:
@@ -374,8 +364,7 @@ async def upload_chunks(file: UploadFile) -> AsyncIterator[bytes]:
 @router.get("/v2/fs/tree", response_class=StreamingResponse)
 async def get_tree(request: Request, sandbox: CurrentSandbox, path: PathQuery) -> Response:
     refuse_user(request, "tree")
-    machine = host_files(sandbox, "tree")
-    chunks: Iterator[bytes] = await run_in_threadpool(tree.tar_stream, machine, path)
+    chunks = await file_ops(sandbox.machine).tar_stream(path)
     name = posixpath.basename(path.rstrip("/")) or "root"
     headers = {"Content-Disposition": attachment(f"{name}.tar")}
     return StreamingResponse(chunks, media_type="application/x-tar", headers=headers)
@@ -393,7 +382,6 @@ TAR_BODY = {
 async def put_tree(
     request: Request, sandbox: CurrentSandbox, path: PathQuery, user: UserQuery = None
 ) -> JSONResponse:
-    machine = host_files(sandbox, "tree")
     refuse_declared(request, tree.MAX_TREE_BYTES, "tree")  # a larger body is refused unread
-    result = await tree.untar(machine, path, request.stream(), user=user)
+    result = await file_ops(sandbox.machine).untar(path, request.stream(), user=user)
     return ok(data_of(result))

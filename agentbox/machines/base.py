@@ -154,6 +154,14 @@ class Machine(Protocol):
 
     async def chown(self, path: str, user: str) -> None: ...
 
+    async def readlink(self, path: str) -> str:
+        """The target a symlink holds, as written (EINVAL when `path` is not a symlink)."""
+        ...
+
+    async def symlink(self, target: str, path: str) -> None:
+        """Make `path` a new symlink to `target` (EEXIST when something is there)."""
+        ...
+
     async def find_program(self, name: str) -> str | None:
         """Where the machine's own `name` program is (`rg` for searches), or None."""
         ...

@@ -169,6 +169,17 @@ class HostFiles:
     async def chown(self, path: str, user: str) -> None:
         self.view.chown(path, *self.owner_of(user))
 
+    async def readlink(self, path: str) -> str:
+        with self.view.at(path, follow=False) as at:
+            return os.readlink(at.name, dir_fd=at.fd)
+
+    async def symlink(self, target: str, path: str) -> None:
+        with self.view.at(path, follow=False, write=True) as at:
+            os.symlink(target, at.name, dir_fd=at.fd)
+            owner = self.default_owner()
+            if owner is not None:
+                os.chown(at.name, *owner, dir_fd=at.fd, follow_symlinks=False)
+
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)

@@ -26,7 +26,7 @@ from agentbox.machines.base import FileStat, Machine
 from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles, to_stat
 from agentbox.machines.hostview import Node
-from agentbox.workspace import files, remote_files
+from agentbox.workspace import files, remote_files, remote_tree, tree
 from agentbox.workspace.errors import operation
 
 #: Files up to this size are read or written on the event loop: a thread hop costs more.
@@ -171,6 +171,14 @@ class HostOps:
     async def stat(self, path: str) -> FileStat:
         return files.stat(self.machine, path)
 
+    async def tar_stream(self, path: str) -> AsyncIterator[bytes]:
+        return in_thread(await asyncio.to_thread(tree.tar_stream, self.machine, path))
+
+    async def untar(
+        self, path: str, chunks: AsyncIterable[bytes], *, user: str | None = None
+    ) -> tree.TreeResult:
+        return await tree.untar(self.machine, path, chunks, user=user)
+
     # primitives ------------------------------------------------------------------------
 
     def resolve(self, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
@@ -293,6 +301,14 @@ class RemoteOps:
 
     async def stat(self, path: str) -> FileStat:
         return await remote_files.stat(self.machine, path)
+
+    async def tar_stream(self, path: str) -> AsyncIterator[bytes]:
+        return await remote_tree.tar_stream(self.machine, path)
+
+    async def untar(
+        self, path: str, chunks: AsyncIterable[bytes], *, user: str | None = None
+    ) -> tree.TreeResult:
+        return await remote_tree.untar(self.machine, path, chunks, user=user)
 
     # primitives ------------------------------------------------------------------------
 

@@ -76,7 +76,7 @@ TAR_CHUNK_BYTES = 64 * 1024
 _CARRIED = {stat_mod.S_IFREG, stat_mod.S_IFDIR, stat_mod.S_IFLNK}
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
+ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
 
 
 #: Header members whose data tarfile reads whole into memory before the member they describe.
@@ -111,7 +111,7 @@ class _BoundedTarInfo(tarfile.TarInfo):
         raise bad_request("tree", "the archive has a sparse member, which trees never carry")
 
 
-def _open_tar(source: IO[bytes]) -> tarfile.TarFile:
+def open_tar(source: IO[bytes]) -> tarfile.TarFile:
     """A streaming reader of an archive from outside, with its header records bounded."""
     return tarfile.open(fileobj=source, mode="r|*", tarinfo=_BoundedTarInfo)
 
@@ -189,12 +189,12 @@ def _member_bytes(root_fd: int, member: _Member, path: str) -> Iterator[bytes]:
         except (FileNotFoundError, NotADirectoryError):
             return
     if fd is None:
-        yield _header(info)
+        yield header(info)
         return
     try:
         if not stat_mod.S_ISREG(os.fstat(fd).st_mode):  # swapped for something else since the listing
             return
-        yield _header(info)
+        yield header(info)
         left = info.size
         while left > 0:
             with operation("tree", path):
@@ -208,7 +208,7 @@ def _member_bytes(root_fd: int, member: _Member, path: str) -> Iterator[bytes]:
         os.close(fd)
 
 
-def _header(info: tarfile.TarInfo) -> bytes:
+def header(info: tarfile.TarInfo) -> bytes:
     return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
 
 
@@ -275,7 +275,7 @@ def _unpack(source: IO[bytes], at: At, owner: Owner | None, path: str) -> TreeRe
     """Check, then extract, reading the archive twice from one open file (two streaming passes)."""
     try:
         source.seek(0)
-        kinds = _check_archive(source, path)
+        kinds = check_archive(source, path)
         result = TreeResult(path)
         if at.name and _lstat_at(at.fd, at.name) is None:
             os.mkdir(at.name, 0o755, dir_fd=at.fd)
@@ -290,7 +290,7 @@ def _unpack(source: IO[bytes], at: At, owner: Owner | None, path: str) -> TreeRe
         finally:
             os.close(root_fd)
         return result
-    except _ARCHIVE_ERRORS as exc:
+    except ARCHIVE_ERRORS as exc:
         raise bad_request("tree", f"the body is not a readable tar archive: {exc}", path) from exc
 
 
@@ -301,7 +301,7 @@ def _lstat_at(dirfd: int, name: str) -> os.stat_result | None:
         return None
 
 
-def _refuse(path: str, name: str, why: str, error_type: str = "invalid_path") -> WorkspaceError:
+def refuse(path: str, name: str, why: str, error_type: str = "invalid_path") -> WorkspaceError:
     return WorkspaceError(
         error_type,
         failed("tree", f"archive member {name!r} {why}"),
@@ -315,10 +315,10 @@ def member_parts(member: tarfile.TarInfo, path: str) -> list[str]:
     """The member's name as components below the target; [] for the target itself."""
     name = member.name
     if not name or name.startswith("/"):
-        raise _refuse(path, name, "has an absolute or empty name")
+        raise refuse(path, name, "has an absolute or empty name")
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
-        raise _refuse(path, name, "has a '..' component")
+        raise refuse(path, name, "has a '..' component")
     return parts
 
 
@@ -326,12 +326,12 @@ def _check_link(member: tarfile.TarInfo, parts: list[str], path: str) -> None:
     """A symlink must resolve, lexically from where it sits, to a place inside the target."""
     target = member.linkname
     if not target or target.startswith("/"):
-        raise _refuse(path, member.name, f"is a symlink to an absolute or empty target {target!r}")
+        raise refuse(path, member.name, f"is a symlink to an absolute or empty target {target!r}")
     where = parts[:-1]
     for piece in target.split("/"):
         if piece == "..":
             if not where:
-                raise _refuse(path, member.name, f"is a symlink leaving the directory ({target!r})")
+                raise refuse(path, member.name, f"is a symlink leaving the directory ({target!r})")
             where.pop()
         elif piece not in ("", "."):
             where.append(piece)
@@ -345,15 +345,15 @@ def _kind(member: tarfile.TarInfo, path: str) -> str:
     if member.issym():
         return "symlink"
     what = "a hardlink" if member.islnk() else "a device, fifo or other special member"
-    raise _refuse(path, member.name, f"is {what}, which trees never carry")
+    raise refuse(path, member.name, f"is {what}, which trees never carry")
 
 
-def _check_archive(source: IO[bytes], path: str) -> dict[tuple[str, ...], str]:
+def check_archive(source: IO[bytes], path: str) -> dict[tuple[str, ...], str]:
     """Validate every member without writing; return {components: kind}."""
     kinds: dict[tuple[str, ...], str] = {}
     names: dict[tuple[str, ...], str] = {}
     count = content = 0
-    with _open_tar(source) as tar:
+    with open_tar(source) as tar:
         for member in tar:
             count += 1
             if count > MAX_TREE_MEMBERS:
@@ -367,15 +367,15 @@ def _check_archive(source: IO[bytes], path: str) -> dict[tuple[str, ...], str]:
             elif kind == "symlink":
                 _check_link(member, parts, path)
             if not parts and kind != "dir":
-                raise _refuse(path, member.name, "would replace the target directory itself")
+                raise refuse(path, member.name, "would replace the target directory itself")
             if (kind == "dir") != (kinds.get(tuple(parts), kind) == "dir"):
-                raise _refuse(path, member.name, "appears both as a directory and as something else")
+                raise refuse(path, member.name, "appears both as a directory and as something else")
             kinds[tuple(parts)] = kind
             names[tuple(parts)] = member.name
     for key in kinds:
         for i in range(1, len(key)):
             if kinds.get(key[:i], "dir") != "dir":
-                raise _refuse(path, names[key], f"lies below {names[key[:i]]!r}, which is not a directory")
+                raise refuse(path, names[key], f"lies below {names[key[:i]]!r}, which is not a directory")
     return kinds
 
 
@@ -392,11 +392,11 @@ def _check_disk(root_fd: int, kinds: dict[tuple[str, ...], str], path: str) -> N
             continue
         if key in needed_dirs:
             if stat_mod.S_ISLNK(st.st_mode):
-                raise _refuse(path, name, "needs a directory where the disk has a symlink")
+                raise refuse(path, name, "needs a directory where the disk has a symlink")
             if not stat_mod.S_ISDIR(st.st_mode):
-                raise _refuse(path, name, "needs a directory where the disk has a file", "invalid_target")
+                raise refuse(path, name, "needs a directory where the disk has a file", "invalid_target")
         elif stat_mod.S_ISDIR(st.st_mode):
-            raise _refuse(path, name, "is not a directory but the disk has one there", "invalid_target")
+            raise refuse(path, name, "is not a directory but the disk has one there", "invalid_target")
 
 
 def _probe(root_fd: int, key: tuple[str, ...]) -> os.stat_result | None:
@@ -413,7 +413,7 @@ def _probe(root_fd: int, key: tuple[str, ...]) -> os.stat_result | None:
 
 def _extract(source: IO[bytes], root_fd: int, owner: Owner | None, result: TreeResult, path: str) -> None:
     dir_modes: list[tuple[list[str], int]] = []
-    with _open_tar(source) as tar:
+    with open_tar(source) as tar:
         for member in tar:
             parts = member_parts(member, path)
             if not parts:

@@ -671,6 +671,23 @@ class SshMachine:
 
         await self._files(path, op, idempotent=True)
 
+    async def readlink(self, path: str) -> str:
+        async def op(sftp: asyncssh.SFTPClient, target: str) -> str:
+            attrs = await sftp.lstat(target)
+            if not is_link(attrs):
+                raise OSError(errno.EINVAL, "not a symbolic link", path)
+            return str(await sftp.readlink(target))
+
+        return await self._files(path, op, idempotent=True)
+
+    async def symlink(self, target: str, path: str) -> None:
+        async def op(sftp: asyncssh.SFTPClient, where: str) -> None:
+            if await lstat_or_none(sftp, where) is not None:
+                raise OSError(errno.EEXIST, "file exists", path)
+            await sftp.symlink(target, where)
+
+        await self._files(path, op, idempotent=False)
+
     async def find_program(self, name: str) -> str | None:
         """Programs the connection probe looks for (`rg`, `grep`, `inotifywait`); others are None."""
         facts = await self.ready()
