@@ -65,6 +65,7 @@ from agentbox.machines.errors import ContainerGone, ImageError, MachineError, Ma
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
+from agentbox.machines.shared_run import SharedRun
 
 #: Seconds from the container's start to its agent saying "ready".
 START_TIMEOUT = 30.0
@@ -305,7 +306,7 @@ class DockerMachine(HostFiles):
         """The engine's tag of the image this machine's container runs (known once started)."""
         self._listener: socket.socket | None = None
         self._channel: AgentChannel | None = None
-        self._stopping: asyncio.Task[None] | None = None
+        self._stops = SharedRun(self._halt)
         self._ended = False
         self.owner = None
         self.users = {}
@@ -400,8 +401,7 @@ class DockerMachine(HostFiles):
     async def start(self) -> None:
         if self.state == "running":
             return
-        if self._stopping is not None:  # a stop in progress must finish before a new lifetime
-            await asyncio.shield(self._stopping)
+        await self._stops.settled()  # a stop in progress must finish before a new lifetime
         self.loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
@@ -631,14 +631,7 @@ class DockerMachine(HostFiles):
 
         Concurrent calls share one stop, and `start` waits for it to finish.
         """
-        if self._stopping is None:
-            self._stopping = asyncio.ensure_future(self._halt())
-        task = self._stopping
-        try:
-            await asyncio.shield(task)
-        finally:
-            if self._stopping is task and task.done():
-                self._stopping = None
+        await self._stops()
 
     async def _halt(self) -> None:
         self.state = "stopped"

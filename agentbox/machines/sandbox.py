@@ -75,6 +75,7 @@ from agentbox.machines.errors import ImageError, MachineUnavailable
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
+from agentbox.machines.shared_run import SharedRun
 from agentbox.machines.sysroot import Base, ensure_base, hosts_file, resolv_conf
 
 #: Seconds a sandbox may take from launch to its agent saying "ready".
@@ -457,7 +458,7 @@ class SandboxMachine(HostFiles):
         self._slirp_exit: int | None = None
         self._baseline = 0
         self._joins: list[asyncio.Future[None]] = []
-        self._stopping: asyncio.Task[None] | None = None
+        self._stops = SharedRun(self._stop)
         self._buffer = b""
 
     def _view(self) -> HostView:
@@ -502,8 +503,7 @@ class SandboxMachine(HostFiles):
     async def start(self) -> None:
         if self.state == "running":
             return
-        if self._stopping is not None:  # a stop in progress must finish before a new lifetime
-            await asyncio.shield(self._stopping)
+        await self._stops.settled()  # a stop in progress must finish before a new lifetime
         self.loop = asyncio.get_running_loop()
         self.host.check_reachable(self.workspace)
         self._prepare_dirs()
@@ -857,14 +857,7 @@ class SandboxMachine(HostFiles):
 
         Concurrent calls share one teardown, and `start` waits for it to finish.
         """
-        if self._stopping is None:
-            self._stopping = asyncio.ensure_future(self._stop())
-        task = self._stopping
-        try:
-            await asyncio.shield(task)
-        finally:
-            if self._stopping is task and task.done():
-                self._stopping = None
+        await self._stops()
 
     async def _stop(self) -> None:
         self.state = "stopped"
