@@ -24,6 +24,7 @@ from agentbox.machines.base import ExecRequest, ExecResult, Machine
 from agentbox.machines.docker import (
     AGENT_SOCKET,
     CONTAINER_HOME,
+    CONTAINER_USER,
     IMAGE_REPO,
     DockerHost,
     DockerMachine,
@@ -183,6 +184,18 @@ async def test_files_through_the_machine_and_through_commands(make_docker: Docke
     assert b"Debian" in await m.read("/etc/os-release")  # the image's, as the container sees it
     with pytest.raises(OSError):
         await m.write("/usr/new-file", b"x")  # the system is read-only through the API
+
+
+async def test_the_container_user_has_a_name(make_docker: DockerFactory) -> None:
+    """The uid the container runs as is CONTAINER_USER, the user the machine reports."""
+    m = await make_docker()
+    who = await sh(m, "id -un; id -gn; whoami; echo ~agent; stat -c %U:%G /workspace")
+    assert who.exit_code == 0, who
+    name = CONTAINER_USER
+    assert who.stdout.decode().split() == [name, name, name, CONTAINER_HOME, f"{name}:{name}"]
+    passwd = (await sh(m, "cat /etc/passwd")).stdout.decode()
+    assert passwd.startswith("root:x:0:0:") and passwd.count(f":{m.uid_gid[0]}:") == 1  # the rest kept
+    assert (await sh(m, "echo x >> /etc/passwd")).exit_code != 0  # bound read-only
 
 
 async def test_workspace_lasts_across_stop_and_start_and_tmp_does_not(make_docker: DockerFactory) -> None:
