@@ -74,6 +74,13 @@ class Server:
     api_key: str | None = None
     log: Path | None = None
     """The server's stdout and stderr."""
+    kind: str = "sandbox"
+    """The kind of the server's default machine (`kind_server`)."""
+    user: str = "root"
+    """The user the default machine's commands run as: the one `?user=` can give files to."""
+    shared_root: Path | None = None
+    """The host directory that is the default machine's root when every session shares it
+    (ssh on loopback); None when each session has its own workspace."""
 
     def client(self, **kwargs: object) -> httpx.Client:
         headers = {"X-AIO-API-Key": self.api_key} if self.api_key else {}
@@ -82,6 +89,10 @@ class Server:
     def log_tail(self) -> str:
         """The end of the server's log, for a failing assertion's message."""
         return log_tail(self.log) if self.log else ""
+
+    def workspace(self, session_id: str) -> Path:
+        """The host directory that holds the files of session `session_id`'s default machine."""
+        return self.shared_root or self.home / "sessions" / session_id / "workspace"
 
 
 #: Characters of a server's log that a failure message quotes.
@@ -680,3 +691,68 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
     )
     yield server
     stop_sshd(server)
+
+
+# --- one server per machine kind: the same tests on every engine ----------------------------
+
+#: The kinds a server's default machine is in `kind_server`, each on a real engine:
+#: bubblewrap, the test run's private dockerd, the loopback sshd.
+SERVER_KINDS = ("sandbox", "docker", "ssh")
+#: The name of the default machine of a `kind_server` that is not the plain sandbox server.
+KIND_MACHINE = "box"
+
+
+def toml_entry(options: dict[str, object]) -> str:
+    """`key = value` lines of a `[machines.<name>]` entry (JSON strings and numbers are TOML's)."""
+    import json
+
+    return "".join(f"{key} = {json.dumps(value)}\n" for key, value in options.items())
+
+
+def start_kind_server(
+    home: Path, kind: str, user: str, options: dict[str, object], env: dict[str, str] | None = None
+) -> Server:
+    """`agentbox serve` on `home` whose default machine is a `kind` machine with `options`,
+    whose commands run as `user`."""
+    config = home.parent / "agentbox.toml"
+    config.write_text(
+        f'default_machine = "{KIND_MACHINE}"\n[machines.{KIND_MACHINE}]\nkind = "{kind}"\n'
+        + toml_entry(options)
+    )
+    server = start_server(home, {"AGENTBOX_CONFIG": str(config), **(env or {})})
+    server.kind, server.user = kind, user
+    return server
+
+
+@pytest.fixture(scope="session", params=SERVER_KINDS)
+def kind_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A real server whose default machine (what `/sandboxes/<id>` reaches) is of each kind in
+    turn. "sandbox" is the session's `server`; the others start their engine only when used, and
+    live for the test session (pytest groups the tests by kind), so each kind costs one start."""
+    kind: str = request.param
+    if kind == "sandbox":
+        yield request.getfixturevalue("server")
+        return
+    home = traversable(tmp_path_factory.mktemp(f"srv-{kind}"), tmp_path_factory) / "home"
+    home.mkdir()
+    if kind == "docker":
+        daemon: Dockerd = request.getfixturevalue("dockerd")
+        image: Image = request.getfixturevalue("base_image")
+        from agentbox.machines.docker import CONTAINER_USER
+
+        server = start_kind_server(
+            home, kind, CONTAINER_USER, {"docker_host": daemon.host},
+            {"AGENTBOX_IMAGES": str(image.path.parent)},
+        )  # fmt: skip
+    else:
+        sshd: Sshd = request.getfixturevalue("sshd")
+        root = sshd.owned_dir(home.parent / "remote-root")
+        server = start_kind_server(home, kind, sshd.user, sshd.options(root=str(root)))
+        server.shared_root = root
+    yield server
+    stop_server(server)
+
+
+def on_kinds(*kinds: str) -> pytest.MarkDecorator:
+    """Run a test that takes `kind_server` on these kinds only (the reason in a comment beside it)."""
+    return pytest.mark.parametrize("kind_server", kinds, indirect=True)
