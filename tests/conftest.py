@@ -78,6 +78,8 @@ class Server:
     """The kind of the server's default machine (`kind_server`)."""
     user: str = "root"
     """The user the default machine's commands run as: the one `?user=` can give files to."""
+    user_home: str = "/root"
+    """That user's $HOME on the default machine."""
     shared_root: Path | None = None
     """The host directory that is the default machine's root when every session shares it
     (ssh on loopback); None when each session has its own workspace."""
@@ -89,6 +91,11 @@ class Server:
     def log_tail(self) -> str:
         """The end of the server's log, for a failing assertion's message."""
         return log_tail(self.log) if self.log else ""
+
+    @property
+    def root(self) -> str:
+        """The default machine's root (its working directory) as its commands see it."""
+        return str(self.shared_root) if self.shared_root else "/workspace"
 
     def workspace(self, session_id: str) -> Path:
         """The host directory that holds the files of session `session_id`'s default machine."""
@@ -710,17 +717,21 @@ def toml_entry(options: dict[str, object]) -> str:
 
 
 def start_kind_server(
-    home: Path, kind: str, user: str, options: dict[str, object], env: dict[str, str] | None = None
+    home: Path,
+    kind: str,
+    user: tuple[str, str],
+    options: dict[str, object],
+    env: dict[str, str] | None = None,
 ) -> Server:
     """`agentbox serve` on `home` whose default machine is a `kind` machine with `options`,
-    whose commands run as `user`."""
+    whose commands run as `user` (its name and $HOME)."""
     config = home.parent / "agentbox.toml"
     config.write_text(
         f'default_machine = "{KIND_MACHINE}"\n[machines.{KIND_MACHINE}]\nkind = "{kind}"\n'
         + toml_entry(options)
     )
     server = start_server(home, {"AGENTBOX_CONFIG": str(config), **(env or {})})
-    server.kind, server.user = kind, user
+    server.kind, (server.user, server.user_home) = kind, user
     return server
 
 
@@ -738,16 +749,17 @@ def kind_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     if kind == "docker":
         daemon: Dockerd = request.getfixturevalue("dockerd")
         image: Image = request.getfixturevalue("base_image")
-        from agentbox.machines.docker import CONTAINER_USER
+        from agentbox.machines.docker import CONTAINER_HOME, CONTAINER_USER
 
         server = start_kind_server(
-            home, kind, CONTAINER_USER, {"docker_host": daemon.host},
+            home, kind, (CONTAINER_USER, CONTAINER_HOME), {"docker_host": daemon.host},
             {"AGENTBOX_IMAGES": str(image.path.parent)},
         )  # fmt: skip
     else:
         sshd: Sshd = request.getfixturevalue("sshd")
         root = sshd.owned_dir(home.parent / "remote-root")
-        server = start_kind_server(home, kind, sshd.user, sshd.options(root=str(root)))
+        account = (sshd.user, pwd.getpwnam(sshd.user).pw_dir)
+        server = start_kind_server(home, kind, account, sshd.options(root=str(root)))
         server.shared_root = root
     yield server
     stop_server(server)
