@@ -52,6 +52,8 @@ _OWN_BASE = pytest.StashKey[Path]()
 
 if TYPE_CHECKING:
     from agentbox.config import Settings
+    from agentbox.machines.base import Machine
+    from agentbox.machines.docker import DockerHost, DockerMachine
     from agentbox.machines.images import Image
     from agentbox.machines.registry import Registry
     from agentbox.machines.sandbox import SandboxHost, SandboxMachine
@@ -399,8 +401,9 @@ async def make_registry(sandbox_tmp: Path) -> AsyncIterator[RegistryFactory]:
         await kit.close()
 
 
-async def sandbox_host_pid(m: SandboxMachine, inside_pid: int) -> int:
-    """The host pid of the sandbox's process `inside_pid` (a pid as the sandbox numbers it)."""
+async def sandbox_host_pid(m: Machine, inside_pid: int) -> int:
+    """The host pid of the machine's process `inside_pid` (a pid as its own pid namespace
+    numbers it: a sandbox's or a container's)."""
     from agentbox.machines.base import ExecRequest
 
     probe = await m.exec(ExecRequest(command="readlink /proc/self/ns/pid", timeout=SANDBOX_DEADLINE))
@@ -552,6 +555,76 @@ def dockerd() -> Iterator[Dockerd]:
     remove_agentbox_containers(daemon)
     stop_dockerd(daemon)
     shutil.rmtree(run, ignore_errors=True)
+
+
+DockerFactory = Callable[..., Awaitable["DockerMachine"]]
+
+
+@pytest.fixture(scope="module")
+def docker_host(tmp_path_factory: pytest.TempPathFactory, base_image: Image) -> DockerHost:
+    from agentbox.machines.docker import DockerHost
+
+    return DockerHost(tmp_path_factory.mktemp("docker-home"), images=base_image.path.parent)
+
+
+@pytest.fixture
+async def make_docker(
+    docker_host: DockerHost, dockerd: Dockerd, tmp_path: Path
+) -> AsyncIterator[DockerFactory]:
+    """`await make(**options)`: a started docker machine; every container is removed after the test."""
+    from agentbox.ids import SANDBOX, new_id
+    from agentbox.machines.docker import DockerMachine, DockerOptions
+
+    made: list[DockerMachine] = []
+
+    async def make(start: bool = True, machine_id: str | None = None, **options: object) -> DockerMachine:
+        machine_id = machine_id or new_id(SANDBOX)
+        opts = DockerOptions.from_options({"docker_host": dockerd.host, **options})
+        d = tmp_path / machine_id
+        m = DockerMachine("docker", machine_id, docker_host, opts, d / "workspace", d / "run")
+        made.append(m)
+        if start:
+            await m.start()
+        return m
+
+    yield make
+    for m in made:
+        with_id = m.container_id
+        await m.destroy()
+        if with_id is not None:
+            assert dockerd.cli("inspect", with_id).returncode != 0  # removed
+
+
+# --- a machine of each kind that isolates (tests/test_sandbox_isolation.py) -----------------
+
+#: The kinds whose machines are isolated from the host, each on the `base` image.
+ISOLATING_KINDS = ("sandbox", "docker")
+MIB = 1024 * 1024
+IsolatedFactory = Callable[..., Awaitable["SandboxMachine | DockerMachine"]]
+
+
+@pytest.fixture(params=ISOLATING_KINDS)
+def make_isolated(request: pytest.FixtureRequest) -> IsolatedFactory:
+    """`await make(network=False, memory_mb=0, pids=0)`: a started machine of each isolating kind
+    (0: the kind's default limit); every one is stopped (a container removed) after the test."""
+    from agentbox.machines.cgroups import Limits
+    from agentbox.machines.sandbox import SandboxConfig
+
+    if request.param == "docker":
+        make_docker: DockerFactory = request.getfixturevalue("make_docker")
+
+        async def docker(network: bool = False, memory_mb: int = 0, pids: int = 0) -> DockerMachine:
+            limits = {k: v for k, v in (("memory_mb", memory_mb), ("pids", pids)) if v}
+            return await make_docker(network="on" if network else "off", **limits)
+
+        return docker
+    make_sandbox: SandboxFactory = request.getfixturevalue("make_image_sandbox")
+
+    async def sandbox(network: bool = False, memory_mb: int = 0, pids: int = 0) -> SandboxMachine:
+        limits = Limits(memory_bytes=memory_mb * MIB or Limits().memory_bytes, pids=pids or Limits().pids)
+        return await make_sandbox(SandboxConfig(network=network, limits=limits))
+
+    return sandbox
 
 
 # --- a real sshd on loopback (the ssh machine kind) ------------------------------------------
