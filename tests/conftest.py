@@ -52,6 +52,8 @@ _OWN_BASE = pytest.StashKey[Path]()
 
 if TYPE_CHECKING:
     from agentbox.config import Settings
+    from agentbox.machines.base import Machine
+    from agentbox.machines.docker import DockerHost, DockerMachine
     from agentbox.machines.images import Image
     from agentbox.machines.registry import Registry
     from agentbox.machines.sandbox import SandboxHost, SandboxMachine
@@ -74,6 +76,15 @@ class Server:
     api_key: str | None = None
     log: Path | None = None
     """The server's stdout and stderr."""
+    kind: str = "sandbox"
+    """The kind of the server's default machine (`kind_server`)."""
+    user: str = "root"
+    """The user the default machine's commands run as: the one `?user=` can give files to."""
+    user_home: str = "/root"
+    """That user's $HOME on the default machine."""
+    shared_root: Path | None = None
+    """The host directory that is the default machine's root when every session shares it
+    (ssh on loopback); None when each session has its own workspace."""
 
     def client(self, **kwargs: object) -> httpx.Client:
         headers = {"X-AIO-API-Key": self.api_key} if self.api_key else {}
@@ -82,6 +93,15 @@ class Server:
     def log_tail(self) -> str:
         """The end of the server's log, for a failing assertion's message."""
         return log_tail(self.log) if self.log else ""
+
+    @property
+    def root(self) -> str:
+        """The default machine's root (its working directory) as its commands see it."""
+        return str(self.shared_root) if self.shared_root else "/workspace"
+
+    def workspace(self, session_id: str) -> Path:
+        """The host directory that holds the files of session `session_id`'s default machine."""
+        return self.shared_root or self.home / "sessions" / session_id / "workspace"
 
 
 #: Characters of a server's log that a failure message quotes.
@@ -381,8 +401,9 @@ async def make_registry(sandbox_tmp: Path) -> AsyncIterator[RegistryFactory]:
         await kit.close()
 
 
-async def sandbox_host_pid(m: SandboxMachine, inside_pid: int) -> int:
-    """The host pid of the sandbox's process `inside_pid` (a pid as the sandbox numbers it)."""
+async def sandbox_host_pid(m: Machine, inside_pid: int) -> int:
+    """The host pid of the machine's process `inside_pid` (a pid as its own pid namespace
+    numbers it: a sandbox's or a container's)."""
     from agentbox.machines.base import ExecRequest
 
     probe = await m.exec(ExecRequest(command="readlink /proc/self/ns/pid", timeout=SANDBOX_DEADLINE))
@@ -536,6 +557,76 @@ def dockerd() -> Iterator[Dockerd]:
     shutil.rmtree(run, ignore_errors=True)
 
 
+DockerFactory = Callable[..., Awaitable["DockerMachine"]]
+
+
+@pytest.fixture(scope="module")
+def docker_host(tmp_path_factory: pytest.TempPathFactory, base_image: Image) -> DockerHost:
+    from agentbox.machines.docker import DockerHost
+
+    return DockerHost(tmp_path_factory.mktemp("docker-home"), images=base_image.path.parent)
+
+
+@pytest.fixture
+async def make_docker(
+    docker_host: DockerHost, dockerd: Dockerd, tmp_path: Path
+) -> AsyncIterator[DockerFactory]:
+    """`await make(**options)`: a started docker machine; every container is removed after the test."""
+    from agentbox.ids import SANDBOX, new_id
+    from agentbox.machines.docker import DockerMachine, DockerOptions
+
+    made: list[DockerMachine] = []
+
+    async def make(start: bool = True, machine_id: str | None = None, **options: object) -> DockerMachine:
+        machine_id = machine_id or new_id(SANDBOX)
+        opts = DockerOptions.from_options({"docker_host": dockerd.host, **options})
+        d = tmp_path / machine_id
+        m = DockerMachine("docker", machine_id, docker_host, opts, d / "workspace", d / "run")
+        made.append(m)
+        if start:
+            await m.start()
+        return m
+
+    yield make
+    for m in made:
+        with_id = m.container_id
+        await m.destroy()
+        if with_id is not None:
+            assert dockerd.cli("inspect", with_id).returncode != 0  # removed
+
+
+# --- a machine of each kind that isolates (tests/test_sandbox_isolation.py) -----------------
+
+#: The kinds whose machines are isolated from the host, each on the `base` image.
+ISOLATING_KINDS = ("sandbox", "docker")
+MIB = 1024 * 1024
+IsolatedFactory = Callable[..., Awaitable["SandboxMachine | DockerMachine"]]
+
+
+@pytest.fixture(params=ISOLATING_KINDS)
+def make_isolated(request: pytest.FixtureRequest) -> IsolatedFactory:
+    """`await make(network=False, memory_mb=0, pids=0)`: a started machine of each isolating kind
+    (0: the kind's default limit); every one is stopped (a container removed) after the test."""
+    from agentbox.machines.cgroups import Limits
+    from agentbox.machines.sandbox import SandboxConfig
+
+    if request.param == "docker":
+        make_docker: DockerFactory = request.getfixturevalue("make_docker")
+
+        async def docker(network: bool = False, memory_mb: int = 0, pids: int = 0) -> DockerMachine:
+            limits = {k: v for k, v in (("memory_mb", memory_mb), ("pids", pids)) if v}
+            return await make_docker(network="on" if network else "off", **limits)
+
+        return docker
+    make_sandbox: SandboxFactory = request.getfixturevalue("make_image_sandbox")
+
+    async def sandbox(network: bool = False, memory_mb: int = 0, pids: int = 0) -> SandboxMachine:
+        limits = Limits(memory_bytes=memory_mb * MIB or Limits().memory_bytes, pids=pids or Limits().pids)
+        return await make_sandbox(SandboxConfig(network=network, limits=limits))
+
+    return sandbox
+
+
 # --- a real sshd on loopback (the ssh machine kind) ------------------------------------------
 
 #: Debian's sshd and its SFTP server (openssh-server, installed by scripts/test.sh).
@@ -680,3 +771,73 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
     )
     yield server
     stop_sshd(server)
+
+
+# --- one server per machine kind: the same tests on every engine ----------------------------
+
+#: The kinds a server's default machine is in `kind_server`, each on a real engine:
+#: bubblewrap, the test run's private dockerd, the loopback sshd.
+SERVER_KINDS = ("sandbox", "docker", "ssh")
+#: The name of the default machine of a `kind_server` that is not the plain sandbox server.
+KIND_MACHINE = "box"
+
+
+def toml_entry(options: dict[str, object]) -> str:
+    """`key = value` lines of a `[machines.<name>]` entry (JSON strings and numbers are TOML's)."""
+    import json
+
+    return "".join(f"{key} = {json.dumps(value)}\n" for key, value in options.items())
+
+
+def start_kind_server(
+    home: Path,
+    kind: str,
+    user: tuple[str, str],
+    options: dict[str, object],
+    env: dict[str, str] | None = None,
+) -> Server:
+    """`agentbox serve` on `home` whose default machine is a `kind` machine with `options`,
+    whose commands run as `user` (its name and $HOME)."""
+    config = home.parent / "agentbox.toml"
+    config.write_text(
+        f'default_machine = "{KIND_MACHINE}"\n[machines.{KIND_MACHINE}]\nkind = "{kind}"\n'
+        + toml_entry(options)
+    )
+    server = start_server(home, {"AGENTBOX_CONFIG": str(config), **(env or {})})
+    server.kind, (server.user, server.user_home) = kind, user
+    return server
+
+
+@pytest.fixture(scope="session", params=SERVER_KINDS)
+def kind_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A real server whose default machine (what `/sandboxes/<id>` reaches) is of each kind in
+    turn. "sandbox" is the session's `server`; the others start their engine only when used, and
+    live for the test session (pytest groups the tests by kind), so each kind costs one start."""
+    kind: str = request.param
+    if kind == "sandbox":
+        yield request.getfixturevalue("server")
+        return
+    home = traversable(tmp_path_factory.mktemp(f"srv-{kind}"), tmp_path_factory) / "home"
+    home.mkdir()
+    if kind == "docker":
+        daemon: Dockerd = request.getfixturevalue("dockerd")
+        image: Image = request.getfixturevalue("base_image")
+        from agentbox.machines.docker import CONTAINER_HOME, CONTAINER_USER
+
+        server = start_kind_server(
+            home, kind, (CONTAINER_USER, CONTAINER_HOME), {"docker_host": daemon.host},
+            {"AGENTBOX_IMAGES": str(image.path.parent)},
+        )  # fmt: skip
+    else:
+        sshd: Sshd = request.getfixturevalue("sshd")
+        root = sshd.owned_dir(home.parent / "remote-root")
+        account = (sshd.user, pwd.getpwnam(sshd.user).pw_dir)
+        server = start_kind_server(home, kind, account, sshd.options(root=str(root)))
+        server.shared_root = root
+    yield server
+    stop_server(server)
+
+
+def on_kinds(*kinds: str) -> pytest.MarkDecorator:
+    """Run a test that takes `kind_server` on these kinds only (the reason in a comment beside it)."""
+    return pytest.mark.parametrize("kind_server", kinds, indirect=True)

@@ -1,4 +1,5 @@
-"""The AIO v1 routes driven by the real `agent-sandbox==0.0.30` SDK against a real `agentbox serve`.
+"""The AIO v1 routes driven by the real `agent-sandbox==0.0.30` SDK against a real `agentbox serve`,
+on each kind of machine (`kind_server`).
 
 Most tests use one sandbox of their own (`Sandbox(base_url=".../sandboxes/<unique id>")`), so
 their paths (seed 002's `/tmp/demo`) cannot meet other test files' on the shared server; a
@@ -18,7 +19,7 @@ import pydantic
 import pytest
 from agent_sandbox import Sandbox
 from agent_sandbox.core.api_error import ApiError
-from conftest import Server
+from conftest import Server, on_kinds
 
 from agentbox.api.v1_bash import DEFAULT_MAX_OUTPUT_LENGTH
 from agentbox.api.v1_shell import MAX_OUTPUT_CHARS
@@ -37,8 +38,8 @@ APP_PY = (
 
 
 @pytest.fixture(scope="module")
-def session_url(server: Server) -> str:
-    return f"{server.url}/sandboxes/v1sdk-{uuid.uuid4().hex[:12]}"
+def session_url(kind_server: Server) -> str:
+    return f"{kind_server.url}/sandboxes/v1sdk-{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,16 @@ def raw(session_url: str) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture(scope="module")
-def root_client(server: Server) -> Sandbox:
+def root(kind_server: Server) -> str:
+    """The machine's root, where a command starts and an unnamed upload lands (/workspace in a
+    sandbox or a container, the configured directory of an ssh host)."""
+    return kind_server.root
+
+
+@pytest.fixture(scope="module")
+def root_client(kind_server: Server) -> Sandbox:
     """The SDK at the server's root URL: the default session's sandbox."""
-    return Sandbox(base_url=server.url)
+    return Sandbox(base_url=kind_server.url)
 
 
 def events_until(client: Sandbox, watcher_id: str, count: int) -> list[dict[str, Any]]:
@@ -161,8 +169,8 @@ def test_watch_wait_create_and_timeout(client: Sandbox) -> None:
 # ---------------------------------------------------------------- other file methods
 
 
-def test_find_search_replace(client: Sandbox) -> None:
-    base = "/workspace/fsr"
+def test_find_search_replace(client: Sandbox, root: str) -> None:
+    base = f"{root}/fsr"
     client.file.write_file(file=f"{base}/a.py", content="one\ntwo\nthree two\n")
     client.file.write_file(file=f"{base}/sub/b.py", content="x\n")
     client.file.write_file(file=f"{base}/c.txt", content="y\n")
@@ -183,8 +191,8 @@ def test_find_search_replace(client: Sandbox) -> None:
     )
 
 
-def test_write_encodings_append_and_newlines(client: Sandbox) -> None:
-    path = "/workspace/enc/deep/out.txt"  # missing parents are created
+def test_write_encodings_append_and_newlines(client: Sandbox, root: str) -> None:
+    path = f"{root}/enc/deep/out.txt"  # missing parents are created
     assert client.file.write_file(file=path, content="aGk=", encoding="base64").data.file == path
     client.file.write_file(
         file=path, content="there", append=True, leading_newline=True, trailing_newline=True
@@ -192,12 +200,12 @@ def test_write_encodings_append_and_newlines(client: Sandbox) -> None:
     assert b"".join(client.file.download_file(path=path)) == b"hi\nthere\n"
 
 
-def test_upload_and_download(client: Sandbox) -> None:
+def test_upload_and_download(client: Sandbox, root: str) -> None:
     payload = bytes(range(256)) * 1000
     raw_upload = client.file.upload_file(file=payload).data
     assert raw_upload.success is True and raw_upload.file_size == len(payload)
-    assert raw_upload.file_path == "/workspace/upload"  # raw bytes arrive named `upload`
-    assert b"".join(client.file.download_file(path="/workspace/upload")) == payload
+    assert raw_upload.file_path == f"{root}/upload"  # raw bytes arrive named `upload`
+    assert b"".join(client.file.download_file(path=f"{root}/upload")) == payload
 
     named = client.file.upload_file(file=("data.csv", b"a,b\n1,2\n"), path="/tmp/up/data.csv").data
     assert (named.file_path, named.file_size) == ("/tmp/up/data.csv", 8)
@@ -210,8 +218,8 @@ def test_upload_and_download(client: Sandbox) -> None:
     assert missing.value.status_code == 404
 
 
-def test_str_replace_editor_commands(client: Sandbox) -> None:
-    path = "/workspace/editor/notes.txt"
+def test_str_replace_editor_commands(client: Sandbox, root: str) -> None:
+    path = f"{root}/editor/notes.txt"
     created = client.file.str_replace_editor(command="create", path=path, file_text="alpha\nbeta\n").data
     assert created.prev_exist is False and created.new_content == "alpha\nbeta\n"
 
@@ -226,7 +234,7 @@ def test_str_replace_editor_commands(client: Sandbox) -> None:
     assert undone.new_content == "alpha\nbeta\n"
     # The undo of a create that made the file removes it.
     client.file.str_replace_editor(command="undo_edit", path=path)
-    assert client.file.list_path(path="/workspace/editor").data.files == []
+    assert client.file.list_path(path=f"{root}/editor").data.files == []
 
 
 def test_missing_file_errors_as_sdk_0030_sees_them(client: Sandbox, raw: httpx.Client) -> None:
@@ -244,6 +252,7 @@ def test_missing_file_errors_as_sdk_0030_sees_them(client: Sandbox, raw: httpx.C
     assert listed.data.model_extra["error_type"] == "not_found"
 
 
+@on_kinds("sandbox", "docker")  # an ssh host is one machine every session shares
 def test_sessions_are_isolated(root_client: Sandbox, raw: httpx.Client) -> None:
     path = f"/workspace/v1sdk-{uuid.uuid4().hex[:8]}.txt"
     root_client.file.write_file(file=path, content="root\n")
@@ -254,7 +263,7 @@ def test_sessions_are_isolated(root_client: Sandbox, raw: httpx.Client) -> None:
 # ---------------------------------------------------------------- /v1/shell
 
 
-def test_shell_exec_combined_output_and_sessions(client: Sandbox) -> None:
+def test_shell_exec_combined_output_and_sessions(client: Sandbox, root: str) -> None:
     made = client.shell.create_session(id="sh-one", exec_dir="/tmp").data
     assert (made.session_id, made.working_dir) == ("sh-one", "/tmp")
     done = client.shell.exec_command(id="sh-one", command="echo out; echo err >&2; pwd; exit 3").data
@@ -262,10 +271,10 @@ def test_shell_exec_combined_output_and_sessions(client: Sandbox) -> None:
     assert done.output == "out\nerr\n/tmp\n"
     assert done.console[0].ps_1 == "/tmp $" and done.console[0].command.startswith("echo out")
 
-    moved = client.shell.exec_command(id="sh-one", command="pwd", exec_dir="/workspace").data
-    assert moved.output == "/workspace\n"
+    moved = client.shell.exec_command(id="sh-one", command="pwd", exec_dir=root).data
+    assert moved.output == f"{root}\n"
     listed = client.shell.list_sessions().data.sessions
-    assert listed["sh-one"].working_dir == "/workspace" and listed["sh-one"].age_seconds >= 0
+    assert listed["sh-one"].working_dir == root and listed["sh-one"].age_seconds >= 0
     stats = client.shell.get_session_stats().data
     assert stats.total_sessions >= 1 and stats.active_sessions >= 1 and 0 < stats.usage_ratio <= 1
     assert client.shell.update_session(id="sh-one", no_change_timeout=5).data["no_change_timeout"] == 5
@@ -339,9 +348,9 @@ def test_bash_exec_env_streams_and_exit(client: Sandbox) -> None:
     assert client.bash.exec(command="pwd", session_id=done.session_id).data.stdout == "/tmp\n"
 
 
-def test_bash_async_output_write_kill(client: Sandbox) -> None:
-    session = client.bash.create_session(session_id="bash-one", exec_dir="/workspace").data
-    assert (session.session_id, session.status, session.working_dir) == ("bash-one", "ready", "/workspace")
+def test_bash_async_output_write_kill(client: Sandbox, root: str) -> None:
+    session = client.bash.create_session(session_id="bash-one", exec_dir=root).data
+    assert (session.session_id, session.status, session.working_dir) == ("bash-one", "ready", root)
 
     started = client.bash.exec(
         session_id="bash-one", command="echo first; read x; echo second:$x; read y", async_mode=True
@@ -383,14 +392,15 @@ def test_bash_timeouts_and_truncation(client: Sandbox) -> None:
 # ---------------------------------------------------------------- /v1/sandbox
 
 
-def test_sandbox_context_and_packages(client: Sandbox) -> None:
+def test_sandbox_context_and_packages(client: Sandbox, kind_server: Server) -> None:
     context = client.sandbox.get_context()
-    assert context.home_dir == "/root" and context.workspace == "/workspace" and context.version
+    home, root = kind_server.user_home, kind_server.root
+    assert context.home_dir == home and context.workspace == root and context.version
     system = context.detail.system
     assert (system.user, system.home_dir, system.workspace, system.os) == (
-        "root",
-        "/root",
-        "/workspace",
+        kind_server.user,
+        home,
+        root,
         "Linux",
     )
     assert isinstance(system.occupied_ports, list)

@@ -1,4 +1,5 @@
-"""The v2 file, command and sandbox routes over a real server with real bubblewrap sandboxes.
+"""The v2 file, command and sandbox routes over a real server, on each kind of machine
+(`kind_server`: bubblewrap sandboxes, Docker containers, an ssh host).
 
 Every test gets its own session (`/sandboxes/<id>`), so its `/tmp/demo` is its own. The
 `Aio` helper is the seed's: `get` / `post` return the parsed `data` and raise on
@@ -17,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import Server, start_server, stop_server
+from conftest import Server, on_kinds, start_server, stop_server
 
 APP_PY = (
     "import sys\n\n"
@@ -51,6 +52,8 @@ class Aio:
     def __init__(self, server: Server, session: str | None = None) -> None:
         prefix = f"/sandboxes/{session}" if session else ""
         headers = {"X-AIO-API-Key": server.api_key} if server.api_key else {}
+        self.user = server.user
+        """The machine's own user: one `?user=` may name."""
         self.http = httpx.Client(base_url=server.url + prefix, headers=headers, timeout=60)
 
     @classmethod
@@ -79,8 +82,8 @@ class Aio:
 
 
 @pytest.fixture
-def sb(server: Server) -> Iterator[Aio]:
-    aio = Aio.fresh(server)
+def sb(kind_server: Server) -> Iterator[Aio]:
+    aio = Aio.fresh(kind_server)
     yield aio
     aio.http.close()
 
@@ -296,11 +299,11 @@ def test_write_in_place_keeps_the_inode_and_user_stages(sb: Aio) -> None:
 
     sb.unwrap(
         sb.http.post(
-            "/v2/fs/write", params={"user": "root"}, json={"path": "/tmp/demo/f.txt", "content": "x"}
+            "/v2/fs/write", params={"user": sb.user}, json={"path": "/tmp/demo/f.txt", "content": "x"}
         )
     )
     assert sb.run("stat -c %i /tmp/demo/f.txt")["stdout"] != inode
-    assert sb.run("stat -c %U /tmp/demo/f.txt")["stdout"] == "root\n"
+    assert sb.run("stat -c %U /tmp/demo/f.txt")["stdout"] == f"{sb.user}\n"
     assert sb.run("ls -a /tmp/demo")["stdout"].split() == [".", "..", "f.txt"]
 
     encoded = base64.b64encode(b"\x00\x01binary").decode()
@@ -309,9 +312,9 @@ def test_write_in_place_keeps_the_inode_and_user_stages(sb: Aio) -> None:
 
 
 def test_user_query_owner(sb: Aio) -> None:
-    made = sb.unwrap(sb.http.post("/v2/fs/mkdir", params={"user": "root"}, json={"path": "/tmp/owned"}))
+    made = sb.unwrap(sb.http.post("/v2/fs/mkdir", params={"user": sb.user}, json={"path": "/tmp/owned"}))
     assert made == {"path": "/tmp/owned", "created": True}
-    assert sb.run("stat -c %U /tmp/owned")["stdout"] == "root\n"
+    assert sb.run("stat -c %U /tmp/owned")["stdout"] == f"{sb.user}\n"
     for method, route, path, body in (
         ("POST", "/v2/fs/mkdir", None, {"path": "/tmp/nobodys"}),
         ("POST", "/v2/fs/write", None, {"path": "/tmp/nobodys.txt", "content": "x"}),
@@ -459,6 +462,7 @@ def test_async_command_output_so_far_then_kill(sb: Aio) -> None:
 # ---------------------------------------------------------------- sandbox, capabilities, auth
 
 
+@on_kinds("sandbox")  # what it asserts names bubblewrap; each kind's own report is its tests'
 def test_sandbox_and_capabilities(sb: Aio, server: Server) -> None:
     info = sb.get("/v2/sandbox")
     assert {"files", "watch", "commands"} <= set(info["capabilities"])

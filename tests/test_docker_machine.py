@@ -1,29 +1,27 @@
 """The `docker` machine on a real dockerd (the test session's own) with real containers.
 
-Each isolation probe pairs what a command inside sees with a host-side fact that makes it
-meaningful (the marker exists on the host, the variable is set in this process, the limit is
-what the container's cgroup says), so a container that leaked would fail, not pass vacuously.
+The isolation facts it shares with the sandbox (no host files, no server environment, no host
+loopback, unprivileged, limits hold) are tests/test_sandbox_isolation.py's, parametrized over
+both kinds; what is Docker's own (no socket inside, a non-root uid) is here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import SANDBOX_DEADLINE, Dockerd
+from conftest import SANDBOX_DEADLINE, Dockerd, DockerFactory
 
 from agentbox.ids import SANDBOX, new_id
 from agentbox.machines.base import ExecRequest, ExecResult, Machine
 from agentbox.machines.docker import (
     AGENT_SOCKET,
     CONTAINER_HOME,
+    CONTAINER_USER,
     IMAGE_REPO,
     DockerHost,
     DockerMachine,
@@ -32,47 +30,8 @@ from agentbox.machines.docker import (
 from agentbox.machines.errors import ContainerGone, MachineUnavailable
 from agentbox.machines.images import Image
 
-#: Small limits, so that the hog and the bomb meet them quickly.
-SMALL_MEMORY_MB = 64
-SMALL_PIDS = 32
-#: Bytes the hog asks for: far past SMALL_MEMORY_MB.
-HOG_BYTES = 512 * 1024 * 1024
-#: Forks the bomb tries: far past SMALL_PIDS.
-BOMB_FORKS = 500
 #: A call on a machine whose container is gone must fail within this, never hang.
 PROMPT_FAILURE_SECONDS = 10.0
-
-DockerFactory = Callable[..., Awaitable[DockerMachine]]
-
-
-@pytest.fixture(scope="module")
-def docker_host(tmp_path_factory: pytest.TempPathFactory, base_image: Image) -> DockerHost:
-    return DockerHost(tmp_path_factory.mktemp("docker-home"), images=base_image.path.parent)
-
-
-@pytest.fixture
-async def make_docker(
-    docker_host: DockerHost, dockerd: Dockerd, tmp_path: Path
-) -> AsyncIterator[DockerFactory]:
-    """`await make(**options)`: a started docker machine; every container is removed after the test."""
-    made: list[DockerMachine] = []
-
-    async def make(start: bool = True, machine_id: str | None = None, **options: object) -> DockerMachine:
-        machine_id = machine_id or new_id(SANDBOX)
-        opts = DockerOptions.from_options({"docker_host": dockerd.host, **options})
-        d = tmp_path / machine_id
-        m = DockerMachine("docker", machine_id, docker_host, opts, d / "workspace", d / "run")
-        made.append(m)
-        if start:
-            await m.start()
-        return m
-
-    yield make
-    for m in made:
-        with_id = m.container_id
-        await m.destroy()
-        if with_id is not None:
-            assert dockerd.cli("inspect", with_id).returncode != 0  # removed
 
 
 async def sh(m: Machine, command: str, **kwargs: object) -> ExecResult:
@@ -185,6 +144,18 @@ async def test_files_through_the_machine_and_through_commands(make_docker: Docke
         await m.write("/usr/new-file", b"x")  # the system is read-only through the API
 
 
+async def test_the_container_user_has_a_name(make_docker: DockerFactory) -> None:
+    """The uid the container runs as is CONTAINER_USER, the user the machine reports."""
+    m = await make_docker()
+    who = await sh(m, "id -un; id -gn; whoami; echo ~agent; stat -c %U:%G /workspace")
+    assert who.exit_code == 0, who
+    name = CONTAINER_USER
+    assert who.stdout.decode().split() == [name, name, name, CONTAINER_HOME, f"{name}:{name}"]
+    passwd = (await sh(m, "cat /etc/passwd")).stdout.decode()
+    assert passwd.startswith("root:x:0:0:") and passwd.count(f":{m.uid_gid[0]}:") == 1  # the rest kept
+    assert (await sh(m, "echo x >> /etc/passwd")).exit_code != 0  # bound read-only
+
+
 async def test_workspace_lasts_across_stop_and_start_and_tmp_does_not(make_docker: DockerFactory) -> None:
     m = await make_docker()
     container = m.container_id
@@ -221,46 +192,16 @@ async def test_writable_root_keeps_system_changes_until_the_container_goes(
 
 
 # ------------------------------------------------------------------------ isolation
+# No host files, no server environment, no host loopback, unprivileged and limits: the
+# tests of tests/test_sandbox_isolation.py, run on both kinds. What is Docker's own is here.
 
 
-async def test_no_host_files(make_docker: DockerFactory) -> None:
-    marker = Path("/usr/local/share") / f"agentbox-host-marker-{uuid.uuid4().hex}"
-    marker.write_text("host only")
-    try:
-        m = await make_docker()
-        assert marker.read_text() == "host only"  # the host has it, so absence inside means something
-        result = await sh(m, f"cat {marker}")
-        assert result.exit_code != 0 and b"host only" not in result.stdout
-        assert (await sh(m, f"test -e {m.workspace} || test -e /work || test -e /var/lib/agentbox")).exit_code
-    finally:
-        marker.unlink()
-
-
-async def test_no_server_environment(make_docker: DockerFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    secret = f"sk-{uuid.uuid4().hex}"
-    monkeypatch.setenv("AGENTBOX_TEST_SECRET", secret)
-    m = await make_docker()
-    assert os.environ["AGENTBOX_TEST_SECRET"] == secret
-    every = await sh(m, "env; for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ; done")
-    assert every.exit_code == 0 and b"PATH=" in every.stdout
-    assert secret.encode() not in every.stdout and b"AGENTBOX_TEST_SECRET" not in every.stdout
-    agent_environ = Path(f"/proc/{m._pid}/environ").read_bytes()  # pid 1, which commands cannot read
-    assert agent_environ.startswith(b"PATH=") and secret.encode() not in agent_environ
-
-
-async def test_unprivileged(make_docker: DockerFactory) -> None:
+async def test_commands_run_as_the_images_non_root_uid(make_docker: DockerFactory) -> None:
+    """Unlike a sandbox's root-in-a-namespace (the rest of being unprivileged is
+    tests/test_sandbox_isolation.py's, for both kinds)."""
     m = await make_docker()
     uid = int((await sh(m, "id -u")).stdout)
     assert uid != 0 and uid == m.uid_gid[0]
-    status = dict(
-        line.split(":\t", 1) for line in (await sh(m, "cat /proc/self/status")).stdout.decode().splitlines()
-    )
-    for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
-        assert int(status[cap], 16) == 0, (cap, status[cap])
-    assert status["NoNewPrivs"].strip() == "1"
-    host_status = Path(f"/proc/{m._pid}/status").read_text()  # the agent, seen from the host
-    assert f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}" in host_status
-    assert (await sh(m, "touch /usr/x")).exit_code != 0  # a read-only root
 
 
 async def test_no_docker_socket_inside(make_docker: DockerFactory, dockerd: Dockerd) -> None:
@@ -271,45 +212,6 @@ async def test_no_docker_socket_inside(make_docker: DockerFactory, dockerd: Dock
     assert sockets.stdout == b"" and b"No such file" in sockets.stderr
     mounts = (await sh(m, "cat /proc/self/mountinfo")).stdout
     assert b"docker.sock" not in mounts
-
-
-async def test_memory_limit_kills_a_hog(make_docker: DockerFactory) -> None:
-    m = await make_docker(memory_mb=SMALL_MEMORY_MB)
-    limit = memory_limit_of(m)
-    assert limit == SMALL_MEMORY_MB * 1024 * 1024
-    hog = f"b = bytearray({HOG_BYTES}); print('allocated everything')"
-    result = await m.exec(ExecRequest(argv=("python3", "-c", hog), timeout=SANDBOX_DEADLINE))
-    assert b"allocated everything" not in result.stdout
-    assert result.exit_code == 128 + signal.SIGKILL or b"MemoryError" in result.stderr, result
-    assert (await sh(m, "echo alive")).stdout == b"alive\n"  # the agent (pid 1) survives its command
-
-
-async def test_pids_limit_stops_a_fork_bomb(make_docker: DockerFactory) -> None:
-    m = await make_docker(pids=SMALL_PIDS)
-    bomb = (
-        "import os, sys, time\nn = 0\n"
-        f"for _ in range({BOMB_FORKS}):\n"
-        "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
-        "    if pid == 0:\n        time.sleep(300)\n        os._exit(0)\n    n += 1\n"
-        "print(n, flush=True)\n"
-    )
-    result = await m.exec(ExecRequest(argv=("python3", "-c", bomb), timeout=SANDBOX_DEADLINE))
-    forks = int(result.stdout)
-    assert 0 < forks < SMALL_PIDS, result
-    await m.stop()  # the forks outlive their parent: the stop ends them with the container
-    await m.start()
-    assert (await sh(m, "echo alive")).stdout == b"alive\n"
-
-
-def memory_limit_of(m: DockerMachine) -> int:
-    """The memory limit of the container's cgroup, read on the host (cgroup v1 or v2)."""
-    for line in Path(f"/proc/{m._pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            return int(Path(f"/sys/fs/cgroup{path}/memory.max").read_text())
-        if "memory" in controllers.split(","):
-            return int(Path(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes").read_text())
-    raise AssertionError("the container has no memory cgroup")
 
 
 # ------------------------------------------------------------------------ the container's life
@@ -421,14 +323,6 @@ async def test_network_on_without_a_bridge_is_a_clear_error(make_docker: DockerF
     assert m.network_on
     with pytest.raises(MachineUnavailable, match="bridge"):
         await m.start()
-
-
-async def test_network_off_is_loopback_only(make_docker: DockerFactory) -> None:
-    m = await make_docker()
-    interfaces = await m.exec(
-        ExecRequest(argv=("python3", "-c", "import socket; print([n for _, n in socket.if_nameindex()])"))
-    )
-    assert interfaces.stdout == b"['lo']\n"
 
 
 async def test_the_image_is_imported_once_per_digest(

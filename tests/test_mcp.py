@@ -23,7 +23,7 @@ import httpx
 import httpx2
 import mcp.types as mt
 import pytest
-from conftest import Server, start_server, stop_server
+from conftest import Server, on_kinds, start_server, stop_server
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
@@ -131,31 +131,30 @@ async def check_default_toolset(session: ClientSession) -> dict[str, mt.Tool]:
     return by_name
 
 
-async def check_calls(session: ClientSession, workspace: Path) -> None:
-    """bash, write_file, read_file, grep, read_image and a bad call, over one client session."""
+async def check_calls(session: ClientSession, workspace: Path, root: str = "/workspace") -> None:
+    """bash, write_file, read_file, grep, read_image and a bad call, over one client session whose
+    machine has `root` (the host directory `workspace`) as its working directory."""
     result = await session.call_tool("bash", {"command": "echo hi"})
     assert not result.is_error, text_of(result)
     assert "hi" in text_of(result).splitlines()
     assert result.meta is not None and result.meta[DATA_META_KEY]["exit_code"] == 0
 
-    result = await session.call_tool("write_file", {"path": "/workspace/notes/plan.md", "content": "x"})
+    result = await session.call_tool("write_file", {"path": f"{root}/notes/plan.md", "content": "x"})
     assert result.is_error  # the parent folder does not exist: an error result, not a crash
-    result = await session.call_tool(
-        "write_file", {"path": "/workspace/plan.md", "content": "step one: mcp\n"}
-    )
+    result = await session.call_tool("write_file", {"path": f"{root}/plan.md", "content": "step one: mcp\n"})
     assert not result.is_error, text_of(result)
     assert (workspace / "plan.md").read_text() == "step one: mcp\n"
 
-    result = await session.call_tool("read_file", {"path": "/workspace/plan.md"})
+    result = await session.call_tool("read_file", {"path": f"{root}/plan.md"})
     assert not result.is_error, text_of(result)
     assert "step one: mcp" in text_of(result)
 
     result = await session.call_tool("grep", {"pattern": "one: m[c]p"})
     assert not result.is_error, text_of(result)
-    assert "/workspace/plan.md:1:step one: mcp" in text_of(result)
+    assert f"{root}/plan.md:1:step one: mcp" in text_of(result)
 
     (workspace / "dot.png").write_bytes(png_1x1())
-    result = await session.call_tool("read_image", {"path": "/workspace/dot.png"})
+    result = await session.call_tool("read_image", {"path": f"{root}/dot.png"})
     assert not result.is_error, text_of(result)
     images = [c for c in result.content if isinstance(c, mt.ImageContent)]
     assert len(images) == 1 and images[0].mime_type == "image/png"
@@ -255,24 +254,33 @@ def test_cli_refuses_an_unknown_toolset_or_session(sandbox_tmp: Path) -> None:
 # ---------------------------------------------------------------------------- streamable HTTP
 
 
-async def test_http_serves_the_session_named_by_the_header(server: Server) -> None:
-    sid = "mcp-http"
+#: The kinds whose default tier is full-auto: an ssh host is not isolated, so its tier asks and
+#: nobody over HTTP MCP can answer (test_mcp_on_a_machine_that_is_not_isolated has that case).
+ISOLATED_KINDS = on_kinds("sandbox", "docker")
+
+
+@ISOLATED_KINDS
+async def test_http_serves_the_session_named_by_the_header(kind_server: Server) -> None:
+    server, sid = kind_server, "mcp-http"
+    root = server.root
     async with http_session(server.url + "/mcp", {"X-Agentbox-Session": sid}) as session:
         await check_default_toolset(session)
-        await check_calls(session, server.home / "sessions" / sid / "workspace")
+        await check_calls(session, server.workspace(sid), root)
     # The query parameter names the same session; the toolset too. Its reads map lasts across
     # connections: write (overwrite) is allowed after a read in an earlier connection.
     async with http_session(server.url + f"/mcp?session={sid}&toolset=flue") as session:
         names = [t.name for t in (await session.list_tools()).tools]
         assert names[:6] == ["read", "write", "edit", "bash", "grep", "glob"]
-        result = await session.call_tool("read", {"path": "/workspace/plan.md"})
+        result = await session.call_tool("read", {"path": f"{root}/plan.md"})
         assert "step one: mcp" in text_of(result)
-        result = await session.call_tool("write", {"path": "/workspace/plan.md", "content": "step two\n"})
+        result = await session.call_tool("write", {"path": f"{root}/plan.md", "content": "step two\n"})
         assert not result.is_error, text_of(result)
-    assert (server.home / "sessions" / sid / "workspace" / "plan.md").read_text() == "step two\n"
+    assert (server.workspace(sid) / "plan.md").read_text() == "step two\n"
 
 
-async def test_http_default_session_and_session_separation(server: Server) -> None:
+@ISOLATED_KINDS  # and per session: an ssh host is one machine every session shares
+async def test_http_default_session_and_session_separation(kind_server: Server) -> None:
+    server = kind_server
     async with http_session(server.url + "/mcp", {"X-Agentbox-Session": "mcp-a"}) as a:
         await a.call_tool("write_file", {"path": "/workspace/only-a.txt", "content": "a\n"})
     async with http_session(server.url + "/mcp", {"X-Agentbox-Session": "mcp-b"}) as b:
@@ -281,7 +289,26 @@ async def test_http_default_session_and_session_separation(server: Server) -> No
     async with http_session(server.url + "/mcp") as default:
         result = await default.call_tool("bash", {"command": "echo $((6 * 7))"})
         assert "42" in text_of(result).splitlines()
-    assert (server.home / "sessions" / "default" / "workspace").is_dir()
+    assert server.workspace("default").is_dir()
+
+
+@on_kinds("ssh")
+async def test_mcp_on_a_machine_that_is_not_isolated(kind_server: Server) -> None:
+    """Over HTTP on an ssh host: full-ask, and nobody on this side can approve, so exec is refused
+    and writes are staged (as over stdio on a local machine, above)."""
+    root, remote = kind_server.shared_root, kind_server.root
+    assert root is not None
+    (root / "seen.txt").write_text("remote text\n")
+    async with http_session(kind_server.url + "/mcp", {"X-Agentbox-Session": "mcp-not-isolated"}) as session:
+        result = await session.call_tool("bash", {"command": "touch ran"})
+        assert result.is_error and "nobody can approve" in text_of(result)
+        assert "full-ask" in text_of(result)
+        assert not (root / "ran").exists()
+        result = await session.call_tool("write_file", {"path": f"{remote}/new.txt", "content": "x\n"})
+        assert not result.is_error and "Staged" in text_of(result), text_of(result)
+        assert not (root / "new.txt").exists()
+        result = await session.call_tool("read_file", {"path": f"{remote}/seen.txt"})
+        assert text_of(result) == "remote text\n"
 
 
 async def test_http_refuses_a_bad_choice(server: Server) -> None:

@@ -1,5 +1,9 @@
 """Isolation of real bubblewrap sandboxes, checked from both sides: inside a command and on the host.
 
+The facts every isolating kind must hold (no host files, no server environment, no host
+loopback, unprivileged, limits hold) run on Docker containers too (`make_isolated`, on the
+`base` image); the rest are the sandbox's own (bubblewrap's binds, its uid map, its layer).
+
 Every probe pairs what a command inside sees with a host-side fact that makes the check
 meaningful (the secret exists on the host, the server's pid is real, the host has a human
 account...), so a sandbox that leaked would fail rather than pass vacuously.
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import uuid
 from collections.abc import Iterator
@@ -17,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import SANDBOX_DEADLINE, SandboxFactory, Server, sandbox_host_pid
+from conftest import SANDBOX_DEADLINE, IsolatedFactory, SandboxFactory, Server, sandbox_host_pid
 
-from agentbox.machines.base import ExecRequest, ExecResult
-from agentbox.machines.sandbox import AGENT_USR, SandboxConfig, SandboxHost, SandboxMachine
+from agentbox.machines.base import ExecRequest, ExecResult, Machine
+from agentbox.machines.sandbox import AGENT_USR, SandboxConfig, SandboxHost
 from agentbox.machines.sysroot import HUMAN_IDS, copy_curated_etc
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the server runs as root in production and CI")
@@ -70,7 +75,7 @@ with urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=20) as respo
 """
 
 
-async def sh(m: SandboxMachine, command: str, timeout: float = SANDBOX_DEADLINE) -> ExecResult:
+async def sh(m: Machine, command: str, timeout: float = SANDBOX_DEADLINE) -> ExecResult:
     return await m.exec(ExecRequest(command=command, timeout=timeout))
 
 
@@ -82,7 +87,7 @@ class NetProbe:
     results: dict[str, tuple[str, float]]
 
 
-async def probe_connections(m: SandboxMachine, targets: list[tuple[str, int]]) -> NetProbe:
+async def probe_connections(m: Machine, targets: list[tuple[str, int]]) -> NetProbe:
     result = await m.exec(
         ExecRequest(argv=("python3", "-c", CONNECT_PROBE, json.dumps(targets)), timeout=SANDBOX_DEADLINE)
     )
@@ -91,6 +96,15 @@ async def probe_connections(m: SandboxMachine, targets: list[tuple[str, int]]) -
     return NetProbe(
         list(data["interfaces"]), {k: (str(v[0]), float(v[1])) for k, v in data["results"].items()}
     )
+
+
+@pytest.fixture
+def usr_secret() -> Iterator[Path]:
+    """A file in the host's /usr, which a machine on an image has its own of."""
+    path = Path("/usr/local/share") / f"agentbox-test-secret-{uuid.uuid4().hex}"
+    path.write_text(SECRET)
+    yield path
+    path.unlink()
 
 
 @pytest.fixture
@@ -115,12 +129,12 @@ async def test_root_lists_only_the_sandbox_entries(make_sandbox: SandboxFactory,
 
 
 async def test_host_files_outside_the_binds_are_invisible(
-    make_sandbox: SandboxFactory, tmp_path: Path, root_secret: Path
+    make_isolated: IsolatedFactory, tmp_path: Path, root_secret: Path, usr_secret: Path
 ) -> None:
     tmp_secret = tmp_path / "host-secret.txt"
     tmp_secret.write_text(SECRET)
-    m = await make_sandbox()
-    for path in (tmp_secret, root_secret):
+    m = await make_isolated()
+    for path in (tmp_secret, root_secret, usr_secret):
         assert path.read_text() == SECRET  # the host can read it, so a failure inside means something
         result = await sh(m, f"cat {path}")
         assert result.exit_code != 0
@@ -128,11 +142,12 @@ async def test_host_files_outside_the_binds_are_invisible(
         assert b"No such file" in result.stderr
     listing = await sh(m, "ls -A /root; ls -A /tmp")
     assert root_secret.name.encode() not in listing.stdout
-    assert (await sh(m, f"test -e {tmp_path} || test -e /work")).exit_code != 0
+    # The machine's workspace and run directories are below tmp_path on the host.
+    assert (await sh(m, f"test -e {tmp_path} || test -e /work || test -e /var/lib/agentbox")).exit_code != 0
 
 
-async def test_host_processes_are_invisible(make_sandbox: SandboxFactory) -> None:
-    m = await make_sandbox()
+async def test_host_processes_are_invisible(make_isolated: IsolatedFactory) -> None:
+    m = await make_isolated()
     server_pid = os.getpid()
     result = await sh(m, "for p in /proc/[0-9]*; do echo ${p#/proc/} $(tr '\\0' ' ' < $p/cmdline); done")
     lines = result.stdout.decode().splitlines()
@@ -147,10 +162,10 @@ async def test_host_processes_are_invisible(make_sandbox: SandboxFactory) -> Non
 
 
 async def test_server_env_secret_is_not_in_command_env(
-    make_sandbox: SandboxFactory, monkeypatch: pytest.MonkeyPatch
+    make_isolated: IsolatedFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)
-    m = await make_sandbox()
+    m = await make_isolated()
     result = await sh(m, "env")
     assert result.exit_code == 0
     assert b"OPENAI_API_KEY" not in result.stdout
@@ -158,16 +173,20 @@ async def test_server_env_secret_is_not_in_command_env(
 
 
 async def test_server_env_secret_is_in_no_sandbox_process(
-    make_sandbox: SandboxFactory, monkeypatch: pytest.MonkeyPatch
+    make_isolated: IsolatedFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Not even in bwrap's own environment, which a sandboxed process can read from /proc/1/environ."""
+    """Not even in pid 1's environment (bwrap's, or a container's agent): a process inside may
+    read it from /proc/1/environ, and the host reads it whether or not commands can."""
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)
-    m = await make_sandbox()
+    m = await make_isolated()
     result = await sh(m, "for p in /proc/[0-9]*; do echo \"== $p\"; tr '\\0' '\\n' < $p/environ; done")
     leaked = [
         line for line in result.stdout.decode().splitlines() if SECRET in line or line.startswith("== ")
     ]
+    assert b"PATH=" in result.stdout  # the probe read some environment
     assert SECRET not in result.stdout.decode(), f"server environment visible inside: {leaked}"
+    init = Path(f"/proc/{await sandbox_host_pid(m, 1)}/environ").read_bytes()
+    assert b"PATH=" in init and SECRET.encode() not in init
 
 
 # ---------------------------------------------------------------- identity and privileges
@@ -175,31 +194,33 @@ async def test_server_env_secret_is_in_no_sandbox_process(
 
 @ROOT_ONLY
 async def test_root_inside_is_an_unprivileged_host_uid(make_sandbox: SandboxFactory) -> None:
+    """The sandbox's own way (a container runs as a non-root uid: tests/test_docker_machine.py)."""
     m = await make_sandbox()
     host: SandboxHost = m.host
     assert host.uid != 0
     assert (await sh(m, "id -u")).stdout == b"0\n"
     uid_map = (await sh(m, "cat /proc/self/uid_map")).stdout.split()
     assert uid_map == [b"0", str(host.uid).encode(), b"1"]
-    process = await m.spawn(ExecRequest(argv=("sleep", "1000")))
-    try:
-        host_pid = await sandbox_host_pid(m, process.pid)
-        status = Path(f"/proc/{host_pid}/status").read_text().splitlines()
-        uids = next(line for line in status if line.startswith("Uid:")).split()[1:]
-        gids = next(line for line in status if line.startswith("Gid:")).split()[1:]
-        assert uids == [str(host.uid)] * 4
-        assert gids == [str(host.gid)] * 4
-    finally:
-        process.kill()
-        await process.wait()
 
 
-async def test_no_capabilities(make_sandbox: SandboxFactory) -> None:
-    m = await make_sandbox()
+async def test_unprivileged(make_isolated: IsolatedFactory) -> None:
+    """No capabilities, no new privileges, and on the host a command is the machine's own uid."""
+    m = await make_isolated()
     status = (await sh(m, "cat /proc/self/status")).stdout.decode().splitlines()
     caps = {line.split(":")[0]: int(line.split()[1], 16) for line in status if line.startswith("Cap")}
     assert set(caps) >= {"CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"}
     assert all(value == 0 for value in caps.values()), caps
+    assert "NoNewPrivs:\t1" in status
+    host_uid = m.capabilities()["host_uid"]
+    assert isinstance(host_uid, int) and host_uid != 0
+    process = await m.spawn(ExecRequest(argv=("sleep", "1000")))
+    try:
+        host_status = Path(f"/proc/{await sandbox_host_pid(m, process.pid)}/status").read_text().splitlines()
+        uids = next(line for line in host_status if line.startswith("Uid:")).split()[1:]
+        assert uids == [str(host_uid)] * 4
+    finally:
+        process.kill()
+        await process.wait()
 
 
 async def test_workspace_files_are_shared_with_the_server(make_sandbox: SandboxFactory) -> None:
@@ -295,15 +316,31 @@ def test_curated_etc_leaves_out_secrets_identity_and_people(tmp_path: Path) -> N
 # ---------------------------------------------------------------- network
 
 
-async def test_network_off_is_loopback_only(make_sandbox: SandboxFactory) -> None:
-    m = await make_sandbox(SandboxConfig(network=False))
-    probe = await probe_connections(m, [OUTSIDE])
+async def test_network_off_is_loopback_only(make_isolated: IsolatedFactory) -> None:
+    """Nothing outside, and not the host's loopback: a listener there is never reached."""
+    accepted: list[object] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer.get_extra_info("peername"))
+        writer.close()
+
+    listener = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        m = await make_isolated(network=False)
+        probe = await probe_connections(m, [OUTSIDE, ("127.0.0.1", port)])
+    finally:
+        listener.close()
+        await listener.wait_closed()
     assert probe.interfaces == ["lo"]
     outcome, seconds = probe.results[f"{OUTSIDE[0]}:{OUTSIDE[1]}"]
     assert outcome != "connected"
     assert seconds < FAST_FAILURE_SECONDS
+    assert probe.results[f"127.0.0.1:{port}"][0] != "connected" and accepted == []
 
 
+# Sandbox only: network on in a container needs the engine's bridge, and the test dockerd has
+# none (tests/test_docker_machine.py shows that refused plainly).
 async def test_network_on_never_reaches_the_host_loopback(
     make_sandbox: SandboxFactory, server: Server
 ) -> None:
@@ -356,3 +393,60 @@ async def test_each_sandbox_has_its_own_hostname(make_sandbox: SandboxFactory) -
         names.append(name)
     assert names[0] != names[1]
     assert socket.gethostname() not in names
+
+
+# ---------------------------------------------------------------- limits
+
+#: Small limits, so that the hog and the bomb meet them quickly.
+SMALL_MEMORY_MB = 64
+SMALL_PIDS = 32
+#: Bytes the hog asks for: far past SMALL_MEMORY_MB.
+HOG_BYTES = 512 * 1024 * 1024
+#: Forks the bomb tries: far past SMALL_PIDS.
+BOMB_FORKS = 500
+
+
+def memory_limit_of(host_pid: int) -> int:
+    """The memory limit of a host process's cgroup, read on the host (cgroup v1 or v2)."""
+    for line in Path(f"/proc/{host_pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            return int(Path(f"/sys/fs/cgroup{path}/memory.max").read_text())
+        if "memory" in controllers.split(","):
+            return int(Path(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes").read_text())
+    raise AssertionError(f"process {host_pid} has no memory cgroup")
+
+
+@ROOT_ONLY
+async def test_memory_limit_kills_a_hog(make_isolated: IsolatedFactory) -> None:
+    """(tests/test_sandbox_limits.py has the sandbox's cgroup in detail.)"""
+    m = await make_isolated(memory_mb=SMALL_MEMORY_MB)
+    process = await m.spawn(ExecRequest(argv=("sleep", "1000")))
+    try:
+        assert memory_limit_of(await sandbox_host_pid(m, process.pid)) == SMALL_MEMORY_MB * 1024 * 1024
+    finally:
+        process.kill()
+        await process.wait()
+    hog = f"b = bytearray({HOG_BYTES}); print('allocated everything')"
+    result = await m.exec(ExecRequest(argv=("python3", "-c", hog), timeout=SANDBOX_DEADLINE))
+    assert b"allocated everything" not in result.stdout
+    assert result.exit_code == 128 + signal.SIGKILL or b"MemoryError" in result.stderr, result
+    assert (await sh(m, "echo alive")).stdout == b"alive\n"  # the machine survives its command
+
+
+@ROOT_ONLY
+async def test_pids_limit_stops_a_fork_bomb(make_isolated: IsolatedFactory) -> None:
+    m = await make_isolated(pids=SMALL_PIDS)
+    bomb = (
+        "import os, sys, time\nn = 0\n"
+        f"for _ in range({BOMB_FORKS}):\n"
+        "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+        "    if pid == 0:\n        time.sleep(300)\n        os._exit(0)\n    n += 1\n"
+        "print(n, flush=True)\n"
+    )
+    result = await m.exec(ExecRequest(argv=("python3", "-c", bomb), timeout=SANDBOX_DEADLINE))
+    forks = int(result.stdout)
+    assert 0 < forks < SMALL_PIDS, result
+    await m.stop()  # the forks outlive their parent: the stop ends them with the machine
+    await m.start()
+    assert (await sh(m, "echo alive")).stdout == b"alive\n"

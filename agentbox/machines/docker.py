@@ -86,6 +86,11 @@ AGENT_SOURCE = Path(exec_agent.__file__).read_text()
 CONTAINER_HOME = "/home/agent"
 CONTAINER_USER = "agent"
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The account files made for each lifetime in `run/` and bound over the image's, so that
+#: the container's uid is CONTAINER_USER (`account_files`).
+ACCOUNT_FILES = ("passwd", "group")
+#: The login shell of CONTAINER_USER's entry.
+CONTAINER_SHELL = "/bin/sh"
 #: Directories the agent hands over at `R`, in this order: the tmpfs, then the system.
 SHARED_DIRS = ("/tmp", CONTAINER_HOME, "/usr", "/etc")
 #: Mode of `run/`, owned by the container's uid: only it (and root) passes.
@@ -167,6 +172,34 @@ class DockerOptions:
         if uid == ROOT_UID:
             raise ValueError("user: a docker machine never runs as root (uid 0)")
         return uid, int(gid_text) if gid_text else uid
+
+
+def account_files(etc: Path, uid: int, gid: int) -> dict[str, str]:
+    """The image's `passwd` and `group` (from its `etc`) with `uid` named CONTAINER_USER.
+
+    The image's accounts are a sandbox's (root inside); a container runs as the image's owner
+    uid, which no entry names. Without one, `whoami` fails, `stat` says UNKNOWN and the user
+    the machine reports (`USER`, `?user=`) is not one the container knows. Any entry that
+    already has the name or the id gives way to the container's.
+    """
+
+    def kept(name: str, key: int) -> list[str]:
+        path = etc / name
+        lines = path.read_text().splitlines() if path.is_file() and not path.is_symlink() else []
+        return [line for line in lines if not _names(line, CONTAINER_USER, key)]
+
+    user = f"{CONTAINER_USER}:x:{uid}:{gid}::{CONTAINER_HOME}:{CONTAINER_SHELL}"
+    group = f"{CONTAINER_USER}:x:{gid}:"
+    return {
+        "passwd": "\n".join([*kept("passwd", uid), user]) + "\n",
+        "group": "\n".join([*kept("group", gid), group]) + "\n",
+    }
+
+
+def _names(entry: str, name: str, key: int) -> bool:
+    """Whether an account file's line has this name or this id (its third field)."""
+    parts = entry.split(":")
+    return parts[0] == name or (len(parts) > 2 and parts[2] == str(key))
 
 
 def _option(key: str, value: Any, default: Any) -> Any:
@@ -407,7 +440,7 @@ class DockerMachine(HostFiles):
         try:
             image = self.host.image(self.options.image)  # read again: a rebuild changes its digest
             self._own(image)
-            self._prepare_run()
+            self._prepare_run(image)
             if self.container_id is None:
                 await self._create(image)
             else:
@@ -433,8 +466,9 @@ class DockerMachine(HostFiles):
         self.view.forget()
         self.view = self._view(image)
 
-    def _prepare_run(self) -> None:
-        """This lifetime's `run/`: the agent's source and the socket it connects to; the workspace."""
+    def _prepare_run(self, image: Image) -> None:
+        """This lifetime's `run/`: the agent's source, the socket it connects to and the account
+        files; the workspace."""
         uid, gid = self.uid_gid
         as_root = os.geteuid() == 0
         self.workspace.mkdir(parents=True, exist_ok=True)
@@ -442,8 +476,10 @@ class DockerMachine(HostFiles):
             os.lchown(self.workspace, uid, gid)
         shutil.rmtree(self.run, ignore_errors=True)
         self.run.mkdir(parents=True)
-        (self.run / AGENT_FILE).write_text(AGENT_SOURCE)
-        os.chmod(self.run / AGENT_FILE, 0o644)
+        made = {AGENT_FILE: AGENT_SOURCE, **account_files(image.rootfs / "etc", uid, gid)}
+        for name, text in made.items():
+            (self.run / name).write_text(text)
+            os.chmod(self.run / name, 0o644)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         run_fd = os.open(self.run, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:  # by descriptor: a home's path can pass the 108 bytes a socket address holds
@@ -472,6 +508,10 @@ class DockerMachine(HostFiles):
             {"Type": "bind", "Source": str(self.workspace), "Target": "/workspace"},
             {"Type": "bind", "Source": str(self.run), "Target": CONTAINER_RUN, "ReadOnly": True},
             {"Type": "bind", "Source": self.host.ripgrep(), "Target": CONTAINER_RG, "ReadOnly": True},
+        ]
+        binds += [
+            {"Type": "bind", "Source": str(self.run / name), "Target": f"/etc/{name}", "ReadOnly": True}
+            for name in ACCOUNT_FILES
         ]
         memory = o.memory_mb * 1024 * 1024
         return {
