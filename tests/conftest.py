@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -836,6 +836,22 @@ def kind_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         server.shared_root = root
     yield server
     stop_server(server)
+
+
+def clear_scratch(server: Server, paths: Iterable[str]) -> None:
+    """Remove what earlier tests left at these absolute paths of a machine every session shares.
+
+    A sandbox or a container has a /tmp of its own per session; an ssh machine on loopback has
+    this host's, so tests that expect a fresh `/tmp/demo` start by clearing it there.
+    """
+    if server.shared_root is None:
+        return
+    for path in paths:
+        target = Path(path)
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
 
 
 def on_kinds(*kinds: str) -> pytest.MarkDecorator:

@@ -19,7 +19,8 @@ import pydantic
 import pytest
 from agent_sandbox import Sandbox
 from agent_sandbox.core.api_error import ApiError
-from conftest import Server, on_kinds
+from conftest import Server, clear_scratch, on_kinds
+from test_api_v2 import SCRATCH
 
 from agentbox.api.v1_bash import DEFAULT_MAX_OUTPUT_LENGTH
 from agentbox.api.v1_shell import MAX_OUTPUT_CHARS
@@ -39,6 +40,7 @@ APP_PY = (
 
 @pytest.fixture(scope="module")
 def session_url(kind_server: Server) -> str:
+    clear_scratch(kind_server, SCRATCH)
     return f"{kind_server.url}/sandboxes/v1sdk-{uuid.uuid4().hex[:12]}"
 
 

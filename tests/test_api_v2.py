@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import Server, on_kinds, start_server, stop_server
+from conftest import Server, clear_scratch, on_kinds, start_server, stop_server
 
 APP_PY = (
     "import sys\n\n"
@@ -46,6 +46,16 @@ class Failed(Exception):
         self.reply = reply
 
 
+#: The /tmp paths these tests make (cleared first where every session shares one /tmp).
+SCRATCH = tuple(
+    f"/tmp/{name}"
+    for name in (
+        "demo", "copy", "up", "owned", "watch-demo", "junk", "linked", "escape", "absolute", "escaped.txt",
+        "absolute.txt", "nobodys", "nobodys-tree", "nobodys.txt", "a", "x",
+    )
+)  # fmt: skip
+
+
 class Aio:
     """The seed's shared helper, bound to one session's sandbox."""
 
@@ -54,6 +64,8 @@ class Aio:
         headers = {"X-AIO-API-Key": server.api_key} if server.api_key else {}
         self.user = server.user
         """The machine's own user: one `?user=` may name."""
+        self.root = server.root
+        """The machine's root: where an upload with no path lands."""
         self.http = httpx.Client(base_url=server.url + prefix, headers=headers, timeout=60)
 
     @classmethod
@@ -83,6 +95,7 @@ class Aio:
 
 @pytest.fixture
 def sb(kind_server: Server) -> Iterator[Aio]:
+    clear_scratch(kind_server, SCRATCH)
     aio = Aio.fresh(kind_server)
     yield aio
     aio.http.close()
@@ -232,7 +245,7 @@ def test_upload_is_staged_and_renamed(sb: Aio) -> None:
     assert sb.run("ls -a /tmp/demo")["stdout"].split() == [".", "..", "data.csv"]  # no .part left
 
     unnamed = sb.unwrap(sb.http.post("/v2/fs/upload", files={"file": ("note.txt", b"hi")}))
-    assert unnamed["file_path"] == "/workspace/note.txt"
+    assert unnamed["file_path"] == f"{sb.root}/note.txt"
     missing = sb.http.post("/v2/fs/upload", data={"path": "/tmp/demo/x"})
     assert missing.status_code == 422 and missing.json()["errors"][0]["location"] == ["body", "file"]
     failure(
@@ -288,6 +301,7 @@ def evil_tar(name: str, link: str | None = None) -> bytes:
 # ---------------------------------------------------------------- write, owners
 
 
+@on_kinds("sandbox", "docker")  # through the protocol every write is an atomic rename (remote_files.py)
 def test_write_in_place_keeps_the_inode_and_user_stages(sb: Aio) -> None:
     sb.post("/v2/fs/mkdir", path="/tmp/demo", parents=True)
     sb.post("/v2/fs/write", path="/tmp/demo/f.txt", content="one\n")
@@ -311,6 +325,10 @@ def test_write_in_place_keeps_the_inode_and_user_stages(sb: Aio) -> None:
     assert sb.http.get("/v2/fs/download", params={"path": "/tmp/demo/b.bin"}).content == b"\x00\x01binary"
 
 
+#: A user name no machine of these tests has.
+NO_SUCH_USER = "no-such-user-7f3a"
+
+
 def test_user_query_owner(sb: Aio) -> None:
     made = sb.unwrap(sb.http.post("/v2/fs/mkdir", params={"user": sb.user}, json={"path": "/tmp/owned"}))
     assert made == {"path": "/tmp/owned", "created": True}
@@ -321,10 +339,12 @@ def test_user_query_owner(sb: Aio) -> None:
         ("GET", "/v2/fs/read", "/tmp/owned", None),
         ("PUT", "/v2/fs/tree", "/tmp/nobodys-tree", None),
     ):
-        params = {"user": "nobody", **({"path": path} if path else {})}
+        params = {"user": NO_SUCH_USER, **({"path": path} if path else {})}
         content = evil_tar("a.txt") if method == "PUT" else None
         response = sb.http.request(method, route, params=params, json=body, content=content)
-        assert "cannot give files to user 'nobody'" in failure(response, 400, "bad_request")["message"]
+        assert (
+            f"cannot give files to user {NO_SUCH_USER!r}" in failure(response, 400, "bad_request")["message"]
+        )
     assert "nobodys" not in sb.run("ls /tmp")["stdout"]
 
 
@@ -353,10 +373,7 @@ def test_error_envelope_table(sb: Aio) -> None:
     exists = failure(sb.http.post("/v2/fs/mkdir", json={"path": "/tmp/demo/src"}), 409, "already_exists")
     assert exists["data"]["errno_name"] == "EEXIST"
     failure(sb.http.get("/v2/fs/read", params={"path": "/tmp/demo/src"}), 400, "invalid_target")
-    failure(sb.http.get("/v2/fs/read", params={"path": "/proc/self/environ"}), 400, "invalid_path")
     failure(sb.http.get("/v2/fs/read", params={"path": "/tmp/a\x00b"}), 400, "invalid_path")
-    denied = sb.http.post("/v2/fs/write", json={"path": "/usr/evil", "content": "x"})
-    assert denied.status_code == 403 and denied.json()["data"]["errno_name"] == "EROFS"
     bad64 = sb.http.post("/v2/fs/write", json={"path": "/tmp/demo/x", "content": "%%%", "encoding": "base64"})
     failure(bad64, 422, "decode_error")
     not_ascii = sb.http.post(
@@ -375,6 +392,13 @@ def test_error_envelope_table(sb: Aio) -> None:
         400,
         "bad_request",
     )
+
+
+@on_kinds("sandbox", "docker")  # an ssh host's /proc and /usr are the host's, under its own rights
+def test_the_machine_boundary_in_the_envelope(sb: Aio) -> None:
+    failure(sb.http.get("/v2/fs/read", params={"path": "/proc/self/environ"}), 400, "invalid_path")
+    denied = sb.http.post("/v2/fs/write", json={"path": "/usr/evil", "content": "x"})
+    assert denied.status_code == 403 and denied.json()["data"]["errno_name"] == "EROFS"
 
 
 @pytest.mark.parametrize(

@@ -699,7 +699,10 @@ class SshMachine:
             code, out, _ = await self._plain(f"id -u -- {shlex.quote(user)} && id -g -- {shlex.quote(user)}")
             numbers = out.split()
             if code != 0 or len(numbers) != 2:
-                raise OwnerUnsupported(f"{self.options.host} has no user {user!r}", path=None)
+                raise OwnerUnsupported(
+                    f"this machine cannot give files to user {user!r}: {self.options.host} has no such user",
+                    path=None,
+                )
             self._owners[user] = (int(numbers[0]), int(numbers[1]))
         return self._owners[user]
 
