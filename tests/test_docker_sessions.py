@@ -93,3 +93,42 @@ def test_a_restarted_server_finds_the_sessions_container_again(
         stop_server(server)
     assert str(second["output"]).strip() == "intact"
     assert second["isolation"]["container_id"] == container  # type: ignore[index]
+
+
+async def test_a_restart_removes_only_its_own_homes_leftover_containers(
+    dockerd: Dockerd, base_image: Image, sandbox_tmp: Path
+) -> None:
+    """A container no live session names (its session closed while the engine was away) goes at
+    the next start; a live session's stays for reattaching, and another home's is never touched."""
+
+    async def opened(home: Path, sessions: list[str], forget: str | None = None) -> dict[str, str]:
+        settings = Settings(
+            home=home, images_dir=base_image.path.parent,
+            machines={"box": MachineConfig("box", "docker", {"docker_host": dockerd.host})},
+        )  # fmt: skip
+        db = Database.in_home(home)
+        await db.connect()
+        markers = MarkersRepo(db)
+        registry = Registry(settings, markers)
+        try:
+            await registry.recover()
+            containers = {}
+            for sid in sessions:
+                machine = await registry.open(sid, "box")
+                assert isinstance(machine, DockerMachine) and machine.container_id
+                containers[sid] = machine.container_id
+            if forget is not None:
+                await markers.clear(forget, "box")
+            return containers
+        finally:
+            await registry.shutdown()  # containers are kept for the next server
+            await db.close()
+
+    home, other = sandbox_tmp / "home", sandbox_tmp / "other-home"
+    mine = await opened(home, ["ses_live", "ses_gone"], forget="ses_gone")
+    theirs = await opened(other, ["ses_theirs"])
+    assert all(dockerd.cli("inspect", c).returncode == 0 for c in [*mine.values(), *theirs.values()])
+    await opened(home, [])  # the restart: its recovery sweeps
+    assert dockerd.cli("inspect", mine["ses_gone"]).returncode != 0
+    assert dockerd.cli("inspect", mine["ses_live"]).returncode == 0
+    assert dockerd.cli("inspect", theirs["ses_theirs"]).returncode == 0

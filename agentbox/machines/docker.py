@@ -46,12 +46,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import shutil
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,9 @@ IMAGE_REPO = "agentbox"
 DIGEST_TAG_HEX = 12
 #: Labels every container carries: what made it and for which machine.
 LABEL_ID, LABEL_MACHINE, LABEL_IMAGE = "agentbox.id", "agentbox.machine", "agentbox.image"
+#: The label naming the server home a container belongs to (`home_label`): a sweep removes only
+#: its own home's leftovers, never another server's on the same engine.
+LABEL_HOME = "agentbox.home"
 #: Bytes read from the image's tar stream at a time while importing it.
 TAR_CHUNK = 1 << 20
 #: Log of a container's pid 1 (the agent says nothing unless it fails): json-file, capped.
@@ -224,6 +228,11 @@ def _option(key: str, value: Any, default: Any) -> Any:
     return value
 
 
+def home_label(home: Path) -> str:
+    """A short, stable name for a server home (its resolved path, hashed)."""
+    return hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:16]
+
+
 class DockerHost:
     """What one server shares among its docker machines: engines, images, the imports done."""
 
@@ -234,6 +243,26 @@ class DockerHost:
         self._imports: dict[str, asyncio.Lock] = {}
         self._imported: set[str] = set()
         self._rg: str | None = None
+
+    @property
+    def label(self) -> str:
+        """This server home's `LABEL_HOME` value."""
+        return home_label(self.home)
+
+    async def sweep(self, docker_hosts: Iterable[str], keep: set[str]) -> list[str]:
+        """Remove this home's containers whose machine id is not in `keep` (live sessions' ones).
+
+        They are left by a server that died before closing its sessions, or by sessions closed
+        while the engine was away. Returns the ids removed.
+        """
+        removed: list[str] = []
+        for docker_host in sorted(set(docker_hosts)):
+            engine = self.engine(docker_host)
+            for container in await engine.containers(f"{LABEL_HOME}={self.label}"):
+                if (container.get("Labels") or {}).get(LABEL_ID) not in keep:
+                    await engine.remove(str(container["Id"]))
+                    removed.append(str(container["Id"]))
+        return removed
 
     def engine(self, docker_host: str) -> Engine:
         if docker_host not in self._engines:
@@ -521,7 +550,12 @@ class DockerMachine(HostFiles):
             "Env": [f"PATH={CONTAINER_PATH}"],
             "WorkingDir": "/workspace",
             "Hostname": self.hostname,
-            "Labels": {LABEL_ID: self.machine_id, LABEL_MACHINE: self.name, LABEL_IMAGE: reference},
+            "Labels": {
+                LABEL_ID: self.machine_id,
+                LABEL_MACHINE: self.name,
+                LABEL_IMAGE: reference,
+                LABEL_HOME: self.host.label,
+            },
             "HostConfig": {
                 "Mounts": binds,
                 "Tmpfs": tmpfs,

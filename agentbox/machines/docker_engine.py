@@ -152,6 +152,14 @@ class Engine:
             raise _refusal(response, "/containers/create")
         return str(response.json()["Id"])
 
+    async def containers(self, label: str) -> list[dict[str, Any]]:
+        """Every container, running or not, that carries `label` (`key=value`)."""
+        filters = json.dumps({"label": [label]})
+        response = await self._send("GET", "/containers/json", params={"all": "1", "filters": filters})
+        if response.status_code >= 400:
+            raise _refusal(response, "/containers/json")
+        return list(response.json())
+
     async def inspect(self, container: str) -> dict[str, Any]:
         """The container's state and configuration; ContainerGone when the daemon has none."""
         return dict((await self._call("GET", f"/containers/{container}/json", container=container)).json())

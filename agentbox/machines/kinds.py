@@ -10,7 +10,7 @@ bwrap, the sandbox uid, cgroups) names a `shared` factory, made once per registr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,9 @@ class Kind:
     """Made once per registry and handed to every `make` of the kind."""
     workspace_disk: bool = False
     """The session's workspace is an ext4 image of `disk_mb` (mounted before each start)."""
+    sweep: Callable[[Any, list[MachineConfig], set[str]], Awaitable[list[str]]] | None = None
+    """After a restart: remove what machines of these entries left that no live session's
+    instance id (the set) names, such as a dead server's containers. Returns what it removed."""
 
 
 def memory_mb(config: MachineConfig) -> int:
@@ -129,6 +132,16 @@ def docker_host(settings: Settings) -> DockerHost:
     return DockerHost(settings.home, images=settings.images)
 
 
+async def sweep_docker(host: DockerHost, configs: list[MachineConfig], keep: set[str]) -> list[str]:
+    hosts = []
+    for config in configs:
+        try:
+            hosts.append(DockerOptions.from_options(config.options).docker_host)
+        except ValueError:  # its machines fail to start with that error; nothing of it to sweep
+            continue
+    return await host.sweep(hosts, keep)
+
+
 def make_ssh(build: Build) -> SshMachine:
     try:
         options = SshOptions.from_options(build.config.options)
@@ -141,7 +154,7 @@ KINDS: dict[str, Kind] = {
     kind.name: kind
     for kind in (
         Kind("sandbox", make_sandbox, shared=sandbox_host, workspace_disk=True),
-        Kind("docker", make_docker, shared=docker_host),
+        Kind("docker", make_docker, shared=docker_host, sweep=sweep_docker),
         Kind("local", make_local),
         Kind("ssh", make_ssh),
     )

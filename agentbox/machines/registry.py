@@ -54,6 +54,7 @@ from agentbox.machines.base import Lifetime, Machine
 from agentbox.machines.errors import (
     CapacityExceeded,
     MachineDenied,
+    MachineError,
     MachineNotFound,
     MachineUnavailable,
     PathEscape,
@@ -450,13 +451,32 @@ class Registry:
             disk.detach_all(sessions)  # a dead server's workspace mounts: remounted on demand
         if self.markers is None:
             return recovered
-        for marker in await self.markers.live():
+        live = await self.markers.live()
+        for marker in live:
             if not is_session_id(marker.session_id):  # written before ids were checked whole
                 continue
             run = self.session_dir(marker.session_id) / "run" / marker.machine
             shutil.rmtree(run, ignore_errors=True)
             recovered.append(marker.session_id)
+        await self._sweep_leftovers({marker.sandbox_id for marker in live})
         return recovered
+
+    async def _sweep_leftovers(self, keep: set[str]) -> None:
+        """Each kind's own leftovers that no live session names (a dead server's containers).
+
+        An engine that cannot be reached is logged, not fatal: its machines report it when used.
+        """
+        for kind in KINDS.values():
+            configs = [c for c in self.settings.machines.values() if c.kind == kind.name]
+            if kind.sweep is None or not configs:
+                continue
+            try:
+                removed = await kind.sweep(self.shared(kind), configs, keep)
+            except MachineError as exc:
+                log.warning("could not sweep leftovers of %s machines: %s", kind.name, exc.message)
+                continue
+            if removed:
+                log.info("removed %d leftover %s machine(s) no live session names", len(removed), kind.name)
 
     async def sweep(self, now: float | None = None) -> None:
         """Reclaim idle sandboxes and purge long-inactive workspaces."""
