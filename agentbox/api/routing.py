@@ -65,7 +65,7 @@ def add_copy(app: FastAPI, route: BaseRoute, prefix: str) -> None:
         response_description=route.response_description,
         responses=dict(route.responses),
         deprecated=route.deprecated,
-        methods=set(route.methods),
+        methods=set(route.methods or ()),
         operation_id=route.operation_id,
         response_model_include=route.response_model_include,
         response_model_exclude=route.response_model_exclude,
@@ -104,7 +104,7 @@ def hot_first(
 
 
 def _serves(route: BaseRoute, method: str, path: str) -> bool:
-    return isinstance(route, APIRoute) and route.path == path and method in route.methods
+    return isinstance(route, APIRoute) and route.path == path and method in (route.methods or ())
 
 
 def _probe_scope(method: str, path: str) -> dict[str, object]:
