@@ -21,7 +21,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -341,7 +342,9 @@ def layer_notes(figures: list[Figure]) -> list[str]:
     return notes
 
 
-async def run(counts: Counts, root: Path) -> tuple[list[Figure], dict[str, object]]:
+@asynccontextmanager
+async def tool_lab(root: Path) -> AsyncIterator[SessionTools]:
+    """The default toolset (full-auto) over a live sandbox (network off) and a session's stores."""
     host = SandboxHost(root)
     sid = f"sbx_benchtools{secrets.token_hex(3)}"
     machine = SandboxMachine(
@@ -352,22 +355,10 @@ async def run(counts: Counts, root: Path) -> tuple[list[Figure], dict[str, objec
         root / "sessions" / sid / "workspace",
         root / "sessions" / sid / "run",
     )
-    details: dict[str, object] = {
-        "counts": counts.__dict__,
-        "tier": str(Tier.FULL_AUTO),
-        "toolset": "default",
-        "tree_files": TREE_FILES,
-        "needle_files": NEEDLE_FILES,
-        "read_file_bytes": READ_FILE_BYTES,
-    }
     try:
         await machine.start()
-        workspace = machine.workspace  # the host folder behind /workspace: the bench's own setup
-        make_read_file(workspace / posixpath.relpath(READ_FILE, "/workspace"))
-        make_tree(workspace / posixpath.relpath(TREE_DIR, "/workspace"))
-        give_tree(workspace, machine.default_owner())
         async with Database.in_home(root) as db:
-            tools = SessionTools(
+            yield SessionTools(
                 machine=machine,
                 session_id=SESSION_ID,
                 tier=Tier.FULL_AUTO,
@@ -377,15 +368,28 @@ async def run(counts: Counts, root: Path) -> tuple[list[Figure], dict[str, objec
                 todos=TodoRepo(db),
                 files=FileStore(db, root),
             )
-            figures = await read_figures(
-                tools, workspace / posixpath.relpath(READ_FILE, "/workspace"), counts
-            )
-            figures += await grep_figures(
-                tools, workspace / posixpath.relpath(TREE_DIR, "/workspace"), counts
-            )
-            figures += await bash_figures(tools, counts)
     finally:
         await machine.stop()
+
+
+async def run(counts: Counts, root: Path) -> tuple[list[Figure], dict[str, object]]:
+    details: dict[str, object] = {
+        "counts": counts.__dict__,
+        "tier": str(Tier.FULL_AUTO),
+        "toolset": "default",
+        "tree_files": TREE_FILES,
+        "needle_files": NEEDLE_FILES,
+        "read_file_bytes": READ_FILE_BYTES,
+    }
+    async with tool_lab(root) as tools:
+        machine = tools.machine
+        workspace = machine.workspace  # the host folder behind /workspace: the bench's own setup
+        make_read_file(workspace / posixpath.relpath(READ_FILE, "/workspace"))
+        make_tree(workspace / posixpath.relpath(TREE_DIR, "/workspace"))
+        give_tree(workspace, machine.default_owner())
+        figures = await read_figures(tools, workspace / posixpath.relpath(READ_FILE, "/workspace"), counts)
+        figures += await grep_figures(tools, workspace / posixpath.relpath(TREE_DIR, "/workspace"), counts)
+        figures += await bash_figures(tools, counts)
     return figures, details
 
 

@@ -50,14 +50,17 @@ def time_calls(call: Callable[[], object], count: int, warmup: int) -> list[floa
 
 @dataclass(frozen=True)
 class Target:
-    """What a figure is held to: its value (`≤ limit unit`) or its ratio to the raw reference."""
+    """What a figure is held to: its value (`≤ limit unit`) or its ratio to the raw reference
+    (`≤ limit`, or `≥ limit` for `at_least`: a throughput, where more is better)."""
 
     limit: float
-    kind: Literal["value", "ratio"] = "value"
+    kind: Literal["value", "ratio", "at_least"] = "value"
 
     def text(self, unit: str) -> str:
         if self.kind == "ratio":
             return f"<= {self.limit:g}x raw"
+        if self.kind == "at_least":
+            return f">= {self.limit:g}x raw"
         return f"<= {self.limit:g} {unit}"
 
 
@@ -95,6 +98,8 @@ class Figure:
             return None
         if self.target.kind == "ratio":
             return None if self.ratio is None else self.ratio <= self.target.limit
+        if self.target.kind == "at_least":
+            return None if self.ratio is None else self.ratio >= self.target.limit
         value = self.mean if self.judged == "mean" else self.median
         if value is None:
             return None

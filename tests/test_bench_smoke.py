@@ -67,6 +67,13 @@ TOOLS_FIGURES = {
     "commands_run_true",
     "tool_bash_true",
 }
+HOTPATH_FIGURES = {
+    "stage_machine_exec", "stage_commands_run", "stage_asgi_exec", "stage_asgi_health", "stage_asgi_read",
+    "bare_spawn", "raw_write_1k", "raw_read_1k", "api_exec_true", "api_v1_shell_exec_true", "peer_exec_true",
+    "api_fs_write_1k", "peer_fs_write_1k", "api_fs_read_1k", "peer_fs_read_1k", "api_health",
+    "api_exec_16_clients_throughput", "peer_exec_16_clients_throughput", "api_grep_tree",
+    "machine_exec_true", "commands_run_true", "tool_bash_true",
+}  # fmt: skip
 SESSIONS_FIGURES = {
     "health_rtt",
     "session_turn_started",
@@ -142,6 +149,17 @@ def test_bench_api_quick(tmp_path: Path) -> None:
     document = run_quick("bench_api.py", tmp_path / "api.json")
     check_figures(document, API_FIGURES, "bench_api")
     assert document["missing_routes"] == []
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_hotpath_quick(tmp_path: Path) -> None:
+    """Against SWE-ReX in its own virtualenv (made on first use, so the first run installs it)."""
+    document = run_quick("bench_hotpath.py", tmp_path / "hotpath.json")
+    check_figures(document, HOTPATH_FIGURES, "bench_hotpath")
+    figures = document["figures"]
+    assert figures["api_exec_true"]["raw_label"] == "SWE-ReX"
+    assert figures["api_exec_16_clients_throughput"]["target"]["kind"] == "at_least"
+    assert figures["tool_bash_true"]["raw"] == figures["machine_exec_true"]["median"]
 
 
 @pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from agentbox.workspace.grep import (
     MAX_GREP_RESULTS,
     MAX_LINE_CHARS,
     MAX_RECORD_BYTES,
+    GrepMatch,
     grep,
     search_in_file,
 )
@@ -243,6 +245,50 @@ async def test_offset_pages_cover_everything_once(machine: LocalMachine, root: P
         pages += [m.line_content for m in page.matches]
         assert page.truncated == (offset + 5 < 12)
     assert pages == everything
+
+
+#: Names that order differently by whole path string than by component (`a/x` vs `a.txt`,
+#: `a-b`), by case, beyond ASCII, and one that is not UTF-8.
+TRICKY_NAMES = ["a/x.txt", "a.txt", "a-b/x.txt", "a/b/c.txt", "B.txt", "b.txt", "é/x.txt", "z", "~"]
+
+
+def tricky_tree(root: Path, copies: int) -> Path:
+    base = root / "t"
+    for n, name in enumerate(TRICKY_NAMES):
+        for copy in range(copies):
+            write(base / f"d{copy:02d}" / name, "".join(f"hit {n}.{copy}.{i}\n" for i in range(3)))
+    (base / "d00").joinpath(os.fsdecode(b"raw\xff.txt")).write_bytes(b"hit raw\n")
+    return base
+
+
+def rg_sorted_files(base: Path) -> list[str]:
+    """The files holding `hit`, in the order `rg --sort path` (single-threaded) gives them."""
+    argv = [rg_binary(), "--files-with-matches", "--sort", "path", "--no-config", "hit", str(base)]
+    out = subprocess.run(argv, capture_output=True, check=True).stdout
+    return [os.fsdecode(line) for line in out.splitlines()]
+
+
+def files_in_order(matches: list[GrepMatch]) -> list[str]:
+    return list(dict.fromkeys(m.file for m in matches))
+
+
+async def test_parallel_results_come_in_rg_sorted_path_order(machine: LocalMachine, root: Path) -> None:
+    base = tricky_tree(root, copies=12)
+    result = await grep(machine, str(base), "hit", max_results=GREP_RESULTS_CEILING)
+    assert files_in_order(result.matches) == rg_sorted_files(base)
+    assert [m.line_number for m in result.matches[:3]] == [1, 2, 3]
+
+
+async def test_pages_and_truncation_match_the_sorted_fallback(machine: LocalMachine, root: Path) -> None:
+    """Sorting everything (parallel) and stopping early (`--sort path`, past the memory limit)
+    give the same pages, truncation and file counts."""
+    base = str(tricky_tree(root, copies=4))
+    for offset, limit, after in ((0, 5, 0), (7, 10, 2), (100, 20, 1), (0, 1000, 0)):
+        kwargs = {"offset": offset, "max_results": limit, "context_after": after}
+        parallel = await grep(machine, base, "hit", **kwargs)  # type: ignore[arg-type]
+        fallback = await grep(machine, base, "hit", unsorted_limit=1, **kwargs)  # type: ignore[arg-type]
+        assert parallel == fallback
+        assert parallel.truncated == (offset + limit < 9 * 4 * 3 + 1)
 
 
 async def test_request_limits(machine: LocalMachine, root: Path) -> None:

@@ -1,10 +1,10 @@
 """The HTTP application: sandbox API v2 and v1, mounted at the root and per session.
 
 Every request first passes `guard` (the `Host` and `Origin` checks that keep web pages
-out). Every router is included twice: at `/` (acting on the default session's sandbox) and
-under `/sandboxes/{session_id}` (that session's, created lazily), so the AIO SDK's
-`Sandbox(base_url=".../sandboxes/<id>")` works against one session. Auth, error mapping
-and the envelope are here; routes only call layer-2 operations.
+out). Every sandbox router is served twice (`agentbox.api.routing`): at `/` (acting on the
+default session's sandbox) and under `/sandboxes/{session_id}` (that session's, created
+lazily), so the AIO SDK's `Sandbox(base_url=".../sandboxes/<id>")` works against one
+session. Auth, error mapping and the envelope are here; routes only call layer-2 operations.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from agentbox.api.envelope import (
 )
 from agentbox.api.guard import Guard, GuardMiddleware
 from agentbox.api.metrics import Metrics
-from agentbox.api.observe import SESSION_PREFIX, RequestIdMiddleware, note_error
+from agentbox.api.observe import RequestIdMiddleware, note_error
+from agentbox.api.routing import add_sandbox_routes
 from agentbox.config import Settings
 from agentbox.home import HomeClaim
 from agentbox.machines.errors import MachineError
@@ -160,9 +161,7 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
         """The Prometheus text format of this app's registry (`agentbox.api.metrics`)."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    for module in ROUTERS:
-        app.include_router(module.router)
-        app.include_router(module.router, prefix=SESSION_PREFIX)
+    add_sandbox_routes(app, [module.router for module in ROUTERS])  # at `/` and per session
     # `/v1/files`: once, at the root; files belong to no sandbox and outlive their session.
     app.include_router(files_api.router)
     # `/v1/sessions`: once, at the root; a session is not a sandbox route.

@@ -343,6 +343,8 @@ class CommandManager:
         self._finished: deque[str] = deque()
         self._sessions: dict[str, ShellSession] = {}
         self._starting = 0
+        self._running = 0
+        """Records not finished yet: counted, not looked for among up to MAX_COMMANDS_KEPT."""
         self._closed = False
 
     # -- starting --------------------------------------------------------------------
@@ -404,7 +406,7 @@ class CommandManager:
         self._check_open("exec")
         _check_command(command, cwd)
         clean_env = _check_env(env)
-        if self._running_count() + self._starting >= MAX_RUNNING_COMMANDS:
+        if self._running + self._starting >= MAX_RUNNING_COMMANDS:
             raise _too_many("running commands", MAX_RUNNING_COMMANDS, "exec")
         session = self._session_for(session_id) if session_id is not None else None
         cwd = cwd or (session.working_dir if session else None)
@@ -424,6 +426,7 @@ class CommandManager:
         cmd = Command(new_id(COMMAND), command, cwd, clean_env, timeout, session_id, stdin_open=stdin)
         cmd._process = process
         self._commands[cmd.id] = cmd
+        self._running += 1
         if self.on_start is not None:
             self.on_start()
         if session is not None:
@@ -470,6 +473,7 @@ class CommandManager:
 
     def _finish(self, cmd: Command, status: Status, code: int | None) -> None:
         cmd.status, cmd.exit_code, cmd.finished_at = status, code, _now()
+        self._running -= 1
         cmd.stdin_open = False
         cmd._process = None
         session = self._sessions.get(cmd.session_id or "")
@@ -662,9 +666,6 @@ class CommandManager:
         for session in self._sessions.values():
             session.status = "closed"
         self._sessions.clear()
-
-    def _running_count(self) -> int:
-        return sum(1 for cmd in self._commands.values() if not cmd.finished)
 
     def _check_open(self, op: str) -> None:
         if self._closed:

@@ -9,13 +9,18 @@ following symlinks and reports inside paths. Its JSON messages arrive per file a
 
 Choices where the upstream API is silent:
 
-- Results come in path order (`--sort path`), so `offset` pages are stable.
+- Results come in path order, so `offset` pages are stable. rg's `--sort path` would walk
+  the tree on one thread; a directory is searched in parallel instead, each file's records
+  kept as rg writes them (a file's records arrive together) and replayed sorted by path,
+  component by component as `--sort path` walks. Up to MAX_UNSORTED_BYTES of records are
+  kept; past that, rg is stopped and the search runs again with `--sort path`, which can
+  stop as soon as the page is full. Either way the result is the same.
 - A match's `context_before` / `context_after` are the lines around it whatever they are,
   other matching lines included, exactly as if it had been searched alone.
 - `.gitignore` files are honoured wherever they are (not only inside a git checkout); the
   server's own global gitignore and rg config are never read.
-- `truncated` is true when more matches exist past `offset + max_results` (rg is read until
-  the next one shows up, then killed) or when a record longer than MAX_RECORD_BYTES was skipped.
+- `truncated` is true when more matches exist past `offset + max_results` (records are read
+  until the next one shows up) or when a record longer than MAX_RECORD_BYTES was skipped.
 - `match_count` counts the matches returned. `files_matched` counts files with a match up to
   where rg stopped. `files_searched` is None: rg's JSON summary counts only files with a match.
 - Search starts at `path` as the machine sees it; other mounts nested below it in the
@@ -34,10 +39,10 @@ import posixpath
 import re
 import stat as stat_mod
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from agentbox.machines.base import ExecRequest, Machine
+from agentbox.machines.base import ExecRequest, Machine, Process
 from agentbox.machines.errors import PathEscape
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import data_kind_ok
@@ -59,6 +64,11 @@ LINE_TRUNCATED_MARKER = " [... line truncated]"
 GREP_TIMEOUT_SECONDS = 30.0
 #: Longest rg JSON record read; a longer one (a huge line) is skipped and the result truncated.
 MAX_RECORD_BYTES = 8 * 1024 * 1024
+#: Bytes of rg records (plus RECORD_OVERHEAD_BYTES each) a parallel search keeps to sort;
+#: past it the search is run again in rg's own path order.
+MAX_UNSORTED_BYTES = 16 * 1024 * 1024
+#: What one kept record costs beyond its bytes (the bytes object and its list slot).
+RECORD_OVERHEAD_BYTES = 64
 #: Bytes of rg's stderr kept for the error message.
 MAX_STDERR_BYTES = 16 * 1024
 #: Default of `max_file_size`: larger files are skipped (rg `--max-filesize`).
@@ -128,8 +138,11 @@ class GrepOptions:
         if self.file_type is not None and not self.file_type:
             refuse("type must not be empty")
 
-    def rg_args(self, target: str) -> list[str]:
-        args = ["--json", "--no-config", "--no-messages", "--sort", "path", "--crlf", "--one-file-system"]
+    def rg_args(self, target: str, *, sort: bool = True) -> list[str]:
+        """rg's arguments; `sort=False` leaves out `--sort path`, so rg searches in parallel."""
+        args = ["--json", "--no-config", "--no-messages", "--crlf", "--one-file-system"]
+        if sort:
+            args += ["--sort", "path"]
         args += ["--no-ignore-global", "--no-require-git", f"--max-filesize={self.max_file_size}"]
         args.append("--ignore-case" if self.case_insensitive else "--case-sensitive")
         if self.fixed_strings:
@@ -296,35 +309,119 @@ async def read_capped_stream(stream: asyncio.StreamReader, limit: int) -> bytes:
     return bytes(kept)
 
 
+class FileBlocks:
+    """rg's records of an unsorted run, grouped per file, replayed in `--sort path` order.
+
+    `add` is False once more than `limit` bytes are kept: the caller then gives up the run.
+    """
+
+    def __init__(self, limit: int = MAX_UNSORTED_BYTES) -> None:
+        self.limit = limit
+        self.kept = 0
+        self._blocks: list[tuple[tuple[bytes, ...], list[tuple[bytes, bool]]]] = []
+        self._current: list[tuple[bytes, bool]] | None = None
+        self._rest: list[tuple[bytes, bool]] = []  # outside any file: the summary
+
+    def add(self, record: bytes, whole: bool) -> bool:
+        self.kept += len(record) + RECORD_OVERHEAD_BYTES
+        if whole and record.startswith(b'{"type":"begin"'):
+            self._current = []
+            self._blocks.append((path_key(json.loads(record)), self._current))
+        target = self._current if self._current is not None else self._rest
+        target.append((record, whole))
+        if whole and record.startswith(b'{"type":"end"'):
+            self._current = None
+        return self.kept <= self.limit
+
+    def in_path_order(self) -> list[tuple[bytes, bool]]:
+        ordered = [r for _, block in sorted(self._blocks, key=lambda b: b[0]) for r in block]
+        return ordered + self._rest
+
+
+def path_key(begin: dict) -> tuple[bytes, ...]:
+    """A `begin` record's path as rg's `--sort path` orders it: by component, as bytes."""
+    return tuple(os.fsencode(data_path(begin["data"]["path"])).split(b"/"))
+
+
+def feed(collector: MatchCollector, record: bytes, whole: bool) -> bool:
+    """Give one record to `collector`; whether it is done (the page is full and settled)."""
+    if not whole:
+        if record.startswith(b'{"type":"match"'):
+            collector.skipped_oversized()
+        return False
+    collector.feed(json.loads(record))
+    return collector.done
+
+
+class Rg:
+    """One rg run on the machine: its records, then its exit code and stderr."""
+
+    def __init__(self, proc: Process) -> None:
+        self.proc = proc
+        self.stderr = asyncio.ensure_future(read_capped_stream(proc.stderr, MAX_STDERR_BYTES))
+        self.finished = False
+
+    async def finish(self) -> tuple[int, str]:
+        code = await self.proc.wait()
+        self.finished = True
+        return code, (await self.stderr).decode("utf-8", "replace")
+
+    async def stop(self) -> None:
+        """Unless it finished: kill it and drain its stdout (a full pipe would never see EOF)."""
+        if not self.finished:
+            self.proc.kill()
+            while await self.proc.stdout.read(PIPE_DRAIN_CHUNK):
+                pass
+            await self.proc.wait()
+        self.stderr.cancel()
+
+
+@contextlib.asynccontextmanager
+async def spawned_rg(machine: Machine, binary: str, args: list[str], cwd: str) -> AsyncIterator[Rg]:
+    """rg (the machine's `binary`) started on the machine; it never outlives the block."""
+    rg = Rg(await machine.spawn(ExecRequest(argv=(binary, *args), cwd=cwd, env=RG_ENV)))
+    try:
+        yield rg
+    finally:
+        await rg.stop()
+
+
 async def run_rg(
     machine: Machine, rg: str, args: list[str], cwd: str, collector: MatchCollector, timeout: float
 ) -> tuple[int | None, str]:
-    """Feed rg's records to `collector` until it is done or rg ends; rg never outlives this."""
-    request = ExecRequest(argv=(rg, *args), cwd=cwd, env=RG_ENV)
-    proc = await machine.spawn(request)
-    done = False
-    stderr = asyncio.ensure_future(read_capped_stream(proc.stderr, MAX_STDERR_BYTES))
-    try:
-        async with asyncio.timeout(timeout), contextlib.aclosing(records(proc.stdout)) as lines:
+    """Feed rg's records to `collector` until it is done (None) or rg ends (its code, stderr)."""
+    async with asyncio.timeout(timeout), spawned_rg(machine, rg, args, cwd) as run:
+        async with contextlib.aclosing(records(run.proc.stdout)) as lines:
             async for record, whole in lines:
-                if not whole:
-                    if record.startswith(b'{"type":"match"'):
-                        collector.skipped_oversized()
-                    continue
-                collector.feed(json.loads(record))
-                if collector.done:
+                if feed(collector, record, whole):
                     return None, ""
-            code = await proc.wait()
-            done = True
-            return code, (await stderr).decode("utf-8", "replace")
-    finally:
-        if not done:
-            proc.kill()
-            # A stdout left paused with a full buffer would never see EOF: drain it.
-            while await proc.stdout.read(PIPE_DRAIN_CHUNK):
-                pass
-            await proc.wait()
-        stderr.cancel()
+        return await run.finish()
+
+
+async def run_rg_parallel(
+    machine: Machine,
+    binary: str,
+    args: list[str],
+    cwd: str,
+    collector: MatchCollector,
+    timeout: float,
+    limit: int = MAX_UNSORTED_BYTES,
+) -> tuple[int | None, str] | None:
+    """`run_rg` for an unsorted (parallel) rg: every record kept, then fed in path order.
+
+    None, with `collector` untouched, when the records passed `limit` bytes.
+    """
+    blocks = FileBlocks(limit)
+    async with asyncio.timeout(timeout), spawned_rg(machine, binary, args, cwd) as rg:
+        async with contextlib.aclosing(records(rg.proc.stdout)) as lines:
+            async for record, whole in lines:
+                if not blocks.add(record, whole):
+                    return None
+        code, stderr = await rg.finish()
+    for record, whole in blocks.in_path_order():
+        if feed(collector, record, whole):
+            return None, ""
+    return code, stderr
 
 
 #: Bytes read at a time while draining a killed rg's stdout.
@@ -369,7 +466,14 @@ async def _where(machine: Machine, path: str, op: str) -> _Where:
 
 
 async def run_search(
-    machine: Machine, path: str, options: GrepOptions, op: str, timeout: float, *, file_only: bool = False
+    machine: Machine,
+    path: str,
+    options: GrepOptions,
+    op: str,
+    timeout: float,
+    *,
+    file_only: bool = False,
+    unsorted_limit: int = MAX_UNSORTED_BYTES,
 ) -> GrepResult:
     with operation(op, path):
         options.check(op, path)
@@ -380,15 +484,18 @@ async def run_search(
         collector = MatchCollector(
             options.context_before, options.context_after, options.offset, options.max_results
         )
+        cwd = target if is_dir else posixpath.dirname(target)
         try:
-            code, stderr = await run_rg(
-                machine,
-                where.rg,
-                options.rg_args(target),
-                target if is_dir else posixpath.dirname(target),
-                collector,
-                timeout,
-            )
+            async with asyncio.timeout(timeout):  # both runs, when the parallel one gives up
+                ran = None
+                if is_dir:
+                    ran = await run_rg_parallel(
+                        machine, where.rg, options.rg_args(target, sort=False), cwd, collector, timeout,
+                        unsorted_limit,
+                    )  # fmt: skip
+                if ran is None:
+                    ran = await run_rg(machine, where.rg, options.rg_args(target), cwd, collector, timeout)
+                code, stderr = ran
         except TimeoutError:
             raise WorkspaceError(
                 "io_error",
@@ -433,11 +540,13 @@ async def grep(
     hidden: bool = False,
     respect_gitignore: bool = True,
     timeout: float = GREP_TIMEOUT_SECONDS,
+    unsorted_limit: int = MAX_UNSORTED_BYTES,
 ) -> GrepResult:
     """Lines matching `pattern` (a Rust regex, or literal with `fixed_strings`) in a file or tree.
 
     `include` / `exclude` are rg globs relative to `path` (`*.py`, `src/**`); `file_type` is an
     rg type name (`py`, `rust`); `offset` skips that many matches before `max_results` are kept.
+    `unsorted_limit`: bytes of records sorted here before the search falls back to `--sort path`.
     """
     options = GrepOptions(
         pattern=pattern,
@@ -456,7 +565,7 @@ async def grep(
         hidden=hidden,
         respect_gitignore=respect_gitignore,
     )
-    return await run_search(machine, path, options, "grep", timeout)
+    return await run_search(machine, path, options, "grep", timeout, unsorted_limit=unsorted_limit)
 
 
 async def search_in_file(
