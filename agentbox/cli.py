@@ -143,34 +143,53 @@ def exec(
 
     On a home that `agentbox serve` owns, the command runs in that server's sandbox, through
     its command API (`/sandboxes/{session}/v2/commands`); otherwise this process owns the home
-    for the while and starts the sandbox itself.
+    for the while and starts the sandbox itself. A piped stdin (not a terminal) is read whole,
+    up to `MAX_INPUT_BYTES`, and handed to the command; a terminal's stdin is not read.
     """
     from agentbox.home import HomeBusy, HomeError
 
+    data = _piped_input()
     try:
-        code = asyncio.run(_exec(command, session, machine, cwd))
+        code = asyncio.run(_exec(command, session, machine, cwd, data))
     except HomeBusy as exc:
         if exc.server is None or machine is not None:
             typer.echo(f"agentbox exec: {exc}", err=True)
             raise typer.Exit(2) from None
-        code = _exec_remote(command, session, cwd, exc.server.url)
+        code = _exec_remote(command, session, cwd, exc.server.url, data)
     except HomeError as exc:
         typer.echo(f"agentbox exec: {exc}", err=True)
         raise typer.Exit(2) from None
     raise typer.Exit(code)
 
 
-def _exec_remote(argv: list[str], session: str, cwd: str | None, url: str) -> int:
+def _piped_input() -> bytes | None:
+    """What was piped into `agentbox exec`, within the commands' input limit (else exit 2)."""
+    from agentbox.workspace.commands import MAX_INPUT_BYTES
+
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+    if len(data) > MAX_INPUT_BYTES:
+        typer.echo(
+            f"agentbox exec: stdin is larger than the {MAX_INPUT_BYTES} bytes a command takes", err=True
+        )
+        raise typer.Exit(2)
+    return data
+
+
+def _exec_remote(argv: list[str], session: str, cwd: str | None, url: str, data: bytes | None) -> int:
     from agentbox import cli_remote
 
     try:
-        return asyncio.run(cli_remote.exec_command(argv, session, cwd, url, config_mod.load().api_key))
+        return asyncio.run(cli_remote.exec_command(argv, session, cwd, url, config_mod.load().api_key, data))
     except cli_remote.RemoteError as exc:
         typer.echo(f"agentbox exec: {exc}", err=True)
         raise typer.Exit(2) from None
 
 
-async def _exec(argv: list[str], session: str, machine_name: str | None, cwd: str | None) -> int:
+async def _exec(
+    argv: list[str], session: str, machine_name: str | None, cwd: str | None, data: bytes | None
+) -> int:
     from agentbox.machines.base import ExecRequest, iter_output
     from agentbox.machines.errors import MachineError
     from agentbox.system import opened_system
@@ -181,15 +200,21 @@ async def _exec(argv: list[str], session: str, machine_name: str | None, cwd: st
         except MachineError as exc:
             typer.echo(f"agentbox exec: {exc}", err=True)
             return 2
-        request = (
-            ExecRequest(argv=tuple(argv), cwd=cwd) if len(argv) > 1 else ExecRequest(command=argv[0], cwd=cwd)
-        )
-        process = await m.spawn(request)
-        async for stream, chunk in iter_output(process):
-            out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
-            out.write(chunk)
-            out.flush()
-        return await process.wait()
+        shape = {"argv": tuple(argv)} if len(argv) > 1 else {"command": argv[0]}
+        request = ExecRequest(**shape, cwd=cwd, interactive=data is not None)  # type: ignore[arg-type]
+        try:
+            process = await m.spawn(request)
+            if data is not None:
+                await process.write_stdin(data)
+                await process.close_stdin()
+            async for stream, chunk in iter_output(process):
+                out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+                out.write(chunk)
+                out.flush()
+            return await process.wait()
+        except MachineError as exc:  # the machine failed to start or its transport broke
+            typer.echo(f"agentbox exec: {exc}", err=True)
+            return 2
 
 
 @app.command("mcp")

@@ -306,7 +306,9 @@ async def print_events(console: Console, session_id: str, after: int, url: str, 
 EXEC_POLL_WAIT_S = 1.0
 
 
-async def exec_command(argv: list[str], session: str, cwd: str | None, url: str, api_key: str | None) -> int:
+async def exec_command(
+    argv: list[str], session: str, cwd: str | None, url: str, api_key: str | None, stdin: bytes | None = None
+) -> int:
     """`agentbox exec` through a server: the command's exit code, its output printed as it grows.
 
     The command runs in the server's sandbox of `session` (`POST /sandboxes/{session}/v2/commands`,
@@ -316,7 +318,9 @@ async def exec_command(argv: list[str], session: str, cwd: str | None, url: str,
     command = argv[0] if len(argv) == 1 else shlex.join(argv)
     base = f"/sandboxes/{session}/v2/commands"
     async with connected(url, api_key) as remote:
-        body = {"command": command, "cwd": cwd, "mode": "async"}
+        body: dict[str, Any] = {"command": command, "cwd": cwd, "mode": "async"}
+        if stdin is not None:
+            body["stdin"] = stdin.decode("utf-8", "surrogateescape")
         data = (await remote.call("POST", base, body=body))["data"]
         shown = {"stdout": 0, "stderr": 0}
         while True:

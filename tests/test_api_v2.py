@@ -20,6 +20,8 @@ import httpx
 import pytest
 from conftest import Server, clear_scratch, on_kinds, start_server, stop_server
 
+from agentbox.workspace.commands import MAX_INPUT_BYTES
+
 APP_PY = (
     "import sys\n\n"
     "def main():\n"
@@ -460,6 +462,19 @@ def test_sync_commands_report_their_own_outcome(sb: Aio) -> None:
     failure(sb.http.post("/v2/commands", json={"command": "true", "timeout": 0}), 400, "bad_request")
     bad_mode = sb.http.post("/v2/commands", json={"command": "true", "mode": "later"})
     assert bad_mode.status_code == 422 and bad_mode.json()["errors"][0]["location"] == ["body", "mode"]
+
+
+def test_a_command_reads_the_input_it_was_given(sb: Aio) -> None:
+    assert sb.post("/v2/commands", command="tr a-z A-Z", stdin="shout\n")["stdout"] == "SHOUT\n"
+    assert sb.post("/v2/commands", command="wc -c", stdin="x" * MAX_INPUT_BYTES)["stdout"].strip() == str(
+        MAX_INPUT_BYTES
+    )
+    assert sb.post("/v2/commands", command="true", stdin="never read")["exit_code"] == 0  # not an error
+    started = sb.post("/v2/commands", command="cat", stdin="later\n", mode="async")
+    ended = sb.get(f"/v2/commands/{started['command_id']}", wait=30)
+    assert (ended["status"], ended["stdout"]) == ("completed", "later\n")  # its stdin was closed after
+    over = sb.http.post("/v2/commands", json={"command": "cat", "stdin": "x" * (MAX_INPUT_BYTES + 1)})
+    assert failure(over, 400, "bad_request")["data"]["errno_name"] == "EFBIG"
 
 
 def test_async_command_output_so_far_then_kill(sb: Aio) -> None:

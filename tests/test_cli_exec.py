@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import SANDBOX_DEADLINE
+from conftest import SANDBOX_DEADLINE, start_server, stop_server
 
 #: Seconds the CLI may take end to end (python start, imports, a sandbox start).
 CLI_DEADLINE = 60.0
@@ -62,3 +62,38 @@ def test_exec_streams_before_the_command_ends(sandbox_tmp: Path) -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_exec_hands_piped_stdin_to_the_command(sandbox_tmp: Path) -> None:
+    home = sandbox_tmp / "home"
+    done = subprocess.run(
+        [sys.executable, "-m", "agentbox", "exec", "--session", "s1", "--", "tr", "a-z", "A-Z"],
+        input=b"piped in\n", env=cli_env(home), cwd=sandbox_tmp, capture_output=True, timeout=CLI_DEADLINE,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, b"PIPED IN\n"), done.stderr.decode()[-2000:]
+
+
+def test_exec_through_a_server_hands_it_stdin_too(sandbox_tmp: Path) -> None:
+    home = sandbox_tmp / "home"
+    server = start_server(home, {"AGENTBOX_NETWORK": "off"})
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "agentbox", "exec", "--session", "s1", "--", "wc", "-c"],
+            input=b"12345", env=cli_env(home), cwd=sandbox_tmp, capture_output=True, timeout=CLI_DEADLINE,
+        )  # fmt: skip
+    finally:
+        stop_server(server)
+    assert (done.returncode, done.stdout.strip()) == (0, b"5"), done.stderr.decode()[-2000:]
+
+
+def test_a_machine_that_cannot_start_is_a_message_not_a_traceback(sandbox_tmp: Path) -> None:
+    home = sandbox_tmp / "home"
+    config = sandbox_tmp / "agentbox.toml"
+    config.write_text('[machines.sandbox]\nkind = "sandbox"\nimage = "no-such-image"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "agentbox", "exec", "--", "true"],
+        env={**cli_env(home), "AGENTBOX_CONFIG": str(config)}, cwd=sandbox_tmp, capture_output=True,
+        timeout=CLI_DEADLINE,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert b"no-such-image" in done.stderr and b"Traceback" not in done.stderr, done.stderr.decode()[-2000:]

@@ -24,6 +24,7 @@ from agentbox.workspace.commands import (
     DEFAULT_TIMEOUT_SECONDS,
     DRAIN_GRACE_SECONDS,
     KILL_GRACE_SECONDS,
+    MAX_INPUT_BYTES,
     MAX_TIMEOUT_SECONDS,
     Command,
 )
@@ -48,6 +49,11 @@ class CommandBody(BaseModel):
     )
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync waits for the end; async returns at once."
+    )
+    stdin: str | None = Field(
+        None,
+        description=f"Text written to the command's standard input, which is then closed (at most "
+        f"{MAX_INPUT_BYTES} UTF-8 bytes); without it stdin is empty.",
     )
 
 
@@ -81,10 +87,13 @@ def described(cmd: Command) -> dict[str, Any]:
 async def run(request: Request, sandbox: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, CommandBody)
     manager = sandbox.commands
+    data = None if body.stdin is None else body.stdin.encode("utf-8", "surrogateescape")
     if body.mode == "async":
-        cmd = await manager.start(body.command, cwd=body.cwd, env=body.env, timeout=body.timeout, stdin=False)
+        cmd = await manager.start(
+            body.command, cwd=body.cwd, env=body.env, timeout=body.timeout, stdin=False, input=data
+        )
         return ok(described(cmd), message="Command started")
-    cmd = await manager.run(body.command, cwd=body.cwd, env=body.env, timeout=body.timeout)
+    cmd = await manager.run(body.command, cwd=body.cwd, env=body.env, timeout=body.timeout, input=data)
     return ok(described(cmd), message=f"Command {cmd.status}")
 
 

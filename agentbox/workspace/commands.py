@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import re
 import secrets
 import signal
@@ -55,6 +56,7 @@ from typing import Any, Literal
 from agentbox.ids import COMMAND, new_id
 from agentbox.machines.base import ExecRequest, Machine, Process
 from agentbox.workspace.errors import WorkspaceError, bad_request, operation
+from agentbox.workspace.files import limit_exceeded
 
 Status = Literal["running", "completed", "timed_out", "killed", "failed"]
 SessionStatus = Literal["ready", "closed"]
@@ -88,6 +90,8 @@ KILL_GRACE_SECONDS = 5.0
 DRAIN_GRACE_SECONDS = 5.0
 #: How long one `write_stdin` may wait for the command to read its input.
 STDIN_WRITE_TIMEOUT_SECONDS = 30.0
+#: Largest input a command may be started with (`run` / `start` with `input`).
+MAX_INPUT_BYTES = 1024 * 1024
 
 #: Commands running at once per manager; one more raises `TooManyCommands`.
 MAX_RUNNING_COMMANDS = 32
@@ -345,6 +349,8 @@ class CommandManager:
         self._starting = 0
         self._running = 0
         """Records not finished yet: counted, not looked for among up to MAX_COMMANDS_KEPT."""
+        self._feeding: set[asyncio.Task[None]] = set()
+        """Inputs being written to commands started with one (`_feed`)."""
         self._closed = False
 
     # -- starting --------------------------------------------------------------------
@@ -358,14 +364,17 @@ class CommandManager:
         timeout: float | None = None,
         session_id: str | None = None,
         keep_background: bool = False,
+        input: bytes | None = None,
     ) -> Command:
-        """Run to the end (sync mode) with stdin at /dev/null and a deadline.
+        """Run to the end (sync mode) with a deadline, stdin fed `input` then closed (else /dev/null).
 
         `timeout` defaults to `DEFAULT_TIMEOUT_SECONDS`. If the caller goes away (the task
         is cancelled), the command is killed: nobody is left to read its result.
         """
         deadline = _check_timeout(DEFAULT_TIMEOUT_SECONDS if timeout is None else timeout)
-        cmd = await self._launch(command, cwd, env, deadline, session_id, False, keep_background)
+        _check_input(input)
+        cmd = await self._launch(command, cwd, env, deadline, session_id, input is not None, keep_background)
+        self._feed(cmd, input)
         try:
             await cmd._until(lambda: cmd.finished, None)
         except asyncio.CancelledError:
@@ -383,15 +392,36 @@ class CommandManager:
         session_id: str | None = None,
         stdin: bool = True,
         keep_background: bool = False,
+        input: bytes | None = None,
     ) -> Command:
         """Start and return at once (async mode), status `running`.
 
         No deadline unless `timeout` is given: a server started this way runs until it is
         killed or the manager closes. `stdin=True` keeps a pipe open for `write_stdin`
-        (a command that reads stdin then waits for input or `close_stdin`).
+        (a command that reads stdin then waits for input or `close_stdin`); `input` is
+        written to it first and then it is closed.
         """
         deadline = None if timeout is None else _check_timeout(timeout)
-        return await self._launch(command, cwd, env, deadline, session_id, stdin, keep_background)
+        _check_input(input)
+        cmd = await self._launch(
+            command, cwd, env, deadline, session_id, stdin or input is not None, keep_background
+        )
+        self._feed(cmd, input)
+        return cmd
+
+    def _feed(self, cmd: Command, data: bytes | None) -> None:
+        """Write `data` to the command's stdin and close it, in the background: a command that
+        ends without reading its input is not an error, and nobody waits on the writing."""
+        if data is None:
+            return
+
+        async def feed() -> None:
+            with contextlib.suppress(WorkspaceError):
+                await self.write_stdin(cmd.id, data, close=True)
+
+        task = asyncio.ensure_future(feed())
+        self._feeding.add(task)
+        task.add_done_callback(self._feeding.discard)
 
     async def _launch(
         self,
@@ -658,6 +688,8 @@ class CommandManager:
     async def close(self) -> None:
         """Kill every running command, wait for their records to close, refuse new ones."""
         self._closed = True
+        for task in list(self._feeding):
+            task.cancel()
         tasks = [cmd._task for cmd in self._commands.values() if cmd._task is not None and not cmd.finished]
         for cmd in builtins.list(self._commands.values()):
             self.kill(cmd.id, signal.SIGKILL)
@@ -717,6 +749,11 @@ def _session_started(session: ShellSession, cmd: Command) -> None:
     session.current_command, session.current_command_id = cmd.command, cmd.id
     session.last_command_id = cmd.id
     session.command_count += 1
+
+
+def _check_input(data: bytes | None) -> None:
+    if data is not None and len(data) > MAX_INPUT_BYTES:
+        raise limit_exceeded("exec", None, f"input is {len(data)} bytes; the limit is {MAX_INPUT_BYTES}")
 
 
 def _check_timeout(timeout: float) -> float:
