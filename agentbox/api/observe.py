@@ -153,13 +153,21 @@ class RequestIdMiddleware:
         state = RequestState(accepted_request_id(given))
         token = _current.set(state)
         status = 500  # what the client sees if the app fails before starting a response
-        started = False
+        started = reported = False
+
+        def report() -> None:
+            nonlocal reported
+            if not reported:
+                reported = True
+                self._finished(scope, state, status, time.perf_counter() - began)
 
         async def send_with_id(message: Message) -> None:
             nonlocal status, started
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = state.request_id
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                report()  # before the client can see the end: its next request sees this counted
             await send(message)
 
         try:
@@ -187,7 +195,7 @@ class RequestIdMiddleware:
                 await send_with_id({"type": "http.response.body", "body": json.dumps(body).encode()})
         finally:
             _current.reset(token)
-            self._finished(scope, state, status, time.perf_counter() - began)
+            report()
 
     def _finished(self, scope: Scope, state: RequestState, status: int, seconds: float) -> None:
         method = scope.get("method", "")
