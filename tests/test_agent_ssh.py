@@ -1,4 +1,4 @@
-"""Skills, deliver_file and input placement on an ssh machine, whose files are no host files.
+"""Skills, deliver_file, input placement and knowledge search on an ssh machine, whose files are no host files.
 
 The machine is a real `SshMachine` on the real sshd of tests/conftest.py, rooted at a directory
 of the login user's; the remote host is this host, so each test checks the remote side on
@@ -23,6 +23,8 @@ from agentbox.machines.ssh import SshMachine
 from agentbox.store.db import Database
 from agentbox.store.files import FileStore
 from agentbox.tools.base import Action
+from agentbox.tools.knowledge import SEARCH, SearchParams
+from agentbox.tools.services import MachineServices
 from agentbox.tools.skills import WORKSPACE_SKILLS_DIR
 
 
@@ -157,3 +159,21 @@ async def test_inputs_are_placed_on_an_ssh_machine_with_numbered_names(
 
 async def _one(data: bytes) -> AsyncIterator[bytes]:
     yield data
+
+
+# -- knowledge search --------------------------------------------------------------------
+
+
+async def test_knowledge_search_says_plainly_it_needs_host_files(ssh: SshMachine, remote_root: Path) -> None:
+    (remote_root / "notes.md").write_text("# Plan\n\nShip the release.\n")
+    services = MachineServices.of(ssh)
+    try:
+        ctx = DeliverCtx(ssh, None, services=services)
+        result = await SEARCH.run(ctx, SearchParams(query="release"))
+    finally:
+        await services.close()
+    assert result.is_error
+    assert result.as_text() == (
+        "Knowledge search is unavailable: machine 'remote' (ssh) has no host files, and the knowledge "
+        "index reads every note by descriptor; use grep or glob to search its files"
+    )
