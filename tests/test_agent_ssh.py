@@ -8,12 +8,17 @@ and test_agent_loop.py; here every file goes through the `Machine` protocol (SFT
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
-from conftest import Sshd
+from conftest import Sshd, start_server, stop_server
+from test_api_sessions import DEADLINE, frames
+from test_providers import Canned, Received
+from test_runtime_e2e import last_call, loopback_model, text_reply, tool_reply
 from test_tools_deliver import Ctx as DeliverCtx
 from test_tools_deliver import run as deliver
 from test_tools_skills_todo import ctx_for, make_skill, read, skill_md, use
@@ -177,3 +182,68 @@ async def test_knowledge_search_says_plainly_it_needs_host_files(ssh: SshMachine
         "Knowledge search is unavailable: machine 'remote' (ssh) has no host files, and the knowledge "
         "index reads every note by descriptor; use grep or glob to search its files"
     )
+
+
+# -- a whole turn ------------------------------------------------------------------------
+
+
+def remote_agent(request: Received) -> Canned:
+    """The model: load the workspace's skill, deliver the report it names, then say so."""
+    body = request.json
+    last = body["messages"][-1]
+    if last["role"] == "user":
+        return tool_reply(body, "use_skill", {"name": "report"})
+    if last_call(body["messages"]) == "use_skill":
+        return tool_reply(body, "deliver_file", {"path": "report.txt"})
+    return text_reply(body, "Delivered the report.")
+
+
+async def test_a_turn_on_an_ssh_machine_sees_its_workspace_uses_a_skill_and_delivers(
+    sshd: Sshd, sandbox_tmp: Path
+) -> None:
+    """A real server routes the session to the ssh machine: the frozen prompt lists the remote
+    workspace and its AGENTS.md and skill, and the tools read and deliver the remote files."""
+    root = sshd.owned_dir(sandbox_tmp / "remote-root")
+    (root / "AGENTS.md").write_text("Remote rules.\n")
+    (root / "report.txt").write_text("remote report\n")
+    make_skill(
+        root / WORKSPACE_SKILLS_DIR, "report", skill_md("report", "Writes reports.", body="Deliver it.")
+    )
+    home = sandbox_tmp / "home"
+    home.mkdir()
+    options = "\n".join(f"{k} = {json.dumps(v)}" for k, v in sshd.options(root=str(root)).items())
+    async for llm in loopback_model(remote_agent):
+        config = sandbox_tmp / "agentbox.toml"
+        config.write_text(
+            f'model_endpoints = ["{llm.url}/v1"]\ndefault_machine = "remote"\ndelegable = ["remote"]\n'
+            f'[machines.remote]\nkind = "ssh"\n{options}\n'
+        )
+        server = start_server(home, {"AGENTBOX_CONFIG": str(config)})
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as client:
+                created = await client.post("/v1/sessions", json={
+                    "model": "openai:remote-coder", "machine": "remote",
+                    "model_options": {"base_url": llm.url + "/v1", "api_key": "sk-local"},
+                })  # fmt: skip
+                assert created.status_code == 201, created.text
+                sid = created.json()["id"]
+                sent = await client.post(f"/v1/sessions/{sid}/messages", json={"content": "Send the report."})
+                assert sent.status_code == 202, sent.text
+                log = [f.data for f in await frames(client, sid, params={"until": "turn_end"}) if f.data]
+                assert log[-1]["type"] == "turn.completed", log[-1]
+                results = [e for e in log if e["type"] == "agent.tool_result"]
+                assert [e["is_error"] for e in results] == [False, False], results
+                assert (
+                    "<skill_instructions>\nDeliver it.\n</skill_instructions>"
+                    in results[0]["content"][0]["text"]
+                )
+                (delivered,) = [e for e in log if e["type"] == "file.delivered"]
+                content = await client.get(f"/v1/files/{delivered['file_id']}/content")
+                assert content.status_code == 200 and content.text == "remote report\n"
+        finally:
+            stop_server(server)
+        system = llm.requests[0].json["messages"][0]["content"]
+        assert "# AGENTS.md\n\nRemote rules." in system
+        assert "- report: Writes reports." in system
+        assert f"Machine: remote (ssh, linux), workspace {root}" in system
+        assert "Directory structure:\n- .agents/\n- AGENTS.md\n- report.txt" in system
