@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from agentbox.machines.images import Image
     from agentbox.machines.registry import Registry
     from agentbox.machines.sandbox import SandboxHost, SandboxMachine
+    from agentbox.machines.ssh import SshMachine
 
 #: Seconds a freshly started server may take to answer /health.
 SERVER_START_TIMEOUT = 30.0
@@ -771,6 +772,40 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
     )
     yield server
     stop_sshd(server)
+
+
+SshFactory = Callable[..., Awaitable["SshMachine"]]
+
+
+@pytest.fixture
+def remote_root(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, sshd: Sshd) -> Path:
+    """A directory of the login user's own, reachable by it: the machine's root."""
+    return sshd.owned_dir(traversable(tmp_path, tmp_path_factory) / "remote")
+
+
+@pytest.fixture
+async def make_ssh(sshd: Sshd, remote_root: Path) -> AsyncIterator[SshFactory]:
+    """`await make(**options)`: a started machine on `sshd` rooted at `remote_root`, closed after."""
+    from agentbox.machines.ssh import SshMachine, SshOptions
+
+    made: list[SshMachine] = []
+
+    async def make(server: Sshd = sshd, env: dict[str, str] | None = None, **overrides: object) -> SshMachine:
+        options = SshOptions.from_options(server.options(**{"root": str(remote_root), **overrides}))
+        machine = SshMachine("remote", options, env)
+        made.append(machine)
+        await machine.start()
+        return machine
+
+    yield make
+    for machine in made:
+        await machine.close()
+
+
+@pytest.fixture
+async def ssh(make_ssh: SshFactory) -> SshMachine:
+    """A started ssh machine rooted at `remote_root`."""
+    return await make_ssh()
 
 
 # --- one server per machine kind: the same tests on every engine ----------------------------

@@ -21,6 +21,7 @@ from agentbox.agent.signals import (
 )
 from agentbox.machines.base import environment_line
 from agentbox.machines.local import LocalMachine
+from agentbox.machines.ssh import SshMachine
 from agentbox.tools.base import ToolConfig
 from agentbox.tools.skills import catalog
 
@@ -43,10 +44,10 @@ def machine(tmp_path: Path) -> LocalMachine:
     return LocalMachine("local", root)
 
 
-def test_prompt_has_every_section_in_order(machine: LocalMachine) -> None:
-    skills = catalog(machine, ToolConfig())
+async def test_prompt_has_every_section_in_order(machine: LocalMachine) -> None:
+    skills = await catalog(machine, ToolConfig())
     roster = [Subagent("explore", "Reads the   code\nbase.")]
-    text = assemble("You are a careful agent.", machine, skills=skills, subagents=roster, today=TODAY)
+    text = await assemble("You are a careful agent.", machine, skills=skills, subagents=roster, today=TODAY)
     order = [
         "You are a careful agent.",
         "# AGENTS.md\n\nRun `make test` before committing.",
@@ -65,55 +66,72 @@ def test_prompt_has_every_section_in_order(machine: LocalMachine) -> None:
     assert text.startswith("You are a careful agent.\n\n# AGENTS.md")
 
 
-def test_prompt_without_machine_has_no_workspace_part(machine: LocalMachine) -> None:
-    text = assemble("Be brief.", None, today=TODAY)
+async def test_prompt_without_machine_has_no_workspace_part(machine: LocalMachine) -> None:
+    text = await assemble("Be brief.", None, today=TODAY)
     assert text == f"Be brief.\n\n## Available Agents\n\n{prompt.NO_AGENTS}\n\nDate: 2026-03-04"
     for absent in ("AGENTS.md", "Machine:", "Working directory", "Directory structure", "Available Skills"):
         assert absent not in text
 
 
-def test_prompt_is_frozen_until_reassembled(machine: LocalMachine) -> None:
-    first = assemble("x", machine, today=TODAY)
-    assert assemble("x", machine, today=TODAY) == first
+async def test_prompt_is_frozen_until_reassembled(machine: LocalMachine) -> None:
+    first = await assemble("x", machine, today=TODAY)
+    assert await assemble("x", machine, today=TODAY) == first
     (Path(machine.root) / "AGENTS.md").write_text("Changed.")
-    second = assemble("x", machine, today=TODAY)
+    second = await assemble("x", machine, today=TODAY)
     assert "Changed." in second and "Changed." not in first
 
 
-def test_missing_or_unreadable_context_files_are_skipped(tmp_path: Path) -> None:
+async def test_missing_or_unreadable_context_files_are_skipped(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
     (root / "AGENTS.md").mkdir()  # a folder, not a file
     (root / "CLAUDE.md").symlink_to(root / "nowhere.md")  # a dangling link
-    text = assemble("Hi.", LocalMachine("local", root), today=TODAY)
+    text = await assemble("Hi.", LocalMachine("local", root), today=TODAY)
     assert "# AGENTS.md" not in text and "# CLAUDE.md" not in text
     assert "Directory structure:\n- AGENTS.md/\n- CLAUDE.md" in text
 
 
-def test_context_file_cut_at_limit(machine: LocalMachine) -> None:
+async def test_context_file_cut_at_limit(machine: LocalMachine) -> None:
     limit = prompt.MAX_CONTEXT_FILE_CHARS
     agents = Path(machine.root) / "AGENTS.md"
     agents.write_text("a" * limit)
-    assert "cut at" not in prompt.context_files(machine)
+    assert "cut at" not in await prompt.context_files(machine)
     agents.write_text("a" * (limit + 1))
-    text = prompt.context_files(machine)
+    text = await prompt.context_files(machine)
     assert f"cut at {limit} characters" in text and "a" * (limit + 1) not in text
 
 
-def test_listing_capped_at_limit(tmp_path: Path) -> None:
+async def test_listing_capped_at_limit(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
     m = LocalMachine("local", root)
     limit = prompt.MAX_LISTING_ENTRIES
     for i in range(limit):
         (root / f"f{i:04d}").write_text("")
-    listing = prompt.directory_listing(m)
+    listing = await prompt.directory_listing(m)
     assert listing.count("\n") == limit - 1 and "more entries" not in listing
     (root / "zzz").mkdir()
     (root / "zzz2").write_text("")
-    listing = prompt.directory_listing(m)
+    listing = await prompt.directory_listing(m)
     assert listing.splitlines()[-1] == "[... and 2 more entries]"
     assert len(listing.splitlines()) == limit + 1
+
+
+async def test_the_prompt_describes_an_ssh_workspace(ssh: SshMachine, remote_root: Path) -> None:
+    """Through the protocol: context files (cut at the limit), the listing and the machine line;
+    a context file that is a link is skipped, since where it leads cannot be seen."""
+    limit = prompt.MAX_CONTEXT_FILE_CHARS
+    (remote_root / "AGENTS.md").write_text("é" * (limit + 1))
+    (remote_root / "secret.md").write_text("Not for the prompt.")
+    (remote_root / "CLAUDE.md").symlink_to(remote_root / "secret.md")
+    (remote_root / "src").mkdir()
+    (remote_root / "src-link").symlink_to(remote_root / "src")
+    text = await assemble("Hi.", ssh, today=TODAY)
+    assert f"# AGENTS.md\n\n{'é' * limit}\n[... AGENTS.md cut at {limit} characters]" in text
+    assert "# CLAUDE.md" not in text and "Not for the prompt." not in text
+    assert environment_line(ssh) in text and f"Working directory: {ssh.root}" in text
+    assert "Directory structure:\n- AGENTS.md\n- CLAUDE.md\n- secret.md\n- src/\n- src-link" in text
+    assert text.endswith("- src-link")
 
 
 # -- signals -------------------------------------------------------------------------------

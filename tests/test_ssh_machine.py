@@ -18,11 +18,11 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from conftest import Sshd, start_sshd, stop_sshd, traversable
+from conftest import Sshd, SshFactory, start_sshd, stop_sshd, traversable
 
 from agentbox.config import SECRET_FIELDS
 from agentbox.machines.base import ExecRequest, Machine, environment_line
@@ -44,8 +44,6 @@ FAST_POLL = 0.2
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="logs in as a second user: needs root")
 
-MachineFactory = Callable[..., Awaitable[SshMachine]]
-
 
 async def eventually(check: Callable[[], bool], what: str, deadline: float = DEADLINE) -> None:
     end = time.monotonic() + deadline
@@ -66,34 +64,6 @@ def alive(pid: int) -> bool:
 def started(pids: Path) -> bool:
     """Whether a command wrote its two pids to `pids` (the file is written whole by one echo)."""
     return pids.exists() and pids.read_bytes().endswith(b"\n")
-
-
-@pytest.fixture
-def remote_root(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, sshd: Sshd) -> Path:
-    """A directory of the login user's own, reachable by it: the machine's root."""
-    return sshd.owned_dir(traversable(tmp_path, tmp_path_factory) / "remote")
-
-
-@pytest.fixture
-async def make_ssh(sshd: Sshd, remote_root: Path) -> AsyncIterator[MachineFactory]:
-    """`await make(**options)`: a started machine on `sshd` rooted at `remote_root`, closed after."""
-    made: list[SshMachine] = []
-
-    async def make(server: Sshd = sshd, env: dict[str, str] | None = None, **overrides: object) -> SshMachine:
-        options = SshOptions.from_options(server.options(**{"root": str(remote_root), **overrides}))
-        machine = SshMachine("remote", options, env)
-        made.append(machine)
-        await machine.start()
-        return machine
-
-    yield make
-    for machine in made:
-        await machine.close()
-
-
-@pytest.fixture
-async def ssh(make_ssh: MachineFactory) -> SshMachine:
-    return await make_ssh()
 
 
 # --- options ---------------------------------------------------------------------------
@@ -189,7 +159,7 @@ async def test_stdin_given_whole_or_written_by_the_caller(ssh: SshMachine) -> No
     assert await process.wait() == 0
 
 
-async def test_environment_is_only_the_machines_and_the_requests(make_ssh: MachineFactory) -> None:
+async def test_environment_is_only_the_machines_and_the_requests(make_ssh: SshFactory) -> None:
     ssh = await make_ssh(env={"FROM_MACHINE": "m"})
     r = await ssh.exec(ExecRequest(argv=("env",), env={"FROM_REQUEST": "r", "SPACED": "a b\nc"}))
     seen = dict(
@@ -238,7 +208,7 @@ async def test_kill_signals_the_group_of_a_spawned_process(ssh: SshMachine) -> N
     await eventually(lambda: not ssh.busy(), "the machine is idle again")
 
 
-async def test_close_kills_what_still_runs(make_ssh: MachineFactory, remote_root: Path) -> None:
+async def test_close_kills_what_still_runs(make_ssh: SshFactory, remote_root: Path) -> None:
     ssh = await make_ssh()
     await ssh.spawn(ExecRequest(command="sleep 300 & echo $! $$ > pids; wait"))
     await eventually(lambda: started(remote_root / "pids"), "the command started")
@@ -261,7 +231,7 @@ async def test_commands_past_max_sessions_share_a_second_connection(
 
 
 async def test_an_sshd_allowing_fewer_channels_than_configured_is_believed(
-    make_ssh: MachineFactory, remote_root: Path
+    make_ssh: SshFactory, remote_root: Path
 ) -> None:
     ssh = await make_ssh(max_sessions=4 * DEFAULT_MAX_SESSIONS)  # the sshd refuses the eleventh
     barrier = f'touch "started.$$"; while [ "$(ls | grep -c started)" -lt {CONCURRENT} ]; do sleep 0.05; done'
@@ -294,7 +264,7 @@ async def test_it_is_a_machine_that_says_what_it_is(ssh: SshMachine, sshd: Sshd,
     assert caps["watch"] == "inotifywait"  # scripts/test.sh installs inotify-tools
 
 
-async def test_a_relative_root_is_under_the_remote_home(make_ssh: MachineFactory, sshd: Sshd) -> None:
+async def test_a_relative_root_is_under_the_remote_home(make_ssh: SshFactory, sshd: Sshd) -> None:
     name = f"agentbox-test-{os.getpid()}"
     home = Path(pwd.getpwnam(sshd.user).pw_dir)
     try:
@@ -451,7 +421,7 @@ async def test_chown_to_oneself_and_to_an_unknown_user(ssh: SshMachine, remote_r
 
 
 @needs_root
-async def test_chown_by_name_as_root(make_ssh: MachineFactory, remote_root: Path) -> None:
+async def test_chown_by_name_as_root(make_ssh: SshFactory, remote_root: Path) -> None:
     ssh = await make_ssh(user="root")  # a bash login shell, with root's startup files
     assert (await ssh.exec(ExecRequest(argv=("id", "-u")))).stdout == b"0\n"
     await ssh.write("given.txt", b"x")
@@ -484,7 +454,7 @@ async def changes_until(watch: RemoteWatch, wanted: set[tuple[str, str]]) -> set
 
 @pytest.mark.parametrize("mode", ["inotifywait", "polling"])
 async def test_watch_reports_create_write_remove(
-    make_ssh: MachineFactory, sshd: Sshd, remote_root: Path, mode: str
+    make_ssh: SshFactory, sshd: Sshd, remote_root: Path, mode: str
 ) -> None:
     ssh = await make_ssh(watch=mode, poll_seconds=FAST_POLL)
     assert ssh.capabilities()["watch"] == (
@@ -568,7 +538,7 @@ async def test_a_host_key_that_does_not_match_is_refused(sshd: Sshd, tmp_path: P
     assert "no known_hosts file" in await unavailable(sshd.options(known_hosts=str(tmp_path / "none")))
 
 
-async def test_a_pinned_host_key_is_enough(make_ssh: MachineFactory, sshd: Sshd, tmp_path: Path) -> None:
+async def test_a_pinned_host_key_is_enough(make_ssh: SshFactory, sshd: Sshd, tmp_path: Path) -> None:
     ssh = await make_ssh(host_key=sshd.host_key, known_hosts=str(tmp_path / "never-read"))
     assert (await ssh.exec(ExecRequest(command="echo pinned"))).stdout == b"pinned\n"
 
@@ -595,15 +565,13 @@ async def test_a_silent_peer_times_out(sshd: Sshd) -> None:
 
 
 @needs_root
-async def test_password_login(make_ssh: MachineFactory, sshd: Sshd) -> None:
+async def test_password_login(make_ssh: SshFactory, sshd: Sshd) -> None:
     assert sshd.password is not None
     ssh = await make_ssh(key_file=None, password=sshd.password)
     assert (await ssh.exec(ExecRequest(command="id -un"))).stdout.decode().strip() == sshd.user
 
 
-async def test_inline_private_key_with_passphrase(
-    make_ssh: MachineFactory, sshd: Sshd, tmp_path: Path
-) -> None:
+async def test_inline_private_key_with_passphrase(make_ssh: SshFactory, sshd: Sshd, tmp_path: Path) -> None:
     key = another_key(tmp_path, "inline", passphrase="s3cret")
     with open(sshd.dir / "authorized_keys", "a") as keys:
         keys.write(key.with_suffix(".pub").read_text())
@@ -623,7 +591,7 @@ def own_sshd(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncI
 
 
 async def test_a_peer_that_goes_silent_mid_command_is_found_by_keepalives(
-    make_ssh: MachineFactory, own_sshd: Sshd, remote_root: Path
+    make_ssh: SshFactory, own_sshd: Sshd, remote_root: Path
 ) -> None:
     ssh = await make_ssh(own_sshd, keepalive_seconds=SILENT_TIMEOUT / 4)
     process = await ssh.spawn(ExecRequest(command="echo $$ > silent.pid; exec sleep 300"))
@@ -643,7 +611,7 @@ async def test_a_peer_that_goes_silent_mid_command_is_found_by_keepalives(
 
 
 async def test_a_dropped_connection_is_reopened_by_the_next_call(
-    make_ssh: MachineFactory, own_sshd: Sshd
+    make_ssh: SshFactory, own_sshd: Sshd
 ) -> None:
     ssh = await make_ssh(own_sshd)
     await ssh.write("kept.txt", b"kept")
@@ -657,7 +625,7 @@ async def test_a_dropped_connection_is_reopened_by_the_next_call(
 
 
 async def test_a_connection_dropped_mid_command_is_a_clear_error(
-    make_ssh: MachineFactory, own_sshd: Sshd, remote_root: Path
+    make_ssh: SshFactory, own_sshd: Sshd, remote_root: Path
 ) -> None:
     ssh = await make_ssh(own_sshd)
     process = await ssh.spawn(ExecRequest(command="echo $$ > mid.pid; exec sleep 300"))

@@ -6,6 +6,7 @@ scripted model's nested scripts; the roster loaded from real `.agents/agents/*.m
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from agentbox.agent.subagents import (
     calling,
 )
 from agentbox.machines.local import LocalMachine
+from agentbox.machines.ssh import SshMachine
 from agentbox.store.approvals import ApprovalsRepo
 from agentbox.store.changes import ChangesRepo
 from agentbox.store.db import Database
@@ -323,7 +325,7 @@ async def test_delegation_stops_at_the_depth_limit(
     machine: LocalMachine, db: Database, ws: Path, limit: int
 ) -> None:
     write_agent(ws, "deep.md", DEEP)
-    agents = load_agents(machine).agents
+    agents = (await load_agents(machine)).agents
     tools, events = session_tools(machine, db, Tier.FULL_AUTO), Events()
     kwargs = {} if limit == MAX_DEPTH else {"max_depth": limit}
     delegate(tools, Recording(root(task_call("deep", chain(1, limit)))), events, agents, **kwargs)
@@ -351,7 +353,7 @@ async def test_children_that_may_delegate_see_the_roster(
     write_agent(ws, "deep.md", DEEP)
     tools, events = session_tools(machine, db, Tier.FULL_AUTO), Events()
     model = Recording(root(task_call("deep", [{"text": "fine"}]), task_call("explore", [{"text": "fine"}])))
-    delegate(tools, model, events, load_agents(machine).agents)
+    delegate(tools, model, events, (await load_agents(machine)).agents)
     await task(tools, "toolu_s0_0", "deep")
     await task(tools, "toolu_s0_1", "explore")
     deep, explore = model.requests
@@ -387,7 +389,10 @@ async def test_nested_read_only_tasks_take_no_second_slot(
     ]
     tools, events = session_tools(machine, db, Tier.FULL_AUTO), Events()
     delegate(
-        tools, root(*[task_call("deep", nested) for _ in range(count)]), events, load_agents(machine).agents
+        tools,
+        root(*[task_call("deep", nested) for _ in range(count)]),
+        events,
+        (await load_agents(machine)).agents,
     )
     results = await asyncio.wait_for(
         asyncio.gather(*(task(tools, f"toolu_s0_{i}", "deep") for i in range(count))), DEADLINE
@@ -513,8 +518,8 @@ async def test_which_agents_are_read_only(machine: LocalMachine, db: Database) -
 # ---------------------------------------------------------------- the roster
 
 
-def test_without_a_machine_or_configuration_the_roster_is_the_builtins() -> None:
-    loaded = load_agents(None)
+async def test_without_a_machine_or_configuration_the_roster_is_the_builtins() -> None:
+    loaded = await load_agents(None)
     assert loaded.agents == BUILTIN_AGENTS and loaded.problems == []
     assert roster(loaded.agents) == [
         Subagent("explore", BUILTIN_AGENTS["explore"].description),
@@ -523,7 +528,7 @@ def test_without_a_machine_or_configuration_the_roster_is_the_builtins() -> None
     ]
 
 
-def test_workspace_agent_files_load_and_bad_ones_are_reported(
+async def test_workspace_agent_files_load_and_bad_ones_are_reported(
     machine: LocalMachine, ws: Path, tmp_path: Path
 ) -> None:
     write_agent(
@@ -540,7 +545,7 @@ def test_workspace_agent_files_load_and_bad_ones_are_reported(
     (ws / "inside.md").write_text("---\ndescription: Linked from inside.\n---\nBody.\n")
     (ws / AGENTS_DIR / "linked.md").symlink_to(ws / "inside.md")
 
-    loaded = load_agents(machine)
+    loaded = await load_agents(machine)
     reviewer = loaded.agents["reviewer"]
     assert reviewer == AgentSpec(
         "reviewer", "Reviews a diff.", "Review carefully.", ("read", "grep", "write"), Tier.WORKSPACE_WRITE,
@@ -558,11 +563,11 @@ def test_workspace_agent_files_load_and_bad_ones_are_reported(
     ]
 
 
-def test_later_sources_override_earlier_ones(machine: LocalMachine, ws: Path) -> None:
+async def test_later_sources_override_earlier_ones(machine: LocalMachine, ws: Path) -> None:
     configured = [{"name": "explore", "description": "Configured explore.", "instructions": "Mine."}]
-    assert load_agents(None, configured).agents["explore"].description == "Configured explore."
+    assert (await load_agents(None, configured)).agents["explore"].description == "Configured explore."
     write_agent(ws, "explore.md", "---\ndescription: Workspace explore.\n---\nOurs.\n")
-    loaded = load_agents(machine, configured)
+    loaded = await load_agents(machine, configured)
     assert loaded.agents["explore"].description == "Workspace explore."
     assert loaded.agents["explore"].instructions == "Ours."
 
@@ -585,9 +590,9 @@ def test_later_sources_override_earlier_ones(machine: LocalMachine, ws: Path) ->
         ({"tools": "read, mcp__docs__search"}, None),
     ],
 )
-def test_configured_agents_are_checked(fields: dict[str, Any], problem: str | None) -> None:
+async def test_configured_agents_are_checked(fields: dict[str, Any], problem: str | None) -> None:
     entry = {"name": "custom", "description": "A custom agent.", **fields}
-    loaded = load_agents(None, [entry])
+    loaded = await load_agents(None, [entry])
     if problem is None:
         assert loaded.problems == [] and entry["name"] in loaded.agents
     else:
@@ -596,11 +601,11 @@ def test_configured_agents_are_checked(fields: dict[str, Any], problem: str | No
 
 
 @pytest.mark.parametrize("size", [MAX_AGENT_FILE_BYTES, MAX_AGENT_FILE_BYTES + 1])
-def test_agent_files_up_to_the_size_limit_load(machine: LocalMachine, ws: Path, size: int) -> None:
+async def test_agent_files_up_to_the_size_limit_load(machine: LocalMachine, ws: Path, size: int) -> None:
     head = "---\ndescription: Big.\n---\n"
     write_agent(ws, "big.md", head + "x" * (size - len(head)))
     assert (ws / AGENTS_DIR / "big.md").stat().st_size == size
-    loaded = load_agents(machine)
+    loaded = await load_agents(machine)
     if size <= MAX_AGENT_FILE_BYTES:
         assert "big" in loaded.agents and loaded.problems == []
     else:
@@ -611,10 +616,10 @@ def test_agent_files_up_to_the_size_limit_load(machine: LocalMachine, ws: Path, 
 
 
 @pytest.mark.parametrize("count", [MAX_AGENT_FILES, MAX_AGENT_FILES + 1])
-def test_at_most_max_agent_files_are_read(machine: LocalMachine, ws: Path, count: int) -> None:
+async def test_at_most_max_agent_files_are_read(machine: LocalMachine, ws: Path, count: int) -> None:
     for i in range(count):
         write_agent(ws, f"a{i:04d}.md", f"---\ndescription: Agent {i}.\n---\n")
-    loaded = load_agents(machine)
+    loaded = await load_agents(machine)
     declared = sorted(name for name in loaded.agents if name not in BUILTIN_AGENTS)
     assert declared == [f"a{i:04d}" for i in range(min(count, MAX_AGENT_FILES))]
     if count > MAX_AGENT_FILES:
@@ -686,3 +691,30 @@ def test_nested_scripts_are_checked_up_front(script: list[Any], message: str) ->
     with pytest.raises(ScriptError) as caught:
         check_script(script)
     assert message in str(caught.value)
+
+
+async def test_workspace_agent_files_load_on_an_ssh_machine(ssh: SshMachine, remote_root: Path) -> None:
+    """Through the protocol the same files load, a FIFO is refused unopened, and a link is
+    skipped wherever it leads (its target cannot be checked)."""
+    write_agent(
+        remote_root, "reviewer.md", "---\ndescription: Reviews a diff.\ntools: [read]\n---\nReview.\n"
+    )
+    write_agent(remote_root, "bad.md", "no frontmatter here\n")
+    head = "---\ndescription: Big.\n---\n"
+    write_agent(remote_root, "big.md", head + "x" * (MAX_AGENT_FILE_BYTES + 1 - len(head)))
+    os.mkfifo(remote_root / AGENTS_DIR / "fifo.md")
+    (remote_root / "inside.md").write_text("---\ndescription: Linked from inside.\n---\nBody.\n")
+    (remote_root / AGENTS_DIR / "linked.md").symlink_to(remote_root / "inside.md")
+
+    loaded = await load_agents(ssh)
+    folder = f"{ssh.root}/{AGENTS_DIR}"
+    assert sorted(set(loaded.agents) - set(BUILTIN_AGENTS)) == ["reviewer"]
+    assert loaded.agents["reviewer"] == AgentSpec(
+        "reviewer", "Reviews a diff.", "Review.", ("read",), Tier.READ_ONLY, None, f"{folder}/reviewer.md"
+    )
+    assert loaded.problems == [
+        f"skipped agent file {folder}/bad.md: bad.md does not start with a --- frontmatter block",
+        f"skipped agent file {folder}/big.md: it is larger than {MAX_AGENT_FILE_BYTES} bytes",
+        f"skipped agent file {folder}/fifo.md: it is not a regular file",
+        f"skipped agent file {folder}/linked.md: it links out of the working directory",
+    ]

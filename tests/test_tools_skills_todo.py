@@ -139,7 +139,7 @@ async def test_discovery_in_the_workspace_and_configured_folders(
     # A link to a skill kept elsewhere in the workspace is followed inside the machine.
     make_skill(machine.workspace / "shared", "linked", skill_md("linked"))
     os.symlink("/workspace/shared/linked", workspace_skills / "linked")
-    found = discover(machine, ToolConfig(skill_dirs=[str(configured)]))
+    found = await discover(machine, ToolConfig(skill_dirs=[str(configured)]))
     assert [s.name for s in found.skills] == ["brand-voice", "linked", "pdf-tools"]
     assert found.skills[1].base_dir == "/workspace/shared/linked"
     pdf = found.skills[2]
@@ -160,7 +160,7 @@ async def test_discovery_in_the_workspace_and_configured_folders(
 
 async def test_no_skills_folder_is_no_skills(machine: SandboxMachine, workspace_skills: Path) -> None:
     workspace_skills.rmdir()
-    assert catalog(machine, ToolConfig()) == []
+    assert await catalog(machine, ToolConfig()) == []
 
 
 async def test_malformed_skills_are_skipped_with_a_warning(
@@ -191,7 +191,7 @@ async def test_malformed_skills_are_skipped_with_a_warning(
     for folder, text in cases.items():
         make_skill(workspace_skills, folder, text)
     (workspace_skills / "not-utf8" / "SKILL.md").write_bytes(b"---\nname: not-utf8\ndescription: \xff\n---\n")
-    found = discover(machine, ToolConfig())
+    found = await discover(machine, ToolConfig())
     assert [s.name for s in found.skills] == [longest, "good"]
     warned = {w.split(": ", 1)[0].rsplit("/", 1)[1] for w in found.warnings}
     assert warned == set(cases) - {"good", longest}
@@ -205,7 +205,7 @@ async def test_malformed_skills_are_skipped_with_a_warning(
     ):
         assert phrase in reasons
     with caplog.at_level("WARNING"):
-        assert [s.name for s in catalog(machine, ToolConfig())] == [longest, "good"]
+        assert [s.name for s in await catalog(machine, ToolConfig())] == [longest, "good"]
     assert len([r for r in caplog.records if r.name == skills_mod.__name__]) == len(cases) - 2
 
 
@@ -215,7 +215,7 @@ async def test_a_name_in_both_places_keeps_the_configured_one(
     make_skill(workspace_skills, "shared", skill_md("shared", "workspace copy"))
     configured = tmp_path / "skills"
     make_skill(configured, "shared", skill_md("shared", "operator copy"))
-    found = discover(machine, ToolConfig(skill_dirs=[str(configured), str(tmp_path / "missing")]))
+    found = await discover(machine, ToolConfig(skill_dirs=[str(configured), str(tmp_path / "missing")]))
     assert [(s.name, s.description) for s in found.skills] == [("shared", "operator copy")]
     assert any("already at" in w for w in found.warnings)
     assert any("missing cannot be read" in w for w in found.warnings)

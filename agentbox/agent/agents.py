@@ -8,8 +8,9 @@ Sources, later ones overriding earlier ones by name:
 3. `.agents/agents/*.md` in the machine's working directory: YAML frontmatter (`name` defaults
    to the file's stem, `description` required, `tools` a list of canonical tool names, default
    explore's, `permission` a tier, default `read-only`, `model` optional) and the instructions as
-   the body. Read through the machine's path map; a file that links out of the working
-   directory is skipped. A bad file is skipped and reported, never hides the others.
+   the body. Read through the machine's file operations (`workspace/fileops.py`); a file that
+   links out of the working directory is skipped (through the protocol, where a link's target
+   cannot be seen, any link is). A bad file is skipped and reported, never hides the others.
 
 Running a task as a child agent is `agent/subagents.py`.
 """
@@ -17,21 +18,21 @@ Running a task as a child agent is `agent/subagents.py`.
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 import re
-import stat as stat_mod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 from agentbox.agent import prompt as prompt_mod
+from agentbox.machines.base import Machine
 from agentbox.machines.errors import MachineError
 from agentbox.tools.base import Action, Tool
 from agentbox.tools.skills import SKILL_FILE, SkillError, split_frontmatter
 from agentbox.tools.tiers import Tier
 from agentbox.tools.toolsets import TOOLSETS, canonical_tools
+from agentbox.workspace.fileops import FileOps, file_ops
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def known_tool_names() -> frozenset[str]:
     return frozenset(canonical for names in TOOLSETS.values() for _, canonical in names)
 
 
-def load_agents(machine: Any | None, configured: Sequence[Mapping[str, Any]] = ()) -> LoadedAgents:
+async def load_agents(machine: Machine | None, configured: Sequence[Mapping[str, Any]] = ()) -> LoadedAgents:
     """The roster: built-ins, then `configured`, then the workspace's `.agents/agents/*.md`."""
     loaded = LoadedAgents(dict(BUILTIN_AGENTS))
     for index, entry in enumerate(configured):
@@ -205,7 +206,7 @@ def load_agents(machine: Any | None, configured: Sequence[Mapping[str, Any]] = (
             continue
         loaded.agents[spec.name] = spec
     if machine is not None:
-        _load_workspace(machine, loaded)
+        await _load_workspace(machine, loaded)
     for problem in loaded.problems:
         log.warning("%s", problem)
     return loaded
@@ -259,15 +260,13 @@ def _tool_list(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(value))
 
 
-def _load_workspace(machine: Any, loaded: LoadedAgents) -> None:
+async def _load_workspace(machine: Machine, loaded: LoadedAgents) -> None:
     folder = posixpath.join(machine.root, AGENTS_DIR)
+    ops = file_ops(machine)
     try:
-        root = machine.view.resolve(machine.root)
-        names = [
-            name
-            for name, _ in machine.view.listdir(folder)
-            if name.endswith(".md") and not name.startswith(".")
-        ]
+        names = sorted(
+            e.name for e in await ops.listdir(folder) if e.name.endswith(".md") and not e.name.startswith(".")
+        )
     except FileNotFoundError:
         return
     except Exception as exc:  # not a folder, a link out of the machine, unreadable
@@ -281,21 +280,21 @@ def _load_workspace(machine: Any, loaded: LoadedAgents) -> None:
     for name in names:
         path = f"{folder}/{name}"
         try:
-            spec = _load_file(machine, root, path, name)
+            spec = await _load_file(ops, machine.root, path, name)
         except AgentError as exc:
             loaded.problems.append(f"skipped agent file {path}: {exc}")
             continue
         loaded.agents[spec.name] = spec
 
 
-def _load_file(machine: Any, root: str, path: str, filename: str) -> AgentSpec:
+async def _load_file(ops: FileOps, root: str, path: str, filename: str) -> AgentSpec:
     try:
-        inside = machine.view.resolve(path)
+        inside = await ops.contained(root, path)
     except Exception as exc:  # PathEscape and friends: the machine refused the path
         raise AgentError(str(exc)) from exc
-    if not inside.startswith(root.rstrip("/") + "/"):
+    if inside is None:
         raise AgentError("it links out of the working directory")
-    text = _read_agent_file(machine, inside)
+    text = await _read_agent_file(ops, inside)
     try:
         fields, body = split_frontmatter(text)
     except SkillError as exc:  # the parser is the skills'; its messages name SKILL.md
@@ -303,19 +302,17 @@ def _load_file(machine: Any, root: str, path: str, filename: str) -> AgentSpec:
     return parse_agent(fields, body, filename.removesuffix(".md"), path)
 
 
-def _read_agent_file(machine: Any, inside: str) -> str:
-    """Opened through the descriptor view: a FIFO swapped in is refused, never opened (it would block)."""
+async def _read_agent_file(ops: FileOps, inside: str) -> str:
+    """Read as a regular file only: a FIFO swapped in is refused, never opened (it would block)."""
     try:
-        fd = machine.view.open(inside, os.O_RDONLY, follow=False)
+        st = await ops.lstat(inside, follow=True)
+        if st is None or not st.is_file:
+            raise AgentError("it is not a regular file")
+        data = await ops.read_head(inside, MAX_AGENT_FILE_BYTES + 1, follow=False)
     except OSError as exc:
         raise AgentError(f"cannot be read: {exc.strerror or exc}") from None
     except MachineError as exc:
         raise AgentError(f"cannot be read: {exc.message}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat_mod.S_ISREG(info.st_mode):
-            raise AgentError("it is not a regular file")
-        data = f.read(MAX_AGENT_FILE_BYTES + 1)
     if len(data) > MAX_AGENT_FILE_BYTES:
         raise AgentError(f"it is larger than {MAX_AGENT_FILE_BYTES} bytes")
     try:

@@ -50,7 +50,7 @@ from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, 
 from agentbox.agent.prompt import Subagent, assemble
 from agentbox.agent.providers.retry import RetryPolicy, with_retries
 from agentbox.agent.signals import Environment, Resource, Signal, diff, text_digest, tool_resources
-from agentbox.machines.base import environment_line
+from agentbox.machines.base import Machine, environment_line
 from agentbox.store.baselines import Baseline, BaselineStore, SignalRow
 from agentbox.store.sessions import Message, NewEvent, SessionStore, Turn
 from agentbox.tools.skills import Skill
@@ -67,7 +67,7 @@ class Surroundings:
 
     instructions: str
     permission_mode: str
-    machine: Any | None
+    machine: Machine | None
     tools: list[ToolSpec] = field(default_factory=list)
     skills: list[Skill] = field(default_factory=list)
     subagents: list[Subagent] = field(default_factory=list)
@@ -83,8 +83,8 @@ class Surroundings:
             instructions_digest=text_digest(self.instructions),
         )
 
-    def prompt(self, today: date | None = None) -> str:
-        return assemble(
+    async def prompt(self, today: date | None = None) -> str:
+        return await assemble(
             self.instructions, self.machine, skills=self.skills, subagents=self.subagents, today=today
         )
 
@@ -165,7 +165,7 @@ class TurnContext:
         env = now.environment()
         baseline = await self.baselines.latest(self.turn.session_id)
         if baseline is None:
-            _, events = await self.baselines.add(self.turn.id, now.prompt(), environment_data(env))
+            _, events = await self.baselines.add(self.turn.id, await now.prompt(), environment_data(env))
             self.bus.publish(events)
             return
         if not boundary:
@@ -286,7 +286,7 @@ class TurnContext:
             }),
         ]  # fmt: skip
         _, written = await self.baselines.add(
-            self.turn.id, now.prompt(), environment_data(now.environment()),
+            self.turn.id, await now.prompt(), environment_data(now.environment()),
             summary=summary, first_kept=first_kept.id, events=events,
         )  # fmt: skip
         self.bus.publish(written)

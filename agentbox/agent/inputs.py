@@ -3,8 +3,9 @@
 A name already taken (by an earlier turn's input, a file the agent made, or another file of
 the same message) becomes `name (2).ext`, then `name (3).ext`, ...; the extension is the last
 suffix (`a.tar (2).gz`), a dotfile has none (`.env (2)`). Each file is created exclusively
-(O_EXCL, no symlink followed), so a concurrent writer can never be overwritten: the loser of
-a race just takes the next number.
+(`Machine.create`: O_EXCL, no symlink followed, on host files by descriptor and over SFTP by
+its exclusive open), so a concurrent writer can never be overwritten: the loser of a race
+just takes the next number. A file is copied in `COPY_CHUNK_BYTES` pieces, never whole.
 
 Any failure is one `PlacementError` with a readable message; the turn then fails
 (`internal_error`, seed 000).
@@ -13,18 +14,25 @@ Any failure is one `PlacementError` with a readable message; the turn then fails
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import posixpath
-import shutil
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from agentbox.machines.base import Machine
+from agentbox.store.files import MAX_FILE_BYTES
+from agentbox.workspace.fileops import FileOps, file_ops
 
 #: The folder under the machine's workspace root that receives inputs.
 INPUTS_DIR = "inputs"
 #: Most numbered variants tried for one name before giving up (`name (2)` .. `name (N)`).
 MAX_NAME_VARIANTS = 1000
+#: Tuning, not a limit: bytes of a stored file read and written per step while placing it.
+COPY_CHUNK_BYTES = 1024 * 1024
+#: Largest input placed: what the file store keeps (an input is one of its files).
+MAX_INPUT_BYTES = MAX_FILE_BYTES
 
 
 class PlacementError(Exception):
@@ -56,8 +64,9 @@ def variant(filename: str, n: int) -> str:
     return f"{stem} ({n}){ext}"
 
 
-async def place_inputs(machine: Any, blobs: BlobSource, files: Sequence[dict[str, Any]]) -> list[Placed]:
-    """Copy each `{file_id, filename}` into the inputs folder of `machine` (one with the HostFiles capability)."""
+async def place_inputs(machine: Machine, blobs: BlobSource, files: Sequence[dict[str, Any]]) -> list[Placed]:
+    """Copy each `{file_id, filename}` into the inputs folder of `machine`."""
+    ops = file_ops(machine)
     folder = posixpath.join(machine.root, INPUTS_DIR)
     try:
         await machine.mkdir(folder, parents=True)
@@ -68,7 +77,7 @@ async def place_inputs(machine: Any, blobs: BlobSource, files: Sequence[dict[str
         file_id, filename = entry["file_id"], entry["filename"]
         try:
             blob = await blobs.open(file_id)
-            path = await asyncio.to_thread(_copy_in, machine, blob, folder, filename)
+            path = await _copy_in(ops, blob, folder, filename)
         except PlacementError:
             raise
         except Exception as exc:
@@ -77,23 +86,22 @@ async def place_inputs(machine: Any, blobs: BlobSource, files: Sequence[dict[str
     return placed
 
 
-def _copy_in(machine: Any, blob: Path, folder: str, filename: str) -> str:
+async def _copy_in(ops: FileOps, blob: Path, folder: str, filename: str) -> str:
     if not filename or "/" in filename or filename in (".", ".."):
         raise PlacementError(f"could not place input file {filename!r}: not a plain file name")
     for n in range(1, MAX_NAME_VARIANTS + 1):
         inside = posixpath.join(folder, variant(filename, n))
         try:
-            fd = machine.view.open(inside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, follow=False)
+            async with contextlib.aclosing(_chunks(blob)) as chunks:
+                await ops.create(inside, chunks, limit=MAX_INPUT_BYTES)
         except FileExistsError:
             continue
-        try:
-            with open(blob, "rb") as source, os.fdopen(fd, "wb") as target:
-                owner = machine.default_owner()
-                if owner is not None:
-                    os.fchown(target.fileno(), *owner)
-                shutil.copyfileobj(source, target)
-        except BaseException:
-            machine.view.unlink(inside)
-            raise
         return inside
     raise PlacementError(f"could not place input file {filename}: {MAX_NAME_VARIANTS} names are taken")
+
+
+async def _chunks(blob: Path) -> AsyncGenerator[bytes, None]:
+    """The stored file's bytes, read in a worker thread a piece at a time."""
+    with await asyncio.to_thread(open, blob, "rb") as source:
+        while chunk := await asyncio.to_thread(source.read, COPY_CHUNK_BYTES):
+            yield chunk

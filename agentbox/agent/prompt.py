@@ -17,22 +17,22 @@ signals (`agent/signals.py`) at the next turn boundary; compaction rebaselines, 
 A session without a machine (`machine: none`) gets no workspace part (2 and the machine,
 working directory and listing lines of 5): it has no file or shell tools to use them with.
 
-Files are read through the machine's descriptor view (`machine.view`, links followed inside
-the machine only), so a context file that links out of the workspace is skipped, never read.
+Files are read through the machine's file operations (`workspace/fileops.py`), whatever its
+kind: on host files by descriptor (links followed inside the machine only), so a context file
+that links out of the machine is skipped, never read; through the protocol (ssh) a context
+file that is a link is skipped, since where it leads cannot be seen.
 """
 
 from __future__ import annotations
 
-import os
 import posixpath
-import stat as stat_mod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import date
-from typing import Any
 
-from agentbox.machines.base import environment_line
+from agentbox.machines.base import Machine, environment_line
 from agentbox.tools.skills import Skill, catalog_text
+from agentbox.workspace.fileops import file_ops
 
 #: The context files read from the working directory, in this order (Flue reads both).
 CONTEXT_FILES = ("AGENTS.md", "CLAUDE.md")
@@ -41,6 +41,8 @@ CONTEXT_FILES = ("AGENTS.md", "CLAUDE.md")
 MAX_CONTEXT_FILE_CHARS = 32_000
 #: Entries of the working directory's top-level listing; past it a line says how many more.
 MAX_LISTING_ENTRIES = 100
+#: Bytes read of a context file: enough for `MAX_CONTEXT_FILE_CHARS` + 1 characters of UTF-8.
+MAX_CONTEXT_FILE_BYTES = 4 * (MAX_CONTEXT_FILE_CHARS + 1)
 
 SKILLS_HEADING = "## Available Skills"
 SKILLS_INTRO = (
@@ -63,9 +65,9 @@ class Subagent:
         return f"- {self.name}: {' '.join(self.description.split())}"
 
 
-def assemble(
+async def assemble(
     instructions: str,
-    machine: Any | None,
+    machine: Machine | None,
     *,
     skills: Sequence[Skill] = (),
     subagents: Sequence[Subagent] = (),
@@ -74,34 +76,35 @@ def assemble(
     """The system prompt for one baseline. `machine` is None for a session without a sandbox."""
     sections = [
         instructions.strip(),
-        context_files(machine) if machine is not None else "",
+        await context_files(machine) if machine is not None else "",
         skills_section(skills),
         agents_section(subagents),
-        facts(machine, today or date.today()),
+        await facts(machine, today or date.today()),
     ]
     return "\n\n".join(s for s in sections if s)
 
 
-def context_files(machine: Any) -> str:
+async def context_files(machine: Machine) -> str:
     """AGENTS.md then CLAUDE.md from the working directory, each under its name; '' if neither."""
     parts = []
     for name in CONTEXT_FILES:
-        text = read_context_file(machine, name)
+        text = await read_context_file(machine, name)
         if text is not None and text.strip():
             parts.append(f"# {name}\n\n{text.strip()}")
     return "\n\n".join(parts)
 
 
-def read_context_file(machine: Any, name: str) -> str | None:
+async def read_context_file(machine: Machine, name: str) -> str | None:
     """The file's text (cut at `MAX_CONTEXT_FILE_CHARS`), or None when absent or not readable."""
-    try:  # through the descriptor view: a FIFO or device swapped in is refused, never opened
-        fd = machine.view.open(posixpath.join(machine.root, name), os.O_RDONLY)
-        with open(fd, encoding="utf-8", errors="replace", closefd=True) as f:
-            if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return None
-            text = f.read(MAX_CONTEXT_FILE_CHARS + 1)
+    ops = file_ops(machine)
+    path = posixpath.join(machine.root, name)
+    try:  # a FIFO or device swapped in is refused, never opened
+        if await ops.contained("/", path) is None:
+            return None  # a link whose target cannot be checked (through the protocol)
+        data = await ops.read_head(path, MAX_CONTEXT_FILE_BYTES)
     except Exception:  # PathEscape (a link out of the machine), permissions, a vanished file
         return None
+    text = data.decode("utf-8", errors="replace")
     if len(text) > MAX_CONTEXT_FILE_CHARS:
         return text[:MAX_CONTEXT_FILE_CHARS] + f"\n[... {name} cut at {MAX_CONTEXT_FILE_CHARS} characters]"
     return text
@@ -120,26 +123,27 @@ def agents_section(subagents: Sequence[Subagent]) -> str:
     return f"{AGENTS_HEADING}\n\n{AGENTS_INTRO}\n\n{lines}"
 
 
-def facts(machine: Any | None, today: date) -> str:
+async def facts(machine: Machine | None, today: date) -> str:
     lines = [f"Date: {today.isoformat()}"]
     if machine is not None:
         lines.append(environment_line(machine))
         lines.append(f"Working directory: {machine.root}")
-        listing = directory_listing(machine)
+        listing = await directory_listing(machine)
         if listing:
             lines.append(f"Directory structure:\n{listing}")
     return "\n".join(lines)
 
 
-def directory_listing(machine: Any) -> str:
+async def directory_listing(machine: Machine) -> str:
     """The working directory's top level (not recursive), folders with a trailing `/`, sorted."""
     try:
-        names = [
-            name + ("/" if stat_mod.S_ISDIR(st.st_mode) else "")
-            for name, st in machine.view.listdir(machine.root)
-        ]
+        entries = await file_ops(machine).listdir(machine.root)
     except Exception:  # an unreadable root leaves the listing out rather than failing the prompt
         return ""
+    names = [  # a link is listed as itself, wherever it leads
+        e.name + ("/" if e.stat.is_dir and not e.stat.is_symlink else "")
+        for e in sorted(entries, key=lambda e: e.name)
+    ]
     shown = names[:MAX_LISTING_ENTRIES]
     lines = [f"- {name}" for name in shown]
     if len(names) > len(shown):

@@ -60,7 +60,9 @@ from agentbox.agent.recovery import RECOVERY, Act, classify
 from agentbox.agent.subagents import Subagents, running_call
 from agentbox.agent.tool_host import SessionToolHost
 from agentbox.config import MachineConfig
+from agentbox.machines.base import Machine
 from agentbox.machines.errors import MachineError, MachineNotFound
+from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.registry import Entry, Registry
 from agentbox.store.approvals import Approval
 from agentbox.store.baselines import BaselineStore
@@ -392,7 +394,10 @@ class Worker:
         """Put the message's files in the workspace, once (seed 000: /workspace/inputs)."""
         if not turn.files or _placed(await self.store.transcript(session.id), turn.id):
             return
-        placed = await place_inputs(await self._machine(session), self.files, turn.files)
+        machine = await self._machine(session)
+        if machine is None:
+            raise PlacementError("input files need a machine to be placed in; this session has none")
+        placed = await place_inputs(machine, self.files, turn.files)
         self.bus.publish(await self.store.record_placement(turn.id, [p.to_dict() for p in placed]))
 
     async def _recover(self, loop: TurnLoop, turn: Turn) -> TurnEnded:
@@ -574,18 +579,27 @@ class Worker:
     async def _surroundings(self, session: Session, host: SessionToolHost) -> Surroundings:
         """What the prompt describes now; also refreshes the subagents' roster and facts."""
         session = await self.store.get_session(session.id)
-        machine = None if session.machine == NO_MACHINE else self.registry.view(session.id, session.machine)
-        skills = catalog(machine, host.tools.config) if machine is not None else []
+        machine = await self._described(session)
+        skills = await catalog(machine, host.tools.config) if machine is not None else []
         agents: list[Any] = []
         if host.subagents is not None:
-            found = load_agents(machine, self.registry.settings.agents)
+            found = await load_agents(machine, self.registry.settings.agents)
             host.subagents.agents = found.agents
-            host.subagents.system_facts = facts(machine, date.today())
+            host.subagents.system_facts = await facts(machine, date.today())
             agents = roster(found.agents)
         return Surroundings(
             instructions=session.instructions, permission_mode=session.permission_mode, machine=machine,
             tools=host.specs(), skills=skills, subagents=agents,
         )  # fmt: skip
+
+    async def _described(self, session: Session) -> Machine | None:
+        """The machine the prompt describes. One with host files as the registry shows it without
+        starting it; any other is opened, since its files are read through it (and a copy that
+        is not the registry's would hold a connection of its own)."""
+        if session.machine == NO_MACHINE:
+            return None
+        shown = self.registry.view(session.id, session.machine)
+        return shown if isinstance(shown, HostFiles) else await self._machine(session)
 
     async def _services(self, session: Session) -> MachineServices | None:
         """The session's machine, opened (or resumed), with its services; None for a session without one."""
@@ -593,7 +607,7 @@ class Worker:
             return None
         return await self.services.get(session.id, session.machine)
 
-    async def _machine(self, session: Session) -> Any:
+    async def _machine(self, session: Session) -> Machine | None:
         services = await self._services(session)
         return services.machine if services is not None else None
 

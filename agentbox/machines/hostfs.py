@@ -10,6 +10,7 @@ machine's default owner so that its processes can use them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import posixpath
@@ -24,6 +25,8 @@ from agentbox.machines.hostview import HostView
 Owner = tuple[int, int]
 #: Flags of the part `write_stream` stages beside its target.
 _PART_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Flags of a file `create` makes (the view adds no-follow and close-on-exec).
+_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 
 
 def to_stat(inside: str, st: os.stat_result, is_symlink: bool = False) -> FileStat:
@@ -117,6 +120,26 @@ class HostFiles:
             except OSError:
                 pass
             raise
+        return size
+
+    async def create(self, path: str, chunks: AsyncIterable[bytes], *, limit: int) -> int:
+        fd = self.view.open(path, _NEW_FLAGS, 0o644, follow=False)
+        size = 0
+        try:
+            owner = self.default_owner()
+            if owner is not None:
+                os.fchown(fd, *owner)
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise OSError(errno.EFBIG, f"{path} would be larger than {limit} bytes", path)
+                await asyncio.to_thread(_write_all, fd, chunk)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError, MachineError):
+                self.view.unlink(path)
+            raise
+        os.close(fd)
         return size
 
     async def write(self, path: str, data: bytes) -> None:

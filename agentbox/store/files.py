@@ -124,26 +124,10 @@ class FileStore:
     ) -> dict[str, Any]:
         """Store a copy of the regular file at `host_path` (a final symlink is refused, not followed).
 
-        For files the server itself trusts the path of; a machine's files go through `put_fd`.
+        For files the server itself trusts the path of; a machine's files go through `put_stream`.
         """
         _check_name(filename, source)
         blob = await asyncio.to_thread(self._copy_file, Path(host_path), max_bytes)
-        return await self._commit(blob, filename, session_id, source, turn_id, tool_use_id)
-
-    async def put_fd(
-        self,
-        fd: int,
-        filename: str,
-        *,
-        session_id: str | None,
-        source: str,
-        turn_id: str | None = None,
-        tool_use_id: str | None = None,
-        max_bytes: int = MAX_FILE_BYTES,
-    ) -> dict[str, Any]:
-        """Store a copy of the regular file open as `fd` (the caller keeps and closes it)."""
-        _check_name(filename, source)
-        blob = await asyncio.to_thread(self._copy_fd, fd, filename, max_bytes)
         return await self._commit(blob, filename, session_id, source, turn_id, tool_use_id)
 
     async def put_stream(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -133,17 +133,19 @@ class FileStore(Protocol):
         """Store a copy of a host file; returns its record ({id, filename, bytes, sha256, created_at})."""
         ...
 
-    async def put_fd(
+    async def put_stream(
         self,
-        fd: int,
+        chunks: AsyncIterable[bytes],
         filename: str,
         *,
         session_id: str | None,
         source: str,
         turn_id: str | None = None,
         tool_use_id: str | None = None,
+        max_bytes: int = ...,
     ) -> dict[str, Any]:
-        """Store a copy of a file open as `fd` (a machine's file, opened by descriptor)."""
+        """Store bytes as they arrive (a machine's file, read through its file operations);
+        past `max_bytes` nothing is kept."""
         ...
 
 

@@ -13,22 +13,26 @@ too big, the limit reached, the store failing) is reported and not listed; the c
 Delivering is the model's bookkeeping (`Action.META`), except that a file whose real
 location is outside the machine's workspace root is an external read: it is authorized as
 `Action.READ_EXTERNAL` first (on a `local` machine that is the host's own files).
+
+The bytes are streamed into the store through the machine's file operations
+(`workspace/fileops.py`): on host files by descriptor, never through a link swapped in and
+never from another inode than the one checked; through the protocol (ssh) by offset, and
+never from a file whose size or modification time changed since it was checked. Through the
+protocol a path's real location is its lexical one (where a link leads cannot be seen).
 """
 
 from __future__ import annotations
 
-import os
 import posixpath
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from agentbox.machines.errors import MachineError
-from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.base import Machine
 from agentbox.store.files import MAX_FILE_BYTES, FileStoreError
-from agentbox.workspace import files as ws_files
-from agentbox.workspace.errors import WorkspaceError, translate
+from agentbox.workspace.errors import WorkspaceError
+from agentbox.workspace.fileops import file_ops, within
 
 from .base import Action, Tool, ToolContext, ToolResult
 
@@ -93,17 +97,14 @@ async def run_deliver(ctx: ToolContext, params: DeliverParams) -> ToolResult:
 
 async def deliver_one(ctx: ToolContext, path: str) -> dict[str, Any]:
     """Copy one file of the machine into the file store; its record."""
-    machine = ctx.machine
+    machine: Machine = ctx.machine
     assert ctx.files is not None
-    if not isinstance(machine, HostFiles):
-        raise DeliveryFailed("this machine's files cannot be delivered yet (its files are not host files)")
     try:
-        target = ws_files.download(machine, path)
-        real = target.path
+        target = await file_ops(machine).download(path)
     except WorkspaceError as exc:
         raise DeliveryFailed(_reason(exc)) from exc
-    if not _within_root(machine.root, real):
-        refusal = await ctx.authorize(Action.READ_EXTERNAL, "deliver_file", {"path": real})
+    if not within(machine.root, target.path):
+        refusal = await ctx.authorize(Action.READ_EXTERNAL, "deliver_file", {"path": target.path})
         if refusal is not None:
             raise DeliveryFailed(refusal)
     if target.size > MAX_DELIVERY_BYTES:
@@ -111,26 +112,18 @@ async def deliver_one(ctx: ToolContext, path: str) -> dict[str, Any]:
             f"it is {target.size} bytes, more than the {MAX_DELIVERY_BYTES // (1024 * 1024)} MiB a file may be"
         )
     try:
-        fd = machine.view.open(target.path, os.O_RDONLY, follow=False)
-    except (OSError, MachineError) as exc:
-        raise DeliveryFailed(_reason(translate(exc, "download", path))) from exc
-    try:
-        return await ctx.files.put_fd(
-            fd,
+        return await ctx.files.put_stream(
+            target.chunks(0, None),
             posixpath.basename(target.path),
             session_id=ctx.session_id,
             source="delivery",
             turn_id=ctx.turn_id,
+            max_bytes=MAX_DELIVERY_BYTES,
         )
+    except WorkspaceError as exc:  # the machine's side: replaced, gone or unreadable while copied
+        raise DeliveryFailed(_reason(exc)) from exc
     except (FileStoreError, OSError) as exc:
         raise DeliveryFailed(f"the file store refused it: {exc}") from exc
-    finally:
-        os.close(fd)
-
-
-def _within_root(root: str, inside: str) -> bool:
-    base = root.rstrip("/")
-    return inside == root or inside.startswith(base + "/") or base == ""
 
 
 def _reason(exc: WorkspaceError) -> str:

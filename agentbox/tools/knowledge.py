@@ -38,6 +38,10 @@ hub and refreshed before the first search, closed with the services. Its file is
 `index_path(machine)`: beside the workspace directory for an isolated (per-session) machine,
 `<session dir>/knowledge.sqlite`, never inside `/workspace`; under `$AGENTBOX_HOME/knowledge/`
 for a shared machine, whose root's parent is not ours to write.
+
+Only a machine with host files has an index: the scan reads every note by descriptor in a
+worker thread. On any other machine (ssh) the tool says so (`KnowledgeUnavailable`) and
+names grep and glob, which work there.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from agentbox.config import default_home
+from agentbox.machines.base import Machine
 from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import Node
@@ -663,6 +668,10 @@ def _connect(db_path: Path) -> sqlite3.Connection:
     raise AssertionError("unreachable")
 
 
+class KnowledgeUnavailable(Exception):
+    """The machine cannot have an index (its files are not host files); the message says what to use."""
+
+
 def _read_capped(machine: HostFiles, inside: str) -> tuple[os.stat_result, bytes | None]:
     """A regular file's stat and bytes (None when over MAX_INDEXED_FILE_BYTES), never via a final
     symlink: opened through the machine's descriptor view (a FIFO or device is refused, not opened)."""
@@ -1061,20 +1070,27 @@ def _snippet_text(raw: str) -> str:
 # ---------------------------------------------------------------- one index per machine
 
 
-def index_path(machine: Any) -> Path:
+def index_path(machine: Machine) -> Path:
     """Where a machine's index lives: beside an isolated machine's workspace directory (its
     session directory), else under `$AGENTBOX_HOME/knowledge/` by machine and root."""
-    if machine.isolated:
-        return Path(machine.workspace).parent / INDEX_FILENAME
+    workspace = getattr(machine, "workspace", None)  # the host folder of an isolated machine's root
+    if machine.isolated and workspace is not None:
+        return Path(workspace).parent / INDEX_FILENAME
     digest = hashlib.sha256(str(machine.root).encode()).hexdigest()[:16]
     return default_home() / "knowledge" / f"{machine.name}-{digest}.sqlite"
 
 
-async def open_index(machine: Any, hub: WatchHub, db_path: Path | None = None) -> KnowledgeIndex:
+async def open_index(machine: Machine, hub: WatchHub, db_path: Path | None = None) -> KnowledgeIndex:
     """A machine's index, following its changes through `hub`, refreshed; the caller closes it.
 
-    One per machine: `agentbox.tools.services.MachineServices.knowledge` keeps it.
+    One per machine: `agentbox.tools.services.MachineServices.knowledge` keeps it. Only a
+    machine with host files has one (`KnowledgeUnavailable` otherwise).
     """
+    if not isinstance(machine, HostFiles):
+        raise KnowledgeUnavailable(
+            f"machine {machine.name!r} ({machine.kind}) has no host files, and the knowledge index reads "
+            "every note by descriptor; use grep or glob to search its files"
+        )
     index = await asyncio.to_thread(KnowledgeIndex, db_path or index_path(machine), machine)
     try:
         await index.attach(hub)
@@ -1209,7 +1225,7 @@ async def run_search(ctx: ToolContext, params: SearchParams) -> ToolResult:
         outcome = await index.search(params.query, filters, limit)
     except SearchInputError as exc:
         return ToolResult.error(str(exc))
-    except (WorkspaceError, MachineError, OSError, sqlite3.Error) as exc:
+    except (KnowledgeUnavailable, WorkspaceError, MachineError, OSError, sqlite3.Error) as exc:
         return ToolResult.error(f"Knowledge search is unavailable: {exc}")
     notes = filter_notes + notes
     if outcome.dropped_terms:

@@ -3,16 +3,18 @@
 A skill is a folder holding `SKILL.md` (YAML frontmatter + markdown instructions) and any
 supporting files, in the open Agent Skills format. Skills are found in two places:
 
-- the workspace: `<root>/.agents/skills/<name>/SKILL.md`, through the machine's descriptor
-  view (`machine.view`), so a link can never lead out of the machine and a FIFO or device
-  swapped in is refused rather than opened; their files are ordinary workspace files the
-  model can also read or run;
+- the workspace: `<root>/.agents/skills/<name>/SKILL.md`, through the machine's file
+  operations (`workspace/fileops.py`), whatever its kind; their files are ordinary workspace
+  files the model can also read or run;
 - folders the server is configured with (`ToolConfig.skill_dirs`), host folders the machine
   cannot see: their files are read only through `read_skill_resource`, through a view of
-  that one folder (so their links cannot lead out of it either).
+  that one folder (`SkillFolder`, so their links cannot lead out of it either).
 
-Every skill carries the view its files are read through (`Skill.view`) and its folder in
-that view (`Skill.dir`, links resolved).
+Every skill carries the file operations its files are read through (`Skill.files`) and its
+folder there (`Skill.dir`, links resolved). On host files (and a configured folder) links
+are followed by descriptor inside the machine (or folder) only, and a FIFO or device swapped
+in is refused rather than opened. Through the protocol (ssh), where a link's target cannot be
+seen, no link inside the workspace is followed at all, and only regular files are opened.
 
 Frontmatter rules (Flue a.11): `name` is lowercase letters, digits and single hyphens, at most
 `MAX_NAME_CHARS`, and equals the folder name; `description` is non-empty, at most
@@ -36,8 +38,7 @@ import logging
 import os
 import posixpath
 import re
-import stat as stat_mod
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -46,8 +47,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field
 
+from agentbox.machines.base import FileStat, Machine
 from agentbox.machines.errors import MachineError
+from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import HostView, Mount
+from agentbox.workspace.fileops import FileOps, HostOps, file_ops
 
 from .base import Action, Tool, ToolConfig, ToolContext, ToolResult
 
@@ -83,10 +87,10 @@ Source = Literal["workspace", "configured"]
 class Skill:
     name: str
     description: str
-    view: HostView = field(compare=False, repr=False)
-    """What the skill's files are read through: the machine's view, or one of its configured folder."""
+    files: FileOps = field(compare=False, repr=False)
+    """What the skill's files are read through: the machine's file operations, or its configured folder's."""
     dir: str
-    """The skill's folder in `view`, links resolved."""
+    """The skill's folder in `files`, links resolved."""
     base_dir: str
     """The folder as the model can name it: an inside path for workspace skills, else the host path."""
     source: Source
@@ -111,17 +115,27 @@ class SkillError(Exception):
     """Why one skill folder is not a usable skill (becomes a warning)."""
 
 
+class SkillFolder(HostFiles):
+    """A configured skill folder as host files of its own: one read-only mount, its own root."""
+
+    def __init__(self, root: Path) -> None:
+        self.name = "skills"
+        self.root = str(root)
+        self.ripgrep = ""
+        self.view = HostView([Mount(str(root), root, writable=False)], str(root))
+
+
 # -- discovery ---------------------------------------------------------------------------
 
 
-def discover(machine: Any, config: ToolConfig) -> Discovery:
+async def discover(machine: Machine, config: ToolConfig) -> Discovery:
     """Every valid skill (sorted by name) and a warning for each folder skipped."""
     warnings: list[str] = []
     found: dict[str, Skill] = {}
-    candidates = [*_configured(config, warnings), *_in_workspace(machine, warnings)]
+    candidates = [*_configured(config, warnings), *await _in_workspace(machine, warnings)]
     for where, load in candidates:
         try:
-            skill = load()
+            skill = await load()
         except SkillError as exc:
             warnings.append(f"skipped skill {where}: {exc}")
             continue
@@ -137,9 +151,9 @@ def discover(machine: Any, config: ToolConfig) -> Discovery:
     return Discovery(sorted(found.values(), key=lambda s: s.name), warnings)
 
 
-def catalog(machine: Any, config: ToolConfig) -> list[Skill]:
+async def catalog(machine: Machine, config: ToolConfig) -> list[Skill]:
     """The skills to offer (the system prompt's catalog); skipped ones are logged."""
-    found = discover(machine, config)
+    found = await discover(machine, config)
     for warning in found.warnings:
         log.warning("%s", warning)
     return found.skills
@@ -150,7 +164,7 @@ def catalog_text(skills: list[Skill]) -> str:
     return "\n".join(skill.catalog_line() for skill in skills)
 
 
-Loader = tuple[str, Callable[[], Skill]]
+Loader = tuple[str, Callable[[], Awaitable[Skill]]]
 
 
 def _configured(config: ToolConfig, warnings: list[str]) -> list[Loader]:
@@ -162,19 +176,19 @@ def _configured(config: ToolConfig, warnings: list[str]) -> list[Loader]:
         except OSError as exc:
             warnings.append(f"skill folder {folder} cannot be read: {exc.strerror or exc}")
             continue
-        view = HostView([Mount(str(root), root, writable=False)], str(root))
+        ops = HostOps(SkillFolder(root))
         for name in entries:
             directory = root / name
             if directory.is_dir():
-                loaders.append((str(directory), partial(_load, view, str(directory), name, "configured")))
+                loaders.append((str(directory), partial(_load, ops, str(directory), name, "configured")))
     return loaders
 
 
-def _in_workspace(machine: Any, warnings: list[str]) -> list[Loader]:
+async def _in_workspace(machine: Machine, warnings: list[str]) -> list[Loader]:
     inside = posixpath.join(machine.root, WORKSPACE_SKILLS_DIR)
-    view: HostView = machine.view
+    ops = file_ops(machine)
     try:
-        entries = [name for name, st in view.listdir(inside) if _maybe_folder(name, st)]
+        entries = [e.name for e in await ops.listdir(inside) if _maybe_folder(e.name, e.stat)]
     except FileNotFoundError:
         return []
     except Exception as exc:  # not a folder, a link out of the machine, unreadable
@@ -183,39 +197,43 @@ def _in_workspace(machine: Any, warnings: list[str]) -> list[Loader]:
     loaders: list[Loader] = []
     for name in entries:
         path = f"{inside}/{name}"
-        loaders.append((path, partial(_load, view, path, name, "workspace")))
+        loaders.append((path, partial(_load, ops, path, name, "workspace")))
     return loaders
 
 
-def _maybe_folder(name: str, st: os.stat_result) -> bool:
-    """A skill candidate: a visible folder, or a link (followed later through the view)."""
-    return not name.startswith(".") and (stat_mod.S_ISDIR(st.st_mode) or stat_mod.S_ISLNK(st.st_mode))
+def _maybe_folder(name: str, st: FileStat) -> bool:
+    """A skill candidate: a visible folder, or a link (followed later, where it can be checked)."""
+    return not name.startswith(".") and (st.is_dir or st.is_symlink)
 
 
-def _load(view: HostView, path: str, name: str, source: Source) -> Skill:
-    """The skill in folder `path` of `view`; links are followed inside the view, never out of it."""
+async def _load(ops: FileOps, path: str, name: str, source: Source) -> Skill:
+    """The skill in folder `path`; links are followed inside the machine (or folder), never out of it."""
     try:
-        directory = view.resolve(path)
-        if not stat_mod.S_ISDIR(view.stat(directory).st_mode):
+        directory = await ops.contained("/", path)
+        if directory is None:
+            raise SkillError("it is a link, and where it leads cannot be checked on this machine")
+        st = await ops.lstat(directory, follow=True)
+        if st is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        if not st.is_dir:
             raise SkillError("not a folder")
-        skill_md = view.resolve(f"{directory}/{SKILL_FILE}")
+        skill_md = await ops.contained(directory, f"{directory}/{SKILL_FILE}")
     except FileNotFoundError:
         raise SkillError(f"no {SKILL_FILE}") from None
     except (OSError, MachineError) as exc:  # PathEscape and friends: the view refused the path
         raise SkillError(str(exc)) from exc
-    if not _below(skill_md, directory):
+    if skill_md is None:
         raise SkillError(f"{SKILL_FILE} is a link out of the skill's folder")
     base_dir = directory if source == "workspace" else path
-    return _parse(_read_skill_file(view, skill_md), name, view, directory, base_dir, source)
+    return _parse(await _read_skill_file(ops, skill_md), name, ops, directory, base_dir, source)
 
 
-def _below(path: str, folder: str) -> bool:
-    return path.startswith(folder.rstrip("/") + "/")
-
-
-def _read_skill_file(view: HostView, path: str) -> str:
+async def _read_skill_file(ops: FileOps, path: str) -> str:
     try:
-        data = view.read_bytes(path, MAX_SKILL_FILE_BYTES)
+        st = await ops.lstat(path, follow=True)
+        if st is not None and not st.is_file:  # refused before it is opened: a FIFO would block
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        data = await ops.read_bytes(path, MAX_SKILL_FILE_BYTES)
     except FileNotFoundError:
         raise SkillError(f"no {SKILL_FILE}") from None
     except (OSError, MachineError) as exc:
@@ -247,7 +265,7 @@ def split_frontmatter(text: str) -> tuple[dict[str, Any], str]:
     return data, "".join(lines[end + 1 :]).strip("\n")
 
 
-def _parse(text: str, folder: str, view: HostView, directory: str, base_dir: str, source: Source) -> Skill:
+def _parse(text: str, folder: str, ops: FileOps, directory: str, base_dir: str, source: Source) -> Skill:
     data, body = split_frontmatter(text)
     name = data.get("name")
     if not isinstance(name, str) or not name:
@@ -272,7 +290,7 @@ def _parse(text: str, folder: str, view: HostView, directory: str, base_dir: str
     return Skill(
         name=name,
         description=description.strip(),
-        view=view,
+        files=ops,
         dir=directory,
         base_dir=base_dir,
         source=source,
@@ -293,17 +311,17 @@ def _optional_text(data: dict[str, Any], key: str) -> str | None:
     return str(value)
 
 
-def resources(machine: Any, skill: Skill) -> list[str]:
+async def resources(skill: Skill) -> list[str]:
     """The skill's files other than SKILL.md, relative and sorted; links out of the folder left out."""
     found: list[str] = []
-    for node in skill.view.walk(skill.dir, descend=lambda n: n.name not in SKIPPED_DIRS):
-        if node.is_dir:
+    for node in await skill.files.walk(skill.dir, descend=lambda n: n.name not in SKIPPED_DIRS):
+        if node.stat.is_dir and not node.stat.is_symlink:
             continue
         rel = node.rel
         if rel == SKILL_FILE:
             continue
         try:
-            locate(machine, skill, rel)
+            await locate(skill, rel)
         except SkillError:
             continue
         found.append(rel)
@@ -344,16 +362,16 @@ def _miss(name: str, skills: list[Skill]) -> ToolResult:
     return ToolResult.text(f'Skill "{name}" is not available. Available skills: {available}.')
 
 
-def _find(ctx: ToolContext, name: str) -> tuple[Skill | None, list[Skill]]:
-    skills = discover(ctx.machine, ctx.config).skills
+async def _find(ctx: ToolContext, name: str) -> tuple[Skill | None, list[Skill]]:
+    skills = (await discover(ctx.machine, ctx.config)).skills
     return next((s for s in skills if s.name == name), None), skills
 
 
 async def run_use_skill(ctx: ToolContext, params: UseSkillParams) -> ToolResult:
-    skill, skills = _find(ctx, params.name.strip())
+    skill, skills = await _find(ctx, params.name.strip())
     if skill is None:
         return _miss(params.name, skills)
-    files = resources(ctx.machine, skill)
+    files = await resources(skill)
     parts = [
         f'Run the skill named "{skill.name}".',
         "<skill_instructions>",
@@ -382,14 +400,14 @@ async def run_use_skill(ctx: ToolContext, params: UseSkillParams) -> ToolResult:
 
 
 async def run_read_resource(ctx: ToolContext, params: ReadResourceParams) -> ToolResult:
-    skill, skills = _find(ctx, params.name.strip())
+    skill, skills = await _find(ctx, params.name.strip())
     if skill is None:
         return _miss(params.name, skills)
     if params.offset < 0:
         return ToolResult.error(f"offset must be 0 or more, got {params.offset}.")
     try:
-        inside = locate(ctx.machine, skill, params.path)
-        data = _read_resource(skill.view, inside, params.path)
+        inside = await locate(skill, params.path)
+        data = await _read_resource(skill.files, inside, params.path)
     except SkillError as exc:
         return ToolResult.error(str(exc))
     text = data.decode("utf-8")
@@ -408,37 +426,40 @@ async def run_read_resource(ctx: ToolContext, params: ReadResourceParams) -> Too
     )
 
 
-def locate(machine: Any, skill: Skill, rel: str) -> str:
-    """The path of a skill's file in its view, links followed; `SkillError` for anything leaving
-    the skill's folder (links are followed as the skill's view sees them, never out of it)."""
+async def locate(skill: Skill, rel: str) -> str:
+    """The path of a skill's file, links followed; `SkillError` for anything leaving the skill's
+    folder (links are followed only where they can be checked, never out of the folder)."""
     clean = posixpath.normpath(rel.strip()) if rel.strip() else ""
     if not clean or clean == "." or clean.startswith("/") or clean == ".." or clean.startswith("../"):
         raise SkillError(
             f"{rel!r} is not a path inside the skill {skill.name!r}: give a relative path like `scripts/run.py`."
         )
     try:
-        real = skill.view.resolve(f"{skill.dir}/{clean}")
+        real = await skill.files.contained(skill.dir, f"{skill.dir}/{clean}")
     except FileNotFoundError:
         raise SkillError(f"The skill {skill.name!r} has no file {clean}.") from None
     except Exception as exc:  # the view refused the path (a link out of it)
         raise SkillError(f"{rel!r} cannot be read: {exc}") from exc
-    if not _below(real, skill.dir):
+    if real is None:
         raise SkillError(f"{rel!r} leads out of the skill {skill.name!r}; only its own files can be read.")
-    if not skill.view.exists(real):
-        raise SkillError(f"The skill {skill.name!r} has no file {clean}.")
     return real
 
 
-def _read_resource(view: HostView, inside: str, rel: str) -> bytes:
-    info = view.stat(inside)
-    if stat_mod.S_ISDIR(info.st_mode):
+async def _read_resource(ops: FileOps, inside: str, rel: str) -> bytes:
+    try:
+        info = await ops.lstat(inside, follow=True)
+    except (OSError, MachineError) as exc:
+        raise SkillError(f"{rel} cannot be read: {exc}") from None
+    if info is None:
+        raise SkillError(f"{rel} cannot be read: it is gone")
+    if info.is_dir:
         raise SkillError(f"{rel} is a folder; use_skill lists the skill's files.")
-    if not stat_mod.S_ISREG(info.st_mode):
+    if not info.is_file:
         raise SkillError(f"{rel} is not a regular file.")
-    if info.st_size > MAX_RESOURCE_BYTES:
+    if info.size > MAX_RESOURCE_BYTES:
         raise SkillError(f"{rel} is larger than {MAX_RESOURCE_BYTES} bytes.")
     try:
-        data = view.read_bytes(inside, MAX_RESOURCE_BYTES)
+        data = await ops.read_bytes(inside, MAX_RESOURCE_BYTES)
     except (OSError, MachineError) as exc:
         raise SkillError(f"{rel} cannot be read: {exc}") from None
     try:

@@ -15,7 +15,9 @@ resolves them itself, so `resolve` there cannot see where a link leads.
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
+import os
 import posixpath
 import stat as stat_mod
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
@@ -25,7 +27,7 @@ from typing import Any, TypeVar
 from agentbox.machines.base import FileStat, Machine
 from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles, to_stat
-from agentbox.machines.hostview import Node
+from agentbox.machines.hostview import HostView, Node
 from agentbox.workspace import files, remote_files, remote_tree, tree
 from agentbox.workspace.errors import operation
 
@@ -99,6 +101,26 @@ class WalkNode:
 def within(root: str, inside: str) -> bool:
     base = root.rstrip("/")
     return inside == root or inside.startswith(base + "/") or base == ""
+
+
+def below(folder: str, inside: str) -> bool:
+    """Whether `inside` is strictly below `folder` (not the folder itself)."""
+    return inside != folder and within(folder, inside)
+
+
+def _head(view: HostView, path: str, length: int, follow: bool) -> bytes:
+    fd = view.open(path, os.O_RDONLY, follow=follow)
+    try:
+        if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        chunks: list[bytes] = []
+        left = length
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 class HostOps:
@@ -204,6 +226,28 @@ class HostOps:
         """Write in place (the inode is kept), created for the machine's default owner if missing."""
         owner = files.new_owner(self.machine, None)
         await self._offload(len(data), files.write_in_place, self.machine, path, data, owner=owner)
+
+    async def read_head(self, path: str, length: int, *, follow: bool = True) -> bytes:
+        """At most `length` bytes from the start of a regular file, by descriptor (a final link
+        followed inside the view only, or with `follow` False refused; a FIFO or device is
+        refused, never opened)."""
+        return await self._offload(length, _head, self.machine.view, path, length, follow)
+
+    async def create(self, path: str, chunks: AsyncIterable[bytes], *, limit: int) -> int:
+        """A new file, created exclusively (O_EXCL, no final link followed): `Machine.create`."""
+        return await self.machine.create(path, chunks, limit=limit)
+
+    async def contained(self, top: str, path: str) -> str | None:
+        """Where `path` leads when that is strictly below the folder `top` (both resolved
+        through the view, links followed inside the machine), else None. Missing: ENOENT."""
+        view = self.machine.view
+        real_top = top if top == "/" else view.resolve(top)  # the top of the view is its own resolution
+        real = view.resolve(path)
+        if not below(real_top, real):
+            return None
+        if not view.exists(real):  # a missing last name resolves as written
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        return real
 
     async def makedirs(self, path: str) -> None:
         self.machine.view.makedirs(path, owner=files.new_owner(self.machine, None))
@@ -328,6 +372,34 @@ class RemoteOps:
 
     async def write_bytes(self, path: str, data: bytes) -> None:
         await self.machine.write(self.shown_path(path), data)
+
+    async def read_head(self, path: str, length: int, *, follow: bool = True) -> bytes:
+        """At most `length` bytes from the start of a regular file (anything else is refused
+        before it is opened: a FIFO would block the machine's file channel). The machine
+        follows links itself, whatever `follow` says: check the path with `contained` first."""
+        files.require_regular(await remote_files.require_stat(self.machine, path), "read", path)
+        return await self.machine.read(self.shown_path(path), length=length)
+
+    async def create(self, path: str, chunks: AsyncIterable[bytes], *, limit: int) -> int:
+        return await self.machine.create(self.shown_path(path), chunks, limit=limit)
+
+    async def contained(self, top: str, path: str) -> str | None:
+        """`path` when it is strictly below the folder `top` with no link on the way, else None.
+
+        A link's target cannot be seen through the protocol, so any link is refused wherever
+        it leads; only the part below the machine's root is checked (what is above it is the
+        machine's own layout, not the workspace's content). Missing: ENOENT. The machine
+        follows paths itself, so this holds at the time of the check only."""
+        inside, top_inside = self.shown_path(path), self.shown_path(top)
+        if not below(top_inside, inside):
+            return None
+        base = self.machine.root if within(self.machine.root, inside) else top_inside
+        steps = [step for step in inside[len(base.rstrip("/")) + 1 :].split("/") if step]
+        paths = [posixpath.join(base, *steps[: n + 1]) for n in range(len(steps))]
+        stats = await asyncio.gather(*(self.machine.stat(p) for p in paths))
+        if any(st is None for st in stats):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        return None if any(st is not None and st.is_symlink for st in stats) else inside
 
     async def makedirs(self, path: str) -> None:
         await self.machine.mkdir(self.shown_path(path), parents=True)

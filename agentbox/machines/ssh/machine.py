@@ -550,6 +550,34 @@ class SshMachine:
         await self._files(path, op, idempotent=False)  # the chunks cannot be read twice
         return size
 
+    async def create(self, path: str, chunks: AsyncIterable[bytes], *, limit: int) -> int:
+        """Open the new file with SFTP's exclusive create (the server's O_CREAT | O_EXCL, which
+        follows no final link) and write it in place; on any failure it is removed."""
+        size = 0
+
+        async def op(sftp: asyncssh.SFTPClient, target: str) -> None:
+            nonlocal size
+            try:
+                f = await sftp.open(target, "xb")
+            except asyncssh.SFTPFailure:  # sftp v3 says "failure" for EEXIST
+                if await lstat_or_none(sftp, target) is not None:
+                    raise OSError(errno.EEXIST, "file exists", path) from None
+                raise
+            try:
+                async with f:
+                    async for chunk in chunks:
+                        size += len(chunk)
+                        if size > limit:
+                            raise OSError(errno.EFBIG, f"{path} would be larger than {limit} bytes", path)
+                        await f.write(chunk)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await sftp.remove(target)
+                raise
+
+        await self._files(path, op, idempotent=False)  # the chunks cannot be read twice
+        return size
+
     async def _staged(
         self,
         sftp: asyncssh.SFTPClient,
