@@ -414,7 +414,7 @@ def test_diff_of_a_new_file_and_a_missing_final_newline() -> None:
     assert diff.endswith("+b\n\\ No newline at end of file\n")
 
 
-def test_folder_file_counts_stop_at_the_limit(tmp_path: Path) -> None:
+async def test_folder_file_counts_stop_at_the_limit(tmp_path: Path) -> None:
     folder = tmp_path / "many"
     (folder / ".hidden").mkdir(parents=True)
     for i in range(MAX_COUNTED_FILES - 2):
@@ -422,9 +422,9 @@ def test_folder_file_counts_stop_at_the_limit(tmp_path: Path) -> None:
     (folder / ".hidden/a").touch()
     (folder / ".dot").touch()
     local = LocalMachine("count", folder)
-    assert count_files(local, str(folder)) == (MAX_COUNTED_FILES, 2, False)
+    assert await count_files(local, str(folder)) == (MAX_COUNTED_FILES, 2, False)
     (folder / "one-more").touch()
-    files, _, capped = count_files(local, str(folder))
+    files, _, capped = await count_files(local, str(folder))
     assert (files, capped) == (MAX_COUNTED_FILES, True)
 
 
@@ -433,17 +433,17 @@ async def test_review_records_counts_and_warnings(machine: LocalMachine, ws: Pat
     (ws / "proj/.env").write_text("x")
     (ws / "proj/a.py").write_text("y")
     (ws / "f.txt").write_text("old")
-    folder = review(machine, Operation("delete", "proj"), "edit")
+    folder = await review(machine, Operation("delete", "proj"), "edit")
     assert folder.files == 2 and folder.path == f"{machine.root}/proj"
     assert any("2 file(s), 1 of them hidden" in w for w in folder.warnings)
-    stale = review(
+    stale = await review(
         machine, Operation("edit", "f.txt", before="old", after="new", expect="sha256:x:1"), "edit"
     )
     assert any(w.startswith(STALE) for w in stale.warnings)
     assert (stale.before_chars, stale.after_chars, stale.files) == (3, 3, 1)
-    over = review(machine, Operation("write", "f.txt", before="old", after="newer"), "write")
+    over = await review(machine, Operation("write", "f.txt", before="old", after="newer"), "write")
     assert any("overwrites" in w for w in over.warnings)
-    outside = review(machine, Operation("write", "/tmp/agentbox-never-applied.txt", after="x"), "write")
+    outside = await review(machine, Operation("write", "/tmp/agentbox-never-applied.txt", after="x"), "write")
     assert any("outside the workspace root" in w for w in outside.warnings)
 
 
