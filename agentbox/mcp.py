@@ -297,10 +297,8 @@ def build_server(resolve: Resolve, instructions: str | None = None) -> Server[An
 
 def machine_line(tools: SessionTools) -> str:
     m = tools.machine
-    return (
-        f"Machine: {m.name} ({m.kind}, {m.os}), workspace {m.root}; session {tools.session_id}, "
-        f"permission tier {tools.tier}."
-    )
+    where = f"Machine: {m.name} ({m.kind}, {m.os}), workspace {m.root}" if m is not None else "No machine"
+    return f"{where}; session {tools.session_id}, permission tier {tools.tier}."
 
 
 # ---------------------------------------------------------------------------- stdio

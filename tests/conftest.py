@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -454,10 +456,15 @@ def ws(tmp_path: Path) -> Path:
 
 
 def host_fingerprint(path: Path | str) -> str:
-    """`tools.fingerprint` of a host file the test made (through a local machine's view of /)."""
+    """`tools.fingerprint` of a host file the test made (through a local machine's view of /).
+
+    Callable from sync tests and from inside a running event loop alike: the coroutine runs on
+    a loop of its own in a worker thread."""
     from agentbox.tools.fingerprint import fingerprint
 
-    return fingerprint(LocalMachine("fingerprint", Path(path).parent), str(path))
+    machine = LocalMachine("fingerprint", Path(path).parent)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, fingerprint(machine, str(path))).result()
 
 
 @pytest.fixture

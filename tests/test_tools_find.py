@@ -1,12 +1,13 @@
-"""`list`, `glob` and `grep` against a real sandbox and a local machine, caps at their boundaries."""
+"""`list`, `glob` and `grep` against a real sandbox, a local and an ssh machine, caps at their boundaries."""
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tools_read import DENIED, Box, box, local, make_png, sandbox, text_of
+from test_tools_read import DENIED, Box, box, host_box, local, make_png, sandbox, ssh, text_of
 
 from agentbox.tools.base import Action, ToolResult
 from agentbox.tools.find import (
@@ -24,7 +25,7 @@ from agentbox.tools.find import (
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-__all__ = ["box", "local", "sandbox"]  # fixtures shared with test_tools_read
+__all__ = ["box", "host_box", "local", "sandbox", "ssh"]  # fixtures shared with test_tools_read
 
 
 async def list_(b: Box, path: str, **params: Any) -> ToolResult:
@@ -40,9 +41,9 @@ async def grep(b: Box, pattern: str, path: str, **params: Any) -> ToolResult:
 
 
 def many(b: Box, folder: str, count: int, name: str = "f{:04d}.txt", content: str = "") -> None:
-    (b.h(folder)).mkdir(parents=True, exist_ok=True)
+    b.mkdir(folder)
     for n in range(count):
-        (b.h(folder) / name.format(n)).write_text(content)
+        b.write(posixpath.join(folder, name.format(n)), content)
 
 
 # --- list ------------------------------------------------------------------------------------------
@@ -53,7 +54,7 @@ async def test_list_shows_folders_first_with_sizes_and_kinds(box: Box) -> None:
     box.write("docs/report.pdf", b"%PDF-1.4")
     box.write("docs/photo.png", make_png())
     box.write("docs/.env", "SECRET=1")
-    box.h("docs/archive").mkdir()
+    box.mkdir("docs/archive")
     result = await list_(box, box.p("docs"))
     lines = text_of(result).splitlines()
     assert lines[0] == f"{box.p('docs')}:"
@@ -70,7 +71,7 @@ async def test_list_file_type_filter(box: Box) -> None:
     box.write("d/b.markdown", "b")
     box.write("d/c.txt", "c")
     box.write("d/script.py", "d")
-    box.h("d/sub").mkdir()
+    box.mkdir("d/sub")
     markdown = text_of(await list_(box, box.p("d"), fileType="markdown"))
     assert (
         "a.md" in markdown and "b.markdown" in markdown and "c.txt" not in markdown and "sub/" not in markdown

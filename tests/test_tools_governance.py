@@ -2,7 +2,11 @@
 real SQLite file, and seed 001's tier table cell by cell through the runner with real tools.
 
 Machines are `LocalMachine`s over tmp dirs (and a real bubblewrap sandbox where it matters);
-a cross-device move uses a real tmpfs mounted inside the workspace.
+a cross-device move uses a real tmpfs mounted inside the workspace. The tests marked
+`ON_EACH_KIND` run on a local machine and on an ssh machine (the real sshd of
+tests/conftest.py, on this host, whose files go through the `Machine` protocol only); the
+others are about host files by nature (inodes kept in place, links resolved inside the
+view, mounts), or about the tier table, which is the same whatever the kind.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import pwd
 import shutil
 import signal
 import stat
@@ -19,16 +24,18 @@ import sys
 import tempfile
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import host_fingerprint
+from conftest import Sshd, host_fingerprint, traversable
 from pydantic import BaseModel, Field
 
+from agentbox.machines.base import Machine
 from agentbox.machines.local import LocalMachine
+from agentbox.machines.ssh import SshMachine, SshOptions
 from agentbox.store.approvals import Approval, ApprovalsRepo
 from agentbox.store.changes import ChangesRepo, OperationNotPending
 from agentbox.store.db import Database
@@ -59,6 +66,58 @@ TURN = "trn_test"
 
 
 # ---------------------------------------------------------------- fixtures
+
+#: The kinds `ON_EACH_KIND` tests run on: host files by descriptor, and files through the protocol.
+KINDS = ["local", "ssh"]
+ON_EACH_KIND = pytest.mark.parametrize("kind", KINDS, indirect=True)
+
+
+@pytest.fixture
+def kind(request: pytest.FixtureRequest) -> str:
+    """The machine kind of the test: `local` unless `ON_EACH_KIND` says otherwise."""
+    return str(getattr(request, "param", "local"))
+
+
+@pytest.fixture
+def ws(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """An empty workspace folder; on ssh, one of the ssh user's."""
+    root = tmp_path / "ws"
+    if kind == "ssh":
+        sshd: Sshd = request.getfixturevalue("sshd")
+        return sshd.owned_dir(traversable(tmp_path, request.getfixturevalue("tmp_path_factory")) / "ws")
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+async def machine(kind: str, ws: Path, request: pytest.FixtureRequest) -> AsyncIterator[Machine]:
+    """A machine rooted at `ws`: local, or an ssh machine logged in to the test sshd."""
+    if kind != "ssh":
+        yield LocalMachine("local", ws)
+        return
+    sshd: Sshd = request.getfixturevalue("sshd")
+    ssh = SshMachine("ssh", SshOptions.from_options(sshd.options(root=str(ws))))
+    await ssh.start()
+    try:
+        yield ssh
+    finally:
+        await ssh.close()
+
+
+@pytest.fixture
+def own(kind: str, ws: Path, request: pytest.FixtureRequest) -> Callable[[], None]:
+    """Give what the test made in `ws` to the machine's user (a no-op where that is the test's).
+
+    A folder the test makes as root is not the ssh login's to write into or move."""
+
+    def give() -> None:
+        if kind != "ssh":
+            return
+        entry = pwd.getpwnam(request.getfixturevalue("sshd").user)
+        for path in [ws, *ws.rglob("*")]:
+            os.lchown(path, entry.pw_uid, entry.pw_gid)
+
+    return give
 
 
 @pytest.fixture
@@ -184,7 +243,8 @@ def test_fingerprint_of_missing_or_folder_is_absent(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- apply_operations
 
 
-async def test_write_creates_a_new_file_and_never_replaces_one(machine: LocalMachine, ws: Path) -> None:
+@ON_EACH_KIND
+async def test_write_creates_a_new_file_and_never_replaces_one(machine: Machine, ws: Path) -> None:
     [made] = await apply_operations(machine, [Operation("write", "new.txt", after="héllo\n", expect=ABSENT)])
     assert made.ok and (ws / "new.txt").read_bytes() == "héllo\n".encode()
     (ws / "taken.txt").write_text("keep me")
@@ -196,6 +256,7 @@ async def test_write_creates_a_new_file_and_never_replaces_one(machine: LocalMac
     assert not (ws / "no").exists()
 
 
+# Host files only: the inode is kept by an in-place write; the protocol writes by atomic rename.
 async def test_planned_overwrite_keeps_the_inode_and_refuses_when_stale(
     machine: LocalMachine, ws: Path
 ) -> None:
@@ -219,6 +280,7 @@ async def test_planned_overwrite_keeps_the_inode_and_refuses_when_stale(
     assert by_print.ok and target.read_text() == "y"
 
 
+# Host files only: the inode is kept by an in-place write; the protocol writes by atomic rename.
 async def test_edit_writes_in_place_and_keeps_bom_and_crlf(machine: LocalMachine, ws: Path) -> None:
     target = ws / "win.txt"
     raw = "\ufeffone\r\ntwo\r\n".encode()
@@ -234,7 +296,8 @@ async def test_edit_writes_in_place_and_keeps_bom_and_crlf(machine: LocalMachine
     assert inode(target) == before_inode
 
 
-async def test_stale_edit_fails_and_clobbers_nothing(machine: LocalMachine, ws: Path) -> None:
+@ON_EACH_KIND
+async def test_stale_edit_fails_and_clobbers_nothing(machine: Machine, ws: Path) -> None:
     target = ws / "a.txt"
     target.write_text("planned against this\n")
     op = Operation(
@@ -253,8 +316,9 @@ async def test_stale_edit_fails_and_clobbers_nothing(machine: LocalMachine, ws: 
     assert not target.exists()
 
 
+@ON_EACH_KIND
 async def test_mkdir_creates_ancestors_accepts_an_existing_folder_refuses_a_file(
-    machine: LocalMachine, ws: Path
+    machine: Machine, ws: Path
 ) -> None:
     [made] = await apply_operations(machine, [Operation("mkdir", "a/b/c")])
     assert made.ok and (ws / "a/b/c").is_dir()
@@ -265,7 +329,10 @@ async def test_mkdir_creates_ancestors_accepts_an_existing_folder_refuses_a_file
     assert blocked.status == "failed" and (ws / "file").read_text() == "x"
 
 
-async def test_move_and_rename_never_replace_a_target(machine: LocalMachine, ws: Path) -> None:
+@ON_EACH_KIND
+async def test_move_and_rename_never_replace_a_target(
+    machine: Machine, ws: Path, own: Callable[[], None]
+) -> None:
     (ws / "a.txt").write_text("a")
     (ws / "b.txt").write_text("b")
     [refused] = await apply_operations(machine, [Operation("move", "a.txt", dest="b.txt")])
@@ -274,12 +341,14 @@ async def test_move_and_rename_never_replace_a_target(machine: LocalMachine, ws:
     [no_folder] = await apply_operations(machine, [Operation("move", "a.txt", dest="missing/a.txt")])
     assert no_folder.status == "failed" and (ws / "a.txt").exists()
     (ws / "d").mkdir()
+    own()
     [moved] = await apply_operations(machine, [Operation("move", "a.txt", dest="d/a.txt")])
     assert moved.ok and (ws / "d/a.txt").read_text() == "a" and not (ws / "a.txt").exists()
     [renamed] = await apply_operations(machine, [Operation("rename", "d", dest="e")])
     assert renamed.ok and (ws / "e/a.txt").read_text() == "a"
 
 
+# Host files only: mounts are facts of the descriptor view; through the protocol they are unknown.
 async def test_cross_device_move_fails_and_keeps_the_source(
     machine: LocalMachine, ws: Path, other_device: Path
 ) -> None:
@@ -293,9 +362,13 @@ async def test_cross_device_move_fails_and_keeps_the_source(
     assert not (other_device / "a.txt").exists()
 
 
-async def test_delete_moves_to_the_trash_and_can_be_restored(machine: LocalMachine, ws: Path) -> None:
+@ON_EACH_KIND
+async def test_delete_moves_to_the_trash_and_can_be_restored(
+    machine: Machine, ws: Path, own: Callable[[], None]
+) -> None:
     (ws / "docs").mkdir()
     (ws / "docs/a.md").write_text("keep this")
+    own()
     [done] = await apply_operations(machine, [Operation("delete", "docs/a.md")])
     assert done.ok and done.trash_path is not None
     assert not (ws / "docs/a.md").exists()
@@ -308,11 +381,15 @@ async def test_delete_moves_to_the_trash_and_can_be_restored(machine: LocalMachi
     assert restored.ok and (ws / "docs/a.md").read_text() == "keep this"
 
 
-async def test_deleting_a_folder_keeps_hidden_contents_in_the_trash(machine: LocalMachine, ws: Path) -> None:
+@ON_EACH_KIND
+async def test_deleting_a_folder_keeps_hidden_contents_in_the_trash(
+    machine: Machine, ws: Path, own: Callable[[], None]
+) -> None:
     (ws / "proj/.git").mkdir(parents=True)
     (ws / "proj/.git/HEAD").write_text("ref")
     (ws / "proj/.env").write_text("A=1")
     (ws / "proj/main.py").write_text("print()")
+    own()
     [one, two] = await apply_operations(machine, [Operation("delete", "proj"), Operation("delete", "other")])
     assert one.ok and two.status == "failed"  # nothing at "other": a failed delete, not an error
     assert not (ws / "proj").exists()
@@ -322,10 +399,12 @@ async def test_deleting_a_folder_keeps_hidden_contents_in_the_trash(machine: Loc
     ]  # fmt: skip
     # Two deletes of the same path never collide in the trash.
     (ws / "proj").mkdir()
+    own()
     [again] = await apply_operations(machine, [Operation("delete", "proj")])
     assert again.ok and again.trash_path != one.trash_path
 
 
+# Host files only: mounts are facts of the descriptor view; through the protocol they are unknown.
 async def test_a_delete_that_cannot_reach_the_trash_deletes_nothing(
     machine: LocalMachine, ws: Path, other_device: Path
 ) -> None:
@@ -338,6 +417,7 @@ async def test_a_delete_that_cannot_reach_the_trash_deletes_nothing(
     assert not trash.exists() or list(trash.iterdir()) == []  # its own empty folders are undone
 
 
+# Host files only: an escaping link is seen by resolving it inside the view; the protocol is lexical.
 async def test_the_root_escaping_links_overlaps_and_the_trash_are_refused(
     machine: LocalMachine, ws: Path, tmp_path: Path
 ) -> None:
@@ -377,7 +457,8 @@ async def test_the_root_escaping_links_overlaps_and_the_trash_are_refused(
     assert (outside / "secret.txt").read_text() == "outside"
 
 
-async def test_after_a_failure_the_rest_of_the_batch_is_skipped(machine: LocalMachine, ws: Path) -> None:
+@ON_EACH_KIND
+async def test_after_a_failure_the_rest_of_the_batch_is_skipped(machine: Machine, ws: Path) -> None:
     (ws / "taken").write_text("x")
     results = await apply_operations(
         machine,
@@ -414,7 +495,7 @@ def test_diff_of_a_new_file_and_a_missing_final_newline() -> None:
     assert diff.endswith("+b\n\\ No newline at end of file\n")
 
 
-def test_folder_file_counts_stop_at_the_limit(tmp_path: Path) -> None:
+async def test_folder_file_counts_stop_at_the_limit(tmp_path: Path) -> None:
     folder = tmp_path / "many"
     (folder / ".hidden").mkdir(parents=True)
     for i in range(MAX_COUNTED_FILES - 2):
@@ -422,35 +503,37 @@ def test_folder_file_counts_stop_at_the_limit(tmp_path: Path) -> None:
     (folder / ".hidden/a").touch()
     (folder / ".dot").touch()
     local = LocalMachine("count", folder)
-    assert count_files(local, str(folder)) == (MAX_COUNTED_FILES, 2, False)
+    assert await count_files(local, str(folder)) == (MAX_COUNTED_FILES, 2, False)
     (folder / "one-more").touch()
-    files, _, capped = count_files(local, str(folder))
+    files, _, capped = await count_files(local, str(folder))
     assert (files, capped) == (MAX_COUNTED_FILES, True)
 
 
-async def test_review_records_counts_and_warnings(machine: LocalMachine, ws: Path) -> None:
+@ON_EACH_KIND
+async def test_review_records_counts_and_warnings(machine: Machine, ws: Path) -> None:
     (ws / "proj").mkdir()
     (ws / "proj/.env").write_text("x")
     (ws / "proj/a.py").write_text("y")
     (ws / "f.txt").write_text("old")
-    folder = review(machine, Operation("delete", "proj"), "edit")
+    folder = await review(machine, Operation("delete", "proj"), "edit")
     assert folder.files == 2 and folder.path == f"{machine.root}/proj"
     assert any("2 file(s), 1 of them hidden" in w for w in folder.warnings)
-    stale = review(
+    stale = await review(
         machine, Operation("edit", "f.txt", before="old", after="new", expect="sha256:x:1"), "edit"
     )
     assert any(w.startswith(STALE) for w in stale.warnings)
     assert (stale.before_chars, stale.after_chars, stale.files) == (3, 3, 1)
-    over = review(machine, Operation("write", "f.txt", before="old", after="newer"), "write")
+    over = await review(machine, Operation("write", "f.txt", before="old", after="newer"), "write")
     assert any("overwrites" in w for w in over.warnings)
-    outside = review(machine, Operation("write", "/tmp/agentbox-never-applied.txt", after="x"), "write")
+    outside = await review(machine, Operation("write", "/tmp/agentbox-never-applied.txt", after="x"), "write")
     assert any("outside the workspace root" in w for w in outside.warnings)
 
 
 # ---------------------------------------------------------------- change sets
 
 
-async def test_partial_apply_of_a_change_set(machine: LocalMachine, ws: Path, db: Database) -> None:
+@ON_EACH_KIND
+async def test_partial_apply_of_a_change_set(machine: Machine, ws: Path, db: Database) -> None:
     sets = ChangeSets(ChangesRepo(db))
     (ws / "a.txt").write_text("alpha\n")
     (ws / "c.txt").write_text("gamma\n")
@@ -478,7 +561,8 @@ async def test_partial_apply_of_a_change_set(machine: LocalMachine, ws: Path, db
         await sets.reject([staged[2].id])
 
 
-async def test_stale_operation_is_refused_at_apply(machine: LocalMachine, ws: Path, db: Database) -> None:
+@ON_EACH_KIND
+async def test_stale_operation_is_refused_at_apply(machine: Machine, ws: Path, db: Database) -> None:
     sets = ChangeSets(ChangesRepo(db))
     (ws / "a.txt").write_text("v1\n")
     change_set, [op] = await sets.stage(
@@ -492,7 +576,8 @@ async def test_stale_operation_is_refused_at_apply(machine: LocalMachine, ws: Pa
     assert (await sets.repo.get(change_set.id)).status == "rejected"
 
 
-async def test_apply_set_and_reject_set(machine: LocalMachine, ws: Path, db: Database) -> None:
+@ON_EACH_KIND
+async def test_apply_set_and_reject_set(machine: Machine, ws: Path, db: Database) -> None:
     sets = ChangeSets(ChangesRepo(db))
     applied_set, _ = await sets.stage(
         machine, SESSION, "trn_1", "write", [Operation("mkdir", "d"), Operation("write", "d/x", after="x")]
@@ -507,14 +592,16 @@ async def test_apply_set_and_reject_set(machine: LocalMachine, ws: Path, db: Dat
     assert (await sets.repo.get(rejected_set.id)).status == "rejected" and not (ws / "y").exists()
 
 
-async def test_staging_refuses_what_could_never_apply(machine: LocalMachine, ws: Path, db: Database) -> None:
+@ON_EACH_KIND
+async def test_staging_refuses_what_could_never_apply(machine: Machine, ws: Path, db: Database) -> None:
     sets = ChangeSets(ChangesRepo(db))
     with pytest.raises(changes_mod.Refused, match="root"):
         await sets.stage(machine, SESSION, TURN, "edit", [Operation("delete", ".")])
     assert await sets.repo.for_turn(SESSION, TURN) is None
 
 
-async def test_two_pending_changes_of_one_path_warn(machine: LocalMachine, ws: Path, db: Database) -> None:
+@ON_EACH_KIND
+async def test_two_pending_changes_of_one_path_warn(machine: Machine, ws: Path, db: Database) -> None:
     sets = ChangeSets(ChangesRepo(db))
     (ws / "a.txt").write_text("x")
     _, [first] = await sets.stage(
@@ -835,8 +922,9 @@ async def test_exec_in_read_only_is_not_offered_and_refused(
     assert not (ws / "ran").exists()
 
 
+@ON_EACH_KIND
 async def test_workspace_write_edit_is_staged_and_the_result_carries_no_text(
-    machine: LocalMachine, ws: Path, db: Database
+    machine: Machine, ws: Path, db: Database
 ) -> None:
     old = "the original sentence that must not come back in the result\n"
     (ws / "a.md").write_text(old)
@@ -901,7 +989,8 @@ async def test_session_scope_means_the_second_call_does_not_ask(
     assert (ws / "ran.txt").read_text() == "x\nx\nx\n"
 
 
-async def test_full_auto_edit_is_applied_on_disk(machine: LocalMachine, ws: Path, db: Database) -> None:
+@ON_EACH_KIND
+async def test_full_auto_edit_is_applied_on_disk(machine: Machine, ws: Path, db: Database) -> None:
     (ws / "a.txt").write_text("one two\n")
     tools = tools_for(machine, db, Tier.FULL_AUTO, real("edit"))
     result = await tools.call("edit", {"path": "a.txt", "oldText": "two", "newText": "three"})
@@ -910,8 +999,9 @@ async def test_full_auto_edit_is_applied_on_disk(machine: LocalMachine, ws: Path
     assert await tools.changes.repo.for_turn(SESSION, TURN) is None
 
 
+@ON_EACH_KIND
 async def test_full_auto_keeps_the_reads_map_true_after_its_own_writes(
-    machine: LocalMachine, ws: Path, db: Database
+    machine: Machine, ws: Path, db: Database
 ) -> None:
     tools = tools_for(machine, db, Tier.FULL_AUTO, real("write", "read", overwrite_if_read=True))
     assert not (await tools.call("write", {"path": "n.txt", "content": "first"})).is_error

@@ -1,4 +1,10 @@
-"""`read` and `read_image` against a real bubblewrap sandbox and a local machine.
+"""`read` and `read_image` against a real bubblewrap sandbox, a local machine and an ssh machine.
+
+The ssh machine logs in to the real sshd of tests/conftest.py (this host, as its unprivileged
+user), so a test checks the remote side on disk as it does the others; its files go through
+the `Machine` protocol only (`agentbox.workspace.fileops.RemoteOps`). Tests that are about
+host files by nature (links resolved inside the descriptor view, escapes through them, a
+kind's limits checked once) take `host_box` or `local` instead of `box`.
 
 Fixtures are generated here: PDFs with fpdf2, DOCX files with python-docx, PNGs byte by
 byte. Every limit is checked on both sides of its boundary. The test context below is a
@@ -14,6 +20,7 @@ import base64
 import io
 import os
 import posixpath
+import pwd
 import struct
 import uuid
 import zlib
@@ -25,13 +32,14 @@ from typing import Any
 import docx
 import pytest
 import pytest_asyncio
-from conftest import host_fingerprint, traversable
+from conftest import Sshd, host_fingerprint, traversable
 from fpdf import FPDF
 
 from agentbox.ids import SANDBOX, new_id
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.local import LocalMachine
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
+from agentbox.machines.ssh import SshMachine, SshOptions
 from agentbox.tools.base import Action, ImageBlock, Operation, TextBlock, ToolConfig, ToolResult
 from agentbox.tools.changes import Applied, apply_operations
 from agentbox.tools.documents import MAX_DOCUMENT_BYTES, MAX_IMAGE_BYTES
@@ -44,6 +52,7 @@ from agentbox.tools.read import (
     ReadImageParams,
     ReadParams,
 )
+from agentbox.workspace.fileops import file_ops
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -88,11 +97,15 @@ class Ctx:
 
 @dataclass
 class Box:
-    """One test's folder on a machine: `p()` gives inside paths, `h()` host paths."""
+    """One test's folder on a machine: `p()` gives inside paths, `h()` host paths.
+
+    `owner` is who the machine's files belong to when the machine cannot act as the test
+    (the ssh login): what the test makes here is given to it, as a user's own files are."""
 
     machine: Any
     base: str
     host: Path
+    owner: tuple[int, int] | None = None
 
     def p(self, rel: str = "") -> str:
         return posixpath.join(self.base, rel) if rel else self.base
@@ -103,11 +116,29 @@ class Box:
     def ctx(self, **kwargs: Any) -> Ctx:
         return Ctx(self.machine, **kwargs)
 
+    def mkdir(self, rel: str) -> Path:
+        """The folder `rel` and its missing parents, the machine's own."""
+        path = self.h(rel)
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        path.mkdir(parents=True, exist_ok=True)
+        for made in missing:
+            self._own(made)
+        return path
+
     def write(self, rel: str, data: bytes | str) -> Path:
         path = self.h(rel)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self.mkdir(posixpath.dirname(rel))
         path.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+        self._own(path)
         return path
+
+    async def read_inside(self, inside: str, limit: int) -> bytes:
+        """A file as the machine reads it (an inside path, which only the machine can map)."""
+        return await file_ops(self.machine).read_bytes(inside, limit)
+
+    def _own(self, path: Path) -> None:
+        if self.owner is not None:
+            os.lchown(path, *self.owner)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -139,9 +170,44 @@ def local_box(tmp_path: Path) -> Box:
     return Box(machine, machine.root, Path(machine.root))
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def ssh(sshd: Sshd, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SshMachine]:
+    """One ssh machine (one connection) for the module, rooted at a folder of the ssh user's."""
+    root = sshd.owned_dir(traversable(tmp_path_factory.mktemp("tools-ssh"), tmp_path_factory) / "root")
+    machine = SshMachine("ssh", SshOptions.from_options(sshd.options(root=str(root))))
+    await machine.start()
+    yield machine
+    await machine.close()
+
+
+def ssh_box(ssh: SshMachine, sshd: Sshd) -> Box:
+    """A fresh folder of the ssh machine's root (the remote host is this host: same paths)."""
+    entry = pwd.getpwnam(sshd.user)
+    base = posixpath.join(ssh.root, f"t-{uuid.uuid4().hex[:12]}")
+    box = Box(ssh, base, Path(base), (entry.pw_uid, entry.pw_gid))
+    box.mkdir("")
+    return box
+
+
+def make_box(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Box:
+    """A box of `kind`; the module's sandbox or ssh machine is started only when one asks for it."""
+    if kind == "sandbox":
+        return sandbox_box(request.getfixturevalue("sandbox"), tmp_path)
+    if kind == "ssh":
+        return ssh_box(request.getfixturevalue("ssh"), request.getfixturevalue("sshd"))
+    return local_box(tmp_path)
+
+
+@pytest.fixture(params=["sandbox", "local", "ssh"])
+def box(request: pytest.FixtureRequest, tmp_path: Path) -> Box:
+    """A folder on each kind: host files by descriptor (sandbox, local), and ssh by protocol."""
+    return make_box(request.param, request, tmp_path)
+
+
 @pytest.fixture(params=["sandbox", "local"])
-def box(request: pytest.FixtureRequest, tmp_path: Path, sandbox: SandboxMachine) -> Box:
-    return sandbox_box(sandbox, tmp_path) if request.param == "sandbox" else local_box(tmp_path)
+def host_box(request: pytest.FixtureRequest, tmp_path: Path) -> Box:
+    """A folder on the kinds with host files, for what only the descriptor view can see."""
+    return make_box(request.param, request, tmp_path)
 
 
 @pytest.fixture
@@ -531,7 +597,9 @@ async def test_a_read_records_the_fingerprint_of_what_was_read(box: Box) -> None
     assert ctx.reads[box.p("seen.txt")] != ABSENT
 
 
-async def test_reads_through_a_link_record_the_target(box: Box) -> None:
+# Host files only: through the protocol a path is lexical, so the key is the link's own path.
+async def test_reads_through_a_link_record_the_target(host_box: Box) -> None:
+    box = host_box
     box.write("target.txt", "linked")
     os.symlink("target.txt", box.h("link.txt"))
     ctx = box.ctx()

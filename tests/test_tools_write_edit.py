@@ -1,4 +1,4 @@
-"""`write` and `edit` against a real sandbox and a local machine.
+"""`write` and `edit` against a real sandbox, a local machine and an ssh machine.
 
 The tools only plan Operations; the test context (from test_tools_read) applies them the
 way the full-auto tier does, so each test checks both the planned operation and the disk
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import host_fingerprint
-from test_tools_read import Box, Ctx, box, local, read, sandbox, sandbox_box, text_of
+from test_tools_read import Box, Ctx, box, host_box, local, read, sandbox, sandbox_box, ssh, text_of
 
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.sandbox import SandboxMachine
@@ -23,7 +23,7 @@ from agentbox.tools.fingerprint import ABSENT
 from agentbox.tools.write import MAX_WRITE_BYTES, WRITE, WriteParams, make_write
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-__all__ = ["box", "local", "sandbox"]  # fixtures shared with test_tools_read
+__all__ = ["box", "host_box", "local", "sandbox", "ssh"]  # fixtures shared with test_tools_read
 
 OVERWRITING = make_write(overwrite_if_read=True)
 
@@ -242,7 +242,7 @@ async def test_the_planned_edit_expects_the_file_as_it_was(box: Box) -> None:
 
 async def test_edit_refuses_what_is_not_a_text_file(box: Box) -> None:
     box.write("bin.dat", b"\xff\xfe\x00\x01")
-    box.h("dir").mkdir()
+    box.mkdir("dir")
     ctx = box.ctx()
     binary = await edit(ctx, box.p("bin.dat"), oldText="a", newText="b")
     assert binary.is_error and "not UTF-8 text" in text_of(binary)
@@ -314,7 +314,7 @@ async def test_multi_replace_is_all_or_nothing(box: Box) -> None:
 
 async def test_move_a_file(box: Box) -> None:
     path = box.write("draft.md", "text")
-    box.h("archive").mkdir()
+    box.mkdir("archive")
     ctx = box.ctx()
     result = await edit(ctx, box.p("draft.md"), mode="move", destination=box.p("archive/2024.md"))
     assert not result.is_error
@@ -330,7 +330,7 @@ async def test_move_a_file(box: Box) -> None:
 
 async def test_move_into_an_existing_folder(box: Box) -> None:
     box.write("a.txt", "a")
-    box.h("into").mkdir()
+    box.mkdir("into")
     ctx = box.ctx()
     assert not (await edit(ctx, box.p("a.txt"), mode="move", destination=box.p("into"))).is_error
     assert ctx.committed[0].dest == box.p("into/a.txt") and box.h("into/a.txt").exists()
@@ -367,7 +367,7 @@ async def test_move_a_folder_with_its_contents(box: Box) -> None:
 
 async def test_rename_keeps_the_folder(box: Box) -> None:
     box.write("sub/old.txt", "x")
-    box.h("other").mkdir()
+    box.mkdir("other")
     ctx = box.ctx()
     assert not (await edit(ctx, box.p("sub/old.txt"), mode="rename", destination="new.txt")).is_error
     [op] = ctx.committed
@@ -389,12 +389,12 @@ async def test_delete_goes_to_the_trash(box: Box) -> None:
     assert (op.kind, op.path, op.expect) == ("delete", box.p("junk.txt"), planned_against)
     trashed = ctx.applied[0].trash_path
     assert trashed is not None and not path.exists()
-    assert box.machine.view.read_bytes(trashed, 100) == b"junk"
+    assert await box.read_inside(trashed, 100) == b"junk"
     assert not (await edit(ctx, box.p("old"), mode="delete")).is_error
     assert ctx.committed[1].expect is None and "folder" in ctx.committed[1].summary
     folder = ctx.applied[1].trash_path
     assert folder is not None and not box.h("old").exists()
-    assert box.machine.view.read_bytes(folder + "/a.txt", 100) == b"a"
+    assert await box.read_inside(folder + "/a.txt", 100) == b"a"
 
 
 async def test_the_root_and_mounts_cannot_be_moved_or_deleted(box: Box) -> None:

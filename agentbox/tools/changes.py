@@ -8,10 +8,12 @@ that puts them on disk, for `full-auto` (at once) and for an approved change set
   overwrite (`before` is not None, or `expect` fingerprints an existing file), which then
   must still match the file (below). The
   parent must exist (a folder is its own `mkdir` operation).
-- edit: rewrites the file in place (same inode, so links, watchers and owners stay).
+- edit: rewrites the file in place on host files (same inode, so links, watchers and owners
+  stay); through the `Machine` protocol (ssh) the machine's atomic write replaces it.
 - mkdir: creates the folder and missing ancestors; an existing folder is fine.
-- move / rename: never onto an existing target (`renameat2(RENAME_NOREPLACE)`); across
-  devices it fails and the source stays (no copy-then-delete).
+- move / rename: never onto an existing target (`renameat2(RENAME_NOREPLACE)` on host files,
+  a check then the rename through the protocol); across devices it fails and the source
+  stays (no copy-then-delete).
 - delete: moves the path into the trash, never removes it. The trash is a folder inside
   the machine, `<root>/.agentbox-trash/<UTC time>-<random>/<path relative to root>`, so it
   lives as long as the workspace, the model and the user can both see and restore it (move
@@ -27,6 +29,10 @@ that puts them on disk, for `full-auto` (at once) and for an approved change set
 Text is what the file's bytes decode to as UTF-8, a BOM included as the first character and
 CRLF kept, so `after.encode("utf-8")` is exactly the bytes written.
 
+Every file is reached through `file_ops(machine)`, so any `Machine` can be governed: the
+descriptor view where it has host files (links resolved inside the view, so escapes and
+mount points are seen), the protocol elsewhere (paths lexical, the machine's own rights).
+
 `ChangeSets` records staged operations (`agentbox.store.changes`) with what a reviewer needs
 (unified diff, character counts, affected files, warnings) and applies or rejects them one
 by one.
@@ -39,16 +45,14 @@ import difflib
 import errno
 import os
 import posixpath
-import stat as stat_mod
-import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
+from agentbox.machines.base import Machine
 from agentbox.machines.errors import MachineError
-from agentbox.machines.hostfs import HostFiles
 from agentbox.store.changes import (
     ChangeSet,
     ChangesRepo,
@@ -58,13 +62,16 @@ from agentbox.store.changes import (
 )
 from agentbox.tools.base import Operation
 from agentbox.tools.fingerprint import ABSENT, fingerprint
-from agentbox.workspace import files as ws_files
+from agentbox.workspace.editor import MAX_EDIT_BYTES
 from agentbox.workspace.errors import WorkspaceError, translate
+from agentbox.workspace.fileops import file_ops
 
 #: The trash folder, directly under the machine's root.
 TRASH_DIR = ".agentbox-trash"
 #: Files counted inside a folder that is moved or deleted; past it the count says "more than".
 MAX_COUNTED_FILES = 10_000
+#: Entries (files and folders) walked to count them; a folder with more is counted in part.
+MAX_COUNTED_ENTRIES = 4 * MAX_COUNTED_FILES
 #: Unchanged lines shown around each change in a unified diff.
 DIFF_CONTEXT_LINES = 3
 
@@ -75,13 +82,9 @@ SKIPPED = "not applied: an earlier operation of the same call failed"
 KINDS = ("write", "edit", "mkdir", "move", "rename", "delete")
 AppliedStatus = Literal["applied", "failed", "skipped"]
 
-#: Applies are serialized so a stale check and the write after it never interleave with
-#: another apply (they run in a worker thread).
-_apply_lock = threading.Lock()
-
-
-#: What applying needs of a machine: its descriptor view of its files, its root and its owner.
-GovernedMachine = HostFiles
+#: What applying needs of a machine: any `Machine`; its files are reached through `file_ops`
+#: (by descriptor where it has host files).
+GovernedMachine = Machine
 
 
 class Refused(Exception):
@@ -114,25 +117,23 @@ def describe(op: Operation) -> str:
 
 
 async def apply_operations(machine: GovernedMachine, ops: Sequence[Operation]) -> list[Applied]:
-    """Apply `ops` in order; after the first failure the rest are `skipped` (they may depend on it)."""
-    return await asyncio.to_thread(_apply_all, machine, list(ops))
+    """Apply `ops` in order; after the first failure the rest are `skipped` (they may depend on it).
 
-
-def _apply_all(machine: GovernedMachine, ops: list[Operation]) -> list[Applied]:
+    Not serialized here: `ChangeSets.apply` and `ChangeSets.apply_now` hold the server's lock.
+    """
     results: list[Applied] = []
-    with _apply_lock:
-        for op in ops:
-            if results and not results[-1].ok:
-                results.append(Applied(op, "skipped", SKIPPED))
-                continue
-            try:
-                trash = _apply_one(machine, op)
-            except Refused as exc:
-                results.append(Applied(op, "failed", str(exc)))
-            except (OSError, MachineError, WorkspaceError, UnicodeError) as exc:
-                results.append(Applied(op, "failed", translate(exc, _noun(op.kind), op.path).message))
-            else:
-                results.append(Applied(op, "applied", trash_path=trash))
+    for op in ops:
+        if results and not results[-1].ok:
+            results.append(Applied(op, "skipped", SKIPPED))
+            continue
+        try:
+            trash = await _apply_one(machine, op)
+        except Refused as exc:
+            results.append(Applied(op, "failed", str(exc)))
+        except (OSError, MachineError, WorkspaceError, UnicodeError) as exc:
+            results.append(Applied(op, "failed", translate(exc, _noun(op.kind), op.path).message))
+        else:
+            results.append(Applied(op, "applied", trash_path=trash))
     return results
 
 
@@ -140,33 +141,37 @@ def _noun(kind: str) -> str:
     return {"move": "rename", "delete": "remove"}.get(kind, kind if kind in ("write", "mkdir") else "edit")
 
 
-def _apply_one(machine: GovernedMachine, op: Operation) -> str | None:
+async def _apply_one(machine: GovernedMachine, op: Operation) -> str | None:
     check(machine, op)
     if op.kind == "write":
-        _write(machine, op)
+        await _write(machine, op)
     elif op.kind == "edit":
-        _edit(machine, op)
+        await _edit(machine, op)
     elif op.kind == "mkdir":
-        ws_files.mkdir(machine, op.path, parents=True)
+        await file_ops(machine).mkdir(op.path, parents=True)
     elif op.kind in ("move", "rename"):
-        _move(machine, op)
+        await _move(machine, op)
     else:
-        return _delete(machine, op)
+        return await _delete(machine, op)
     return None
 
 
 def check(machine: GovernedMachine, op: Operation) -> None:
     """Raise `Refused` for what is never applied, whatever the file's state: the root, an
-    escaping link, overlapping paths, the trash itself. Run again at apply time."""
+    escaping link, overlapping paths, the trash itself. Run again at apply time.
+
+    Links are resolved where the machine's files allow it (host files); through the protocol
+    paths are lexical, so an escaping link is the machine's own business there."""
     if op.kind not in KINDS:
         raise Refused(f"unknown operation kind {op.kind!r}")
+    ops = file_ops(machine)
     source = _inside(machine, op.path)
     _not_root(machine, source, op.kind)
     follow = op.kind in ("write", "edit")
     real = _real(machine, source, follow=follow)
-    if machine.view.within_root(source) and not machine.view.within_root(real):
+    if ops.within_root(source) and not ops.within_root(real):
         raise Refused(f"refused: {source} leads outside the workspace through a link ({real})")
-    if op.kind in ("move", "rename", "delete") and machine.view.is_mount_root(real):
+    if op.kind in ("move", "rename", "delete") and ops.is_mount_root(real):
         raise Refused(
             f"refused: {source} is where the machine mounts a folder; it cannot be {_past(op.kind)}"
         )
@@ -180,7 +185,7 @@ def check(machine: GovernedMachine, op: Operation) -> None:
         dest = _inside(machine, op.dest)
         _not_root(machine, dest, op.kind)
         real_dest = _real(machine, dest, follow=False)
-        if machine.view.within_root(dest) and not machine.view.within_root(real_dest):
+        if ops.within_root(dest) and not ops.within_root(real_dest):
             raise Refused(f"refused: {dest} leads outside the workspace through a link ({real_dest})")
         if _overlaps(real, real_dest):
             raise Refused(
@@ -190,7 +195,7 @@ def check(machine: GovernedMachine, op: Operation) -> None:
 
 def _inside(machine: GovernedMachine, path: str) -> str:
     try:
-        return machine.view.absolute(path)
+        return file_ops(machine).absolute(path)
     except MachineError as exc:
         raise Refused(f"refused: {exc.message}") from exc
 
@@ -199,7 +204,7 @@ def _real(machine: GovernedMachine, inside: str, *, follow: bool) -> str:
     """The inside path `inside` really names once links are followed (all but a final one
     when not `follow`)."""
     try:
-        return machine.view.resolve(inside, follow=follow, missing_ok=True)
+        return file_ops(machine).resolve(inside, follow=follow).inside
     except MachineError as exc:
         raise Refused(f"refused: {exc.message}") from exc
 
@@ -217,31 +222,29 @@ def _overlaps(a: str, b: str) -> bool:
     return a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/")
 
 
-def _stale_check(machine: GovernedMachine, inside: str, op: Operation) -> None:
+async def _stale_check(machine: GovernedMachine, inside: str, op: Operation) -> None:
     """Refuse when the file is no longer what the operation was planned against."""
     if op.expect is not None:
-        if fingerprint(machine, inside) != op.expect:
+        if await fingerprint(machine, inside) != op.expect:
             raise Refused(f"{STALE}: {op.path} is not what it was when this {op.kind} was planned; "
                           "read it again and plan the change anew (nothing was changed)")  # fmt: skip
     elif op.before is not None and op.kind in ("write", "edit"):
-        current = _current_text(machine, inside)
+        current = await _current_text(machine, inside)
         if current != op.before:
             raise Refused(f"{STALE}: {op.path} no longer has the text this {op.kind} was planned against; "
                           "read it again and plan the change anew (nothing was changed)")  # fmt: skip
 
 
-def _current_text(machine: GovernedMachine, inside: str) -> str | None:
+async def _current_text(machine: GovernedMachine, inside: str) -> str | None:
+    """The regular file's text, None when there is none, it is not UTF-8, or it is larger than
+    any text a write or edit plans (so it cannot be the planned `before`)."""
+    ops = file_ops(machine)
     try:
-        fd = machine.view.open(inside, os.O_RDONLY)
-    except (OSError, MachineError):
-        return None
-    with os.fdopen(fd, "rb") as f:
-        if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
+        st = await ops.lstat(inside, follow=True)
+        if st is None or not st.is_file:
             return None
-        data = f.read()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
+        return (await ops.read_bytes(inside, MAX_EDIT_BYTES)).decode("utf-8")
+    except (OSError, MachineError, UnicodeDecodeError):
         return None
 
 
@@ -254,32 +257,26 @@ def _encoded(op: Operation) -> bytes:
         raise Refused(f"refused: the new text of {op.path} is not valid Unicode: {exc}") from exc
 
 
-def _write(machine: GovernedMachine, op: Operation) -> None:
+async def _write(machine: GovernedMachine, op: Operation) -> None:
+    ops = file_ops(machine)
     inside = _inside(machine, op.path)
     data = _encoded(op)
     if is_overwrite(op):
-        if ws_files.lstat_or_none(machine, inside) is None:
+        if await ops.lstat(inside) is None:
             raise Refused(
                 f"{STALE}: {op.path} was to be overwritten but no longer exists (nothing was written)"
             )
-        _stale_check(machine, inside, op)
-        _require_file(machine, inside, op.path)
-        ws_files.write_in_place(machine, inside, data, owner=ws_files.new_owner(machine, None))
+        await _stale_check(machine, inside, op)
+        await _require_file(machine, inside, op.path)
+        await ops.write_bytes(inside, data)
         return
     try:
-        fd = machine.view.open(inside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        await ops.write_new(inside, data)
     except FileExistsError as exc:
         raise Refused(f"refused: {op.path} already exists and write never replaces a file; "
                       "edit it, or read it and plan an overwrite") from exc  # fmt: skip
     except FileNotFoundError as exc:
         raise Refused(f"refused: the folder of {op.path} does not exist; create it first") from exc
-    try:
-        owner = machine.default_owner()
-        if owner is not None:
-            os.fchown(fd, *owner)
-        ws_files.write_all(fd, data)
-    finally:
-        os.close(fd)
 
 
 def is_overwrite(op: Operation) -> bool:
@@ -288,31 +285,36 @@ def is_overwrite(op: Operation) -> bool:
     return op.kind == "write" and (op.before is not None or op.expect not in (None, ABSENT))
 
 
-def _edit(machine: GovernedMachine, op: Operation) -> None:
+async def _edit(machine: GovernedMachine, op: Operation) -> None:
+    ops = file_ops(machine)
     inside = _inside(machine, op.path)
     data = _encoded(op)
-    if ws_files.lstat_or_none(machine, inside) is None:
+    if await ops.lstat(inside) is None:
         raise Refused(f"{STALE}: {op.path} no longer exists (nothing was changed)")
-    _require_file(machine, inside, op.path)
-    _stale_check(machine, inside, op)
-    ws_files.write_in_place(machine, inside, data, owner=ws_files.new_owner(machine, None))
+    await _require_file(machine, inside, op.path)
+    await _stale_check(machine, inside, op)
+    await ops.write_bytes(inside, data)
 
 
-def _require_file(machine: GovernedMachine, inside: str, path: str) -> None:
-    if not stat_mod.S_ISREG(machine.view.stat(inside).st_mode):
+async def _require_file(machine: GovernedMachine, inside: str, path: str) -> None:
+    st = await file_ops(machine).lstat(inside, follow=True)
+    if st is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    if not st.is_file:
         raise Refused(f"refused: {path} is not a regular file")
 
 
-def _move(machine: GovernedMachine, op: Operation) -> None:
+async def _move(machine: GovernedMachine, op: Operation) -> None:
     assert op.dest is not None
+    ops = file_ops(machine)
     src = _inside(machine, op.path)
     dst = _inside(machine, op.dest)
-    if ws_files.lstat_or_none(machine, src) is None:
+    if await ops.lstat(src) is None:
         raise Refused(f"{STALE}: {op.path} no longer exists (nothing was moved)")
     if op.expect is not None:
-        _stale_check(machine, src, op)
+        await _stale_check(machine, src, op)
     try:
-        machine.view.rename(src, dst, replace=False)
+        await ops.rename(src, dst, replace=False)
     except FileExistsError as exc:
         raise Refused(f"refused: {op.dest} already exists and a {op.kind} never replaces anything") from exc
     except FileNotFoundError as exc:
@@ -336,20 +338,21 @@ def trash_path_for(machine: GovernedMachine, inside: str, moment: datetime | Non
     return posixpath.join(_trash_root(machine), f"{stamp}-{uuid.uuid4().hex[:8]}", relative)
 
 
-def _delete(machine: GovernedMachine, op: Operation) -> str:
+async def _delete(machine: GovernedMachine, op: Operation) -> str:
+    ops = file_ops(machine)
     inside = _inside(machine, op.path)
     src = inside
-    if ws_files.lstat_or_none(machine, src) is None:
+    if await ops.lstat(src) is None:
         raise Refused(f"{STALE}: {op.path} no longer exists (nothing was deleted)")
     if op.expect is not None:
-        _stale_check(machine, src, op)
+        await _stale_check(machine, src, op)
     target = trash_path_for(machine, inside)
     folder = posixpath.dirname(target)
-    ws_files.mkdir(machine, folder, parents=True)
+    await ops.mkdir(folder, parents=True)
     try:
-        machine.view.rename(src, target, replace=False)
+        await ops.rename(src, target, replace=False)
     except OSError as exc:
-        _remove_empty_dirs(machine, folder)
+        await _remove_empty_dirs(machine, folder)
         if exc.errno == errno.EXDEV:
             raise Refused(f"refused: {op.path} is on another device than the trash; it was not deleted "
                           "(a delete only ever moves to the trash)") from exc  # fmt: skip
@@ -358,12 +361,13 @@ def _delete(machine: GovernedMachine, op: Operation) -> str:
     return target
 
 
-def _remove_empty_dirs(machine: GovernedMachine, folder: str) -> None:
+async def _remove_empty_dirs(machine: GovernedMachine, folder: str) -> None:
     """Undo the trash folders a failed delete made (only while empty; never anything else)."""
+    ops = file_ops(machine)
     stop = _trash_root(machine)
     while folder.startswith(stop + "/"):
         try:
-            machine.view.rmdir(folder)
+            await ops.rmdir(folder)
         except (OSError, MachineError):
             return
         folder = posixpath.dirname(folder)
@@ -389,22 +393,24 @@ def unified_diff(path: str, before: str | None, after: str | None) -> str:
     return "".join(out)
 
 
-def count_files(
+async def count_files(
     machine: GovernedMachine, inside: str, limit: int = MAX_COUNTED_FILES
 ) -> tuple[int, int, bool]:
-    """(files, hidden files, capped) under a folder, links not followed; stops past `limit`."""
+    """(files, hidden files, capped) under a folder, links not followed; stops past `limit`
+    files, or after `MAX_COUNTED_ENTRIES` entries (then the count is what was seen: capped)."""
     files = hidden = 0
-    for node in machine.view.walk(inside):
-        if node.is_dir:
+    nodes = await file_ops(machine).walk(inside, limit=MAX_COUNTED_ENTRIES)
+    for node in nodes:
+        if node.stat.is_dir and not node.stat.is_symlink:
             continue
         if files == limit:
             return files, hidden, True
         files += 1
         hidden += any(part.startswith(".") for part in node.rel.split("/"))
-    return files, hidden, False
+    return files, hidden, len(nodes) == MAX_COUNTED_ENTRIES
 
 
-def review(
+async def review(
     machine: GovernedMachine, op: Operation, tool: str, pending: Sequence[OperationRecord] = ()
 ) -> PlannedOperation:
     """The record a reviewer sees for `op`: diff, counts, affected files and warnings.
@@ -412,28 +418,29 @@ def review(
     `pending` are the operations already waiting in the same change set (an operation on the
     same path makes one of the two stale once the other is applied).
     """
+    ops = file_ops(machine)
     warnings: list[str] = []
     inside = _inside(machine, op.path)
     files = 0
     if op.kind in ("write", "edit"):
         files = 1
-        if op.expect is not None and fingerprint(machine, inside) != op.expect:
+        if op.expect is not None and await fingerprint(machine, inside) != op.expect:
             warnings.append(f"{STALE}: {inside} differs from the version this change was planned against")
         if is_overwrite(op):
             warnings.append(f"overwrites the existing file {inside}")
     elif op.kind in ("move", "rename", "delete"):
-        st = ws_files.lstat_or_none(machine, inside)
+        st = await ops.lstat(inside)
         files = 1
-        if st is not None and stat_mod.S_ISDIR(st.st_mode):
-            files, hidden, capped = count_files(machine, inside)
+        if st is not None and st.is_dir and not st.is_symlink:
+            files, hidden, capped = await count_files(machine, inside)
             warnings.append(
                 f"folder {inside} holds {'more than ' if capped else ''}{files} file(s)"
                 + (f", {hidden} of them hidden" if hidden else "")
             )
-        if op.expect is not None and fingerprint(machine, inside) != op.expect:
+        if op.expect is not None and await fingerprint(machine, inside) != op.expect:
             warnings.append(f"{STALE}: {inside} differs from the version this change was planned against")
     for other in (op.path, op.dest):
-        if other is not None and not machine.view.within_root(other):
+        if other is not None and not ops.within_root(other):
             warnings.append(f"{_inside(machine, other)} is outside the workspace root {machine.root}")
     for earlier in pending:
         if earlier.status == "pending" and inside in (earlier.path, earlier.dest):
@@ -474,12 +481,19 @@ def to_operation(record: OperationRecord) -> Operation:
 class ChangeSets:
     """Staging operations into the turn's change set, and applying or rejecting them one by one.
 
-    One per server (it serializes applies, so an operation is never applied twice at once).
+    One per server: it serializes applies (staged ones and `apply_now`'s alike), so an operation
+    is never applied twice at once and no stale check interleaves with another apply's write.
     """
 
     def __init__(self, repo: ChangesRepo) -> None:
         self.repo = repo
         self._lock = asyncio.Lock()
+
+    async def apply_now(self, machine: GovernedMachine, ops: Sequence[Operation]) -> list[Applied]:
+        """`apply_operations` under the lock every apply takes (the full-auto tier's writes), so a
+        stale check and the write after it never interleave with another apply."""
+        async with self._lock:
+            return await apply_operations(machine, ops)
 
     async def stage(
         self,
@@ -494,7 +508,7 @@ class ChangeSets:
             check(machine, op)
         current = await self.repo.for_turn(session_id, turn_id)
         pending = list(current.operations) if current is not None else []
-        planned = [review(machine, op, tool, pending) for op in ops]
+        planned = [await review(machine, op, tool, pending) for op in ops]
         return await self.repo.add(session_id, turn_id, planned, machine.name)
 
     async def apply(self, machine: GovernedMachine, operation_ids: Sequence[str]) -> list[OperationRecord]:

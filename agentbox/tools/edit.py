@@ -25,26 +25,18 @@ after texts and the fingerprint it was planned against; `move`/`rename` with `de
 
 from __future__ import annotations
 
+import errno
 import posixpath
-import stat as stat_mod
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from agentbox.machines.base import FileStat, Machine
 from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolResult
 from agentbox.tools.fingerprint import fingerprint
-from agentbox.tools.read import (
-    FAILURES,
-    Resolved,
-    escape_message,
-    escapes,
-    is_dir,
-    problem,
-    remember,
-    resolve,
-)
-from agentbox.workspace.editor import TextFile, checked_encode, occurrence_lines, read_capped
-from agentbox.workspace.files import lstat_or_none
+from agentbox.tools.read import FAILURES, escape_message, escapes, is_dir, problem, remember, resolve
+from agentbox.workspace.editor import MAX_EDIT_BYTES, TextFile, checked_encode, occurrence_lines, too_large
+from agentbox.workspace.fileops import Resolved, file_ops
 
 Mode = Literal["replace", "append", "multi_replace", "move", "rename", "delete"]
 
@@ -156,17 +148,31 @@ def new_text(file: TextFile, p: EditParams, path: str) -> str:
     return replaced(file.text, old, new, p.occurrence, p.replaceAll, path)
 
 
-def plan_text_edit(machine: Any, p: EditParams) -> Operation:
+async def read_editable(machine: Machine, inside: str, path: str) -> bytes | None:
+    """The file's bytes, None when it does not exist; past the editor's limit a `too_large` error."""
+    ops = file_ops(machine)
+    try:
+        return await ops.read_bytes(inside, MAX_EDIT_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:
+            raise
+        st = await ops.lstat(inside, follow=True)
+        raise too_large("edit", path, st.size if st is not None else MAX_EDIT_BYTES + 1) from exc
+
+
+async def plan_text_edit(machine: Machine, p: EditParams) -> Operation:
     missing = missing_params(p)
     if missing is not None:
         raise Refused(missing)
     target = resolve(machine, p.path, write=True)
     if escapes(machine, target):
         raise Refused(escape_message(target))
-    if is_dir(machine, target.inside):
+    if await is_dir(machine, target.inside):
         raise Refused(f"{target.requested} is a folder; {p.mode} works on text files.")
-    expect = fingerprint(machine, target.inside)  # before reading: a change in between fails the apply
-    raw = read_capped(machine, target.inside, target.requested, "edit")
+    expect = await fingerprint(machine, target.inside)  # before reading: a change in between fails the apply
+    raw = await read_editable(machine, target.inside, target.requested)
     if raw is None:
         raise Refused(f"{target.requested} does not exist; use write to create it.")
     try:
@@ -189,19 +195,20 @@ def plan_text_edit(machine: Any, p: EditParams) -> Operation:
 # --- files and folders ------------------------------------------------------------------------
 
 
-def source(machine: Any, path: str, mode: str) -> Resolved:
+async def source(machine: Machine, path: str, mode: str) -> Resolved:
     """The file or folder to move or delete: a final symlink is the link itself."""
-    src = resolve(machine, path, write=True, follow=False)
+    ops = file_ops(machine)
+    src = ops.resolve(path, write=True, follow=False)
     if escapes(machine, src):
         raise Refused(escape_message(src))
-    if src.inside == machine.root or machine.view.is_mount_root(src.inside):
+    if src.inside == machine.root or ops.is_mount_root(src.inside):
         raise Refused(f"{src.inside} is the workspace root or a mount point; it cannot be {mode}d.")
-    if lstat_or_none(machine, src.inside) is None:
+    if await ops.lstat(src.inside) is None:
         raise Refused(f"{src.requested} does not exist.")
     return src
 
 
-def destination_of(machine: Any, src: Resolved, p: EditParams) -> Resolved:
+async def destination_of(machine: Machine, src: Resolved, p: EditParams) -> Resolved:
     if not p.destination or not p.destination.strip():
         raise Refused(f"{p.mode} needs a `destination`.")
     if p.mode == "rename":
@@ -219,55 +226,63 @@ def destination_of(machine: Any, src: Resolved, p: EditParams) -> Resolved:
             machine, posixpath.join(posixpath.dirname(src.inside), name.rstrip("/")), write=True, follow=False
         )
     into = resolve(machine, p.destination, write=True)
-    if p.destination.endswith("/") or is_dir(machine, into.inside):
+    if p.destination.endswith("/") or await is_dir(machine, into.inside):
         return resolve(
             machine, posixpath.join(into.inside, posixpath.basename(src.inside)), write=True, follow=False
         )
     return resolve(machine, p.destination, write=True, follow=False)
 
 
-def check_destination(machine: Any, src: Resolved, dest: Resolved) -> None:
+async def check_destination(machine: Machine, src: Resolved, dest: Resolved) -> None:
     if escapes(machine, dest):
         raise Refused(escape_message(dest))
     if dest.inside == src.inside:
         raise Refused(f"{src.inside} is already there.")
     if dest.inside.startswith(src.inside.rstrip("/") + "/"):
         raise Refused(f"{src.inside} cannot be moved into itself ({dest.inside}).")
-    if lstat_or_none(machine, dest.inside) is not None:
+    ops = file_ops(machine)
+    if await ops.lstat(dest.inside) is not None:
         raise Refused(f"{dest.inside} already exists; move and rename never replace anything.")
     parent = posixpath.dirname(dest.inside)
-    if not is_dir(machine, parent):
+    if not await is_dir(machine, parent):
         raise Refused(
             f"The folder {posixpath.dirname(dest.inside)} does not exist. Create it first with write kind=folder."
         )
-    if machine.view.mount_for(parent) != machine.view.mount_for(src.inside):
+    if not ops.same_mount(parent, src.inside):
         raise Refused(
             f"{src.inside} and {posixpath.dirname(dest.inside)} are on different filesystems; a move between "
             "them is refused and the source is kept. Copy it with bash instead."
         )
 
 
-def file_expect(machine: Any, inside: str) -> str | None:
+def real_dir(st: FileStat | None) -> bool:
+    """A directory itself, not a link to one (`lstat`'s view: a link is moved as a link)."""
+    return st is not None and st.is_dir and not st.is_symlink
+
+
+async def file_expect(machine: Machine, inside: str) -> str | None:
     """The fingerprint a move/delete of a regular file is planned against; None for folders and links."""
-    return fingerprint(machine, inside) if stat_mod.S_ISREG(machine.view.lstat(inside).st_mode) else None
+    st = await file_ops(machine).lstat(inside)
+    return await fingerprint(machine, inside) if st is not None and st.is_file and not st.is_symlink else None
 
 
-def describe(machine: Any, inside: str) -> str:
-    if not stat_mod.S_ISDIR(machine.view.lstat(inside).st_mode):
+async def describe(machine: Machine, inside: str) -> str:
+    ops = file_ops(machine)
+    if not real_dir(await ops.lstat(inside)):
         return inside
-    files = sum(not node.is_dir for node in machine.view.walk(inside))
+    files = sum(not real_dir(node.stat) for node in await ops.walk(inside))
     return f"folder {inside} ({files} file(s))"
 
 
-def plan_path_change(machine: Any, p: EditParams) -> Operation:
+async def plan_path_change(machine: Machine, p: EditParams) -> Operation:
     verb = "delete" if p.mode == "delete" else "move"
-    src = source(machine, p.path, verb)
-    expect = file_expect(machine, src.inside)
-    what = describe(machine, src.inside)
+    src = await source(machine, p.path, verb)
+    expect = await file_expect(machine, src.inside)
+    what = await describe(machine, src.inside)
     if p.mode == "delete":
         return Operation("delete", src.inside, expect=expect, summary=f"delete {what} (to the trash)")
-    dest = destination_of(machine, src, p)
-    check_destination(machine, src, dest)
+    dest = await destination_of(machine, src, p)
+    await check_destination(machine, src, dest)
     kind: Literal["move", "rename"] = "rename" if p.mode == "rename" else "move"
     return Operation(
         kind, src.inside, dest=dest.inside, expect=expect, summary=f"{kind} {what} -> {dest.inside}"
@@ -277,16 +292,16 @@ def plan_path_change(machine: Any, p: EditParams) -> Operation:
 async def run_edit(ctx: ToolContext, p: EditParams) -> ToolResult:
     try:
         if p.mode in ("move", "rename", "delete"):
-            op = plan_path_change(ctx.machine, p)
+            op = await plan_path_change(ctx.machine, p)
         else:
-            op = plan_text_edit(ctx.machine, p)
+            op = await plan_text_edit(ctx.machine, p)
     except Refused as exc:
         return ToolResult.error(str(exc))
     except FAILURES as exc:
         return ToolResult.error(problem(exc, p.path))
     result = await ctx.commit([op], "edit")
     if not result.is_error:
-        remember(ctx, op)
+        await remember(ctx, op)
     return result
 
 

@@ -21,23 +21,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import posixpath
-import stat as stat_mod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel, Field
 from wcmatch import fnmatch as wc_fnmatch
 from wcmatch import glob as wc_glob
 
-from agentbox.machines.base import ExecRequest
+from agentbox.machines.base import ExecRequest, Machine
 from agentbox.machines.errors import MachineError
 from agentbox.tools.base import Action, Tool, ToolContext, ToolResult
 from agentbox.tools.documents import IMAGE_EXTENSIONS
-from agentbox.tools.read import FAILURES, MAX_TEXT_BYTES, Resolved, external_refusal, problem, resolve
-from agentbox.workspace import files
+from agentbox.tools.read import FAILURES, MAX_TEXT_BYTES, external_refusal, problem, resolve, stat_of
 from agentbox.workspace import grep as workspace_grep
-from agentbox.workspace.errors import WorkspaceError
+from agentbox.workspace.errors import WorkspaceError, bad_request
+from agentbox.workspace.fileops import Resolved, file_ops
 from agentbox.workspace.patterns import check_pattern
 
 #: Entries one `list` shows (seed 001: "list 默认最多 120 项").
@@ -134,7 +132,7 @@ def glob_matcher(pattern: str) -> Callable[[str], bool]:
 
 
 async def rg_files(
-    machine: Any, folder: str, *, hidden: bool, keep: int, accept: Callable[[str], bool]
+    machine: Machine, folder: str, *, hidden: bool, keep: int, accept: Callable[[str], bool]
 ) -> FileScan:
     """Files under a folder as rg lists them (.gitignore respected), as inside paths, sorted.
 
@@ -146,7 +144,10 @@ async def rg_files(
     args += ["--sort", "path", "--one-file-system"]
     if hidden:
         args.append("--hidden")
-    request = ExecRequest(argv=(machine.ripgrep, *args, "--", "."), cwd=folder, env=workspace_grep.RG_ENV)
+    rg = await machine.find_program("rg")
+    if rg is None:
+        raise bad_request("search", f"machine {machine.name!r} has no ripgrep (rg) to search with", folder)
+    request = ExecRequest(argv=(rg, *args, "--", "."), cwd=folder, env=workspace_grep.RG_ENV)
     proc = await machine.spawn(request)
     done = False
     stderr = asyncio.ensure_future(workspace_grep.read_capped_stream(proc.stderr, MAX_RG_STDERR_BYTES))
@@ -183,17 +184,19 @@ async def rg_files(
             await stderr
 
 
-def size_note(machine: Any, inside: str) -> str:
+async def size_of(machine: Machine, inside: str) -> int | None:
+    """The size of what `inside` leads to; None when it cannot be told (a dangling link)."""
     try:
-        return f"{machine.view.stat(inside).st_size} bytes"
+        st = await file_ops(machine).lstat(inside, follow=True)
     except (OSError, MachineError):
-        return "unreadable"
+        return None
+    return None if st is None else st.size
 
 
-def file_line(machine: Any, name: str, inside: str) -> str:
+def file_line(name: str, size: int | None) -> str:
     kind = type_of(name)
     note = f", {TYPE_NOTES[kind]}" if kind else ""
-    return f"{name}  ({size_note(machine, inside)}{note})"
+    return f"{name}  ({'unreadable' if size is None else f'{size} bytes'}{note})"
 
 
 # --- list -----------------------------------------------------------------------------------------
@@ -216,10 +219,11 @@ class ListParams(BaseModel):
     )
 
 
-def folder_lines(
+async def folder_lines(
     ctx: ToolContext, target: Resolved, exts: tuple[str, ...] | None
 ) -> tuple[list[str], int, bool]:
-    listing = files.list_dir(ctx.machine, target.requested, show_hidden=True)
+    """The folder's lines; a link's size is what it leads to (`unreadable` when it dangles)."""
+    listing = await file_ops(ctx.machine).list_dir(target.requested, show_hidden=True)
     entries = [
         e
         for e in listing.files
@@ -231,7 +235,8 @@ def folder_lines(
         if e.is_directory:
             lines.append(f"{e.name}/" + (" (link)" if e.is_symlink else ""))
         else:
-            lines.append(file_line(ctx.machine, e.name, e.path) + (" (link)" if e.is_symlink else ""))
+            size = await size_of(ctx.machine, e.path) if e.is_symlink else e.size
+            lines.append(file_line(e.name, size) + (" (link)" if e.is_symlink else ""))
     return lines, len(entries), not listing.truncated
 
 
@@ -242,7 +247,7 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
     target = found
     exts = extensions(p.fileType)
     try:
-        if not stat_mod.S_ISDIR(ctx.machine.view.stat(target.inside).st_mode):  # a missing folder says so
+        if not (await stat_of(ctx.machine, target.inside)).is_dir:  # a missing folder says so
             return ToolResult.error(f"{target.requested} is not a folder; use read to open a file.")
         if p.query:
             query = p.query.casefold()
@@ -259,10 +264,11 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
                 keep=MAX_LIST_ENTRIES,
                 accept=accept,
             )
-            lines = [file_line(ctx.machine, path, path) for path in scan.kept]
+            sizes = await asyncio.gather(*(size_of(ctx.machine, path) for path in scan.kept))
+            lines = [file_line(path, size) for path, size in zip(scan.kept, sizes, strict=True)]
             total, complete = scan.total, scan.complete
         else:
-            lines, total, complete = await asyncio.to_thread(folder_lines, ctx, target, exts)
+            lines, total, complete = await folder_lines(ctx, target, exts)
     except FAILURES as exc:
         return ToolResult.error(problem(exc, p.path))
     if not lines:
@@ -300,7 +306,7 @@ async def run_glob(ctx: ToolContext, p: GlobParams) -> ToolResult:
     target = found
     hidden = any(part.startswith(".") for part in p.pattern.split("/"))
     try:
-        if not stat_mod.S_ISDIR(ctx.machine.view.stat(target.inside).st_mode):  # a missing folder says so
+        if not (await stat_of(ctx.machine, target.inside)).is_dir:  # a missing folder says so
             return ToolResult.error(f"{target.requested} is not a folder.")
         scan = await rg_files(
             ctx.machine, target.inside, hidden=hidden, keep=MAX_GLOB_PATHS, accept=glob_matcher(p.pattern)

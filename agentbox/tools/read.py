@@ -9,8 +9,10 @@ in every toolset, so one name never means two things. PDFs are read by `page` /
 by `offset` too. Images come back as image blocks. Binary files get a short descriptor.
 
 Every file tool shares the path rules defined here (`resolve`, `escapes`, `external_refusal`,
-`problem`): paths go through the machine's descriptor view (`machine.view`); a path whose links lead out of
-the workspace root is reported as such; a read outside the root asks first
+`problem`): paths go through the machine's files (`file_ops`: the descriptor view of a machine
+with host files, the `Machine` protocol otherwise); a path whose links lead out of the
+workspace root is reported as such (host files only: through the protocol paths are lexical);
+a read outside the root asks first
 (Action.READ_EXTERNAL); failures become messages a model can act on. A successful read
 records the file's fingerprint in `ctx.reads` (the stale-write check of `write`), keyed by
 the inside path of the file itself (links followed), taken *before* reading so a change in
@@ -24,12 +26,12 @@ import base64
 import errno
 import os
 import posixpath
-import stat as stat_mod
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from agentbox.machines.base import FileStat, Machine
 from agentbox.machines.errors import MachineError, PathEscape
 from agentbox.tools.base import Action, ImageBlock, Operation, TextBlock, Tool, ToolContext, ToolResult
 from agentbox.tools.documents import (
@@ -52,7 +54,7 @@ from agentbox.tools.documents import (
 from agentbox.tools.fingerprint import fingerprint
 from agentbox.workspace.editor import display_lines, numbered
 from agentbox.workspace.errors import WorkspaceError, translate
-from agentbox.workspace.files import lstat_or_none
+from agentbox.workspace.fileops import Resolved, file_ops
 
 #: Characters one read returns (seed 001: 6000 characters by default, continued by nextOffset).
 READ_WINDOW_CHARS = 6000
@@ -66,35 +68,33 @@ FileKind = Literal["text", "pdf", "docx", "image", "svg", "binary"]
 # --- path rules shared by the file tools -------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """A path as asked (absolute inside path) and where it leads (inside path, links resolved)."""
-
-    requested: str
-    inside: str
-
-    @property
-    def name(self) -> str:
-        return posixpath.basename(self.inside)
+def resolve(machine: Machine, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
+    """Resolve `path` the machine's way (`file_ops`); raises what the machine's files raise."""
+    return file_ops(machine).resolve(path, write=write, follow=follow)
 
 
-def resolve(machine: Any, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
-    """Resolve `path` through the machine's descriptor view; raises what the view raises."""
-    requested = machine.view.absolute(path)
-    return Resolved(requested, machine.view.resolve(path, follow=follow, missing_ok=True, write=write))
+async def stat_of(machine: Machine, inside: str) -> FileStat:
+    """What `inside` leads to (links followed); FileNotFoundError when nothing is there."""
+    st = await file_ops(machine).lstat(inside, follow=True)
+    if st is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), inside)
+    return st
 
 
-def is_dir(machine: Any, inside: str) -> bool:
-    st = lstat_or_none(machine, inside, follow=True)
-    return st is not None and stat_mod.S_ISDIR(st.st_mode)
+async def is_dir(machine: Machine, inside: str) -> bool:
+    st = await file_ops(machine).lstat(inside, follow=True)
+    return st is not None and st.is_dir
 
 
-def within_root(machine: Any, inside: str) -> bool:
-    return bool(machine.view.within_root(inside))
+def within_root(machine: Machine, inside: str) -> bool:
+    return file_ops(machine).within_root(inside)
 
 
-def escapes(machine: Any, target: Resolved) -> bool:
-    """True when a path asked inside the workspace root leads out of it through a link."""
+def escapes(machine: Machine, target: Resolved) -> bool:
+    """True when a path asked inside the workspace root leads out of it through a link.
+
+    Only host files can tell: through the protocol a path is lexical and `inside` is what was
+    asked (the machine follows links itself, with its own rights)."""
     return within_root(machine, target.requested) and not within_root(machine, target.inside)
 
 
@@ -141,7 +141,7 @@ def problem(exc: BaseException, path: str) -> str:
 FAILURES = (OSError, MachineError, WorkspaceError, DocumentError, UnicodeError)
 
 
-def remember(ctx: ToolContext, op: Operation) -> None:
+async def remember(ctx: ToolContext, op: Operation) -> None:
     """After a commit: a file that now holds exactly the text the model wrote counts as read.
 
     True when the change was applied (not when it waits in a change set), so writing a file
@@ -151,26 +151,21 @@ def remember(ctx: ToolContext, op: Operation) -> None:
         return
     data = op.after.encode("utf-8")
     try:
-        st = ctx.machine.view.stat(op.path)
-        if (
-            stat_mod.S_ISREG(st.st_mode)
-            and st.st_size == len(data)
-            and read_capped(ctx.machine, op.path, len(data)) == data
-        ):
-            ctx.reads[op.path] = fingerprint(ctx.machine, op.path)
+        st = await stat_of(ctx.machine, op.path)
+        if st.is_file and st.size == len(data) and await read_capped(ctx.machine, op.path, len(data)) == data:
+            ctx.reads[op.path] = await fingerprint(ctx.machine, op.path)
     except FAILURES:
         return
 
 
-def read_capped(machine: Any, inside: str, limit: int) -> bytes:
-    """All bytes of a regular file (opened by descriptor, never through a swapped-in link), at most `limit`."""
-    return bytes(machine.view.read_bytes(inside, limit))
+async def read_capped(machine: Machine, inside: str, limit: int) -> bytes:
+    """All bytes of a regular file, at most `limit` (EFBIG past it); on host files opened by
+    descriptor, never through a swapped-in link."""
+    return bytes(await file_ops(machine).read_bytes(inside, limit))
 
 
-def sniff(machine: Any, inside: str) -> bytes:
-    fd = machine.view.open(inside, os.O_RDONLY)
-    with os.fdopen(fd, "rb") as f:
-        return f.read(SNIFF_BYTES)
+async def sniff(machine: Machine, inside: str) -> bytes:
+    return await file_ops(machine).read_head(inside, SNIFF_BYTES)
 
 
 # --- parameters ----------------------------------------------------------------------------
@@ -449,9 +444,13 @@ def refusal_for(kind: FileKind, shown: str, size: int, head: bytes) -> str | Non
     return None
 
 
-def load(machine: Any, inside: str, kind: FileKind, p: ReadParams, shown: str) -> ToolResult:
-    """Read and render one file (blocking: parsing runs in a thread)."""
-    data = read_capped(machine, inside, SIZE_LIMITS[kind])
+async def load(machine: Machine, inside: str, kind: FileKind, p: ReadParams, shown: str) -> ToolResult:
+    """Read one file and render it (parsing runs in a thread)."""
+    data = await read_capped(machine, inside, SIZE_LIMITS[kind])
+    return await asyncio.to_thread(render, data, kind, p, shown)
+
+
+def render(data: bytes, kind: FileKind, p: ReadParams, shown: str) -> ToolResult:
     if kind == "image":
         return read_image_file(data, shown)
     if kind == "pdf":
@@ -471,10 +470,10 @@ async def read_any(ctx: ToolContext, p: ReadParams, tool: str, *, images_only: b
         refusal = await external_refusal(ctx, tool, target)  # before anything about the file is told
         if refusal is not None:
             return ToolResult.error(refusal)
-        st = ctx.machine.view.stat(target.inside)
-        if stat_mod.S_ISDIR(st.st_mode):
+        st = await stat_of(ctx.machine, target.inside)
+        if st.is_dir:
             return ToolResult.error(f"{target.requested} is a folder; use list to see what it holds.")
-        head = await asyncio.to_thread(sniff, ctx.machine, target.inside)
+        head = await sniff(ctx.machine, target.inside)
         kind = classify(target.name, head)
         if outside and kind == "image":
             return ToolResult.error(images_outside(target))
@@ -482,11 +481,11 @@ async def read_any(ctx: ToolContext, p: ReadParams, tool: str, *, images_only: b
             return ToolResult.error(
                 f"{target.requested} is not an image (png, jpg, jpeg, webp or gif); use read for text, PDF and DOCX."
             )
-        reason = refusal_for(kind, target.requested, st.st_size, head)
+        reason = refusal_for(kind, target.requested, st.size, head)
         if reason is not None:
             return ToolResult.error(reason)
-        seen = await asyncio.to_thread(fingerprint, ctx.machine, target.inside)
-        result = await asyncio.to_thread(load, ctx.machine, target.inside, kind, p, target.requested)
+        seen = await fingerprint(ctx.machine, target.inside)
+        result = await load(ctx.machine, target.inside, kind, p, target.requested)
     except FAILURES as exc:
         return ToolResult.error(problem(exc, p.path))
     if not result.is_error:

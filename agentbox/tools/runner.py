@@ -23,7 +23,7 @@ runs a call whose question the user already answered (a turn resumed after a res
 question about that action is not asked again, within that call only. Approvals and change sets
 name the tool as the model called it (`read_file`, `bash`), not by its canonical name.
 
-`commit(ops, tool)` by `decide(tier, WRITE, plan)`: ALLOW applies now (`apply_operations`),
+`commit(ops, tool)` by `decide(tier, WRITE, plan)`: ALLOW applies now (`ChangeSets.apply_now`),
 STAGE records the turn's change set and tells the model only ids, summaries and character
 counts, FORBID refuses. Seed 004 on top: an operation outside the machine's root asks first
 in `full-ask` (then is staged like any other), is refused in `workspace-write` (whose scope
@@ -41,6 +41,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from agentbox.machines.base import Machine
 from agentbox.machines.errors import MachineError
 from agentbox.store.changes import OperationRecord
 from agentbox.tools.approvals import Approvals
@@ -53,11 +54,12 @@ from agentbox.tools.base import (
     ToolConfig,
     ToolResult,
 )
-from agentbox.tools.changes import Applied, ChangeSets, GovernedMachine, Refused, apply_operations, describe
+from agentbox.tools.changes import Applied, ChangeSets, Refused, describe
 from agentbox.tools.fingerprint import fingerprint
 from agentbox.tools.services import MachineServices
 from agentbox.tools.tiers import Decision, Tier, decide, outside_root_write
 from agentbox.workspace.errors import WorkspaceError
+from agentbox.workspace.fileops import file_ops
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,8 @@ def validation_problems(exc: ValidationError) -> str:
 class SessionTools:
     """One session's tools: its `ToolContext` and the dispatcher over its toolset."""
 
-    machine: Any  # a Machine that is also a GovernedMachine (host paths, root, path map)
+    machine: Machine | None
+    """Where the tools run; None in a session without one (no file tool is offered there)."""
     session_id: str
     tier: Tier
     toolset: dict[str, Tool]
@@ -203,19 +206,22 @@ class SessionTools:
             return ToolResult.error(not_permitted(tool, Action.WRITE, self.tier, self.plan))
         if not operations:
             return ToolResult.error("Nothing to change.")
+        machine = self.machine
+        if machine is None:
+            return ToolResult.error(f"{tool} needs a machine, and this session has none.")
         try:
-            outside = self._outside_root(operations)
+            outside = self._outside_root(machine, operations)
         except MachineError as exc:
             return ToolResult.error(exc.message)
         if outside:
-            refusal = await self._outside_root_gate(tool, operations, outside)
+            refusal = await self._outside_root_gate(machine, tool, operations, outside)
             if refusal is not None:
                 return ToolResult.error(refusal)
         if decision == Decision.ALLOW:
-            return self._applied(await apply_operations(self.machine, operations))
+            return await self._applied(machine, await self.changes.apply_now(machine, operations))
         try:
             change_set, staged = await self.changes.stage(
-                self.machine, self.session_id, self.turn_id, tool, operations
+                machine, self.session_id, self.turn_id, tool, operations
             )
         except Refused as exc:
             return ToolResult.error(str(exc))
@@ -234,25 +240,26 @@ class SessionTools:
         )
         return None if allowed else denied(tool, message)
 
-    def _outside_root(self, operations: Sequence[Operation]) -> list[str]:
-        machine: GovernedMachine = self.machine
+    @staticmethod
+    def _outside_root(machine: Machine, operations: Sequence[Operation]) -> list[str]:
+        ops = file_ops(machine)
         paths = [p for op in operations for p in (op.path, op.dest) if p is not None]
-        return [machine.view.absolute(p) for p in paths if not machine.view.within_root(p)]
+        return [ops.absolute(p) for p in paths if not ops.within_root(p)]
 
     async def _outside_root_gate(
-        self, tool: str, operations: Sequence[Operation], outside: list[str]
+        self, machine: Machine, tool: str, operations: Sequence[Operation], outside: list[str]
     ) -> str | None:
         if outside_root_write(self.tier) == Decision.ALLOW:
             return None
         where = ", ".join(outside)
         if self.tier != Tier.FULL_ASK:
             return (
-                f"{where} is outside the workspace root {self.machine.root}; {self.tier} only changes the "
+                f"{where} is outside the workspace root {machine.root}; {self.tier} only changes the "
                 "workspace and this cannot be approved."
             )
         detail = {
             "reason": "write outside the workspace root",
-            "root": self.machine.root,
+            "root": machine.root,
             "paths": outside,
             "operations": [
                 {"kind": op.kind, "path": op.path, "dest": op.dest, "summary": describe(op),
@@ -262,21 +269,21 @@ class SessionTools:
         }  # fmt: skip
         return await self._ask(tool, str(Action.WRITE), detail)
 
-    def _applied(self, results: list[Applied]) -> ToolResult:
+    async def _applied(self, machine: Machine, results: list[Applied]) -> ToolResult:
         for result in results:
             if result.ok:
-                self._remember(result.operation)
+                await self._remember(machine, result.operation)
         return applied_result(results)
 
-    def _remember(self, op: Operation) -> None:
+    async def _remember(self, machine: Machine, op: Operation) -> None:
         """Keep the reads map (keyed like `read` does: the file's inside path, links followed)
         true after our own change: the model knows what it wrote, and what it moved is gone."""
-        machine: GovernedMachine = self.machine
+        ops = file_ops(machine)
         if op.kind in ("write", "edit"):
-            inside = machine.view.resolve(op.path)
-            self.reads[inside] = fingerprint(machine, inside)
+            inside = ops.resolve(op.path).inside
+            self.reads[inside] = await fingerprint(machine, inside)
         elif op.kind in ("move", "rename", "delete"):
-            gone = machine.view.absolute(op.path)
+            gone = ops.absolute(op.path)
             for key in [k for k in self.reads if k == gone or k.startswith(gone.rstrip("/") + "/")]:
                 del self.reads[key]
 

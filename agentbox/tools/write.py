@@ -16,25 +16,16 @@ clobbering a file that appeared or changed in between.
 from __future__ import annotations
 
 import posixpath
-import stat as stat_mod
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from agentbox.machines.base import Machine
 from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolResult
 from agentbox.tools.fingerprint import ABSENT, fingerprint
-from agentbox.tools.read import (
-    FAILURES,
-    Resolved,
-    escape_message,
-    escapes,
-    problem,
-    read_capped,
-    remember,
-    resolve,
-)
+from agentbox.tools.read import FAILURES, escape_message, escapes, problem, read_capped, remember, resolve
 from agentbox.workspace.editor import MAX_EDIT_BYTES
-from agentbox.workspace.files import lstat_or_none
+from agentbox.workspace.fileops import Resolved, file_ops
 
 #: Largest content one write plans, in UTF-8 bytes (the editor's limit: edits can follow).
 MAX_WRITE_BYTES = MAX_EDIT_BYTES
@@ -52,15 +43,15 @@ class WriteParams(BaseModel):
     )
 
 
-def parent_problem(machine: Any, target: Resolved) -> str | None:
+async def parent_problem(machine: Machine, target: Resolved) -> str | None:
     folder = posixpath.dirname(target.inside)
-    parent = lstat_or_none(machine, folder, follow=True)
+    parent = await file_ops(machine).lstat(folder, follow=True)
     if parent is None:
         return (
             f"The folder {folder} does not exist. Create it first with write kind=folder "
             "(one folder per call, outermost first), then write again."
         )
-    if not stat_mod.S_ISDIR(parent.st_mode):
+    if not parent.is_dir:
         return f"{folder} is a file, not a folder; {target.requested} cannot be created inside it."
     return None
 
@@ -90,29 +81,29 @@ def make_write(overwrite_if_read: bool) -> Tool:
 
     async def run(ctx: ToolContext, p: WriteParams) -> ToolResult:
         try:
-            op = plan(ctx, p)
+            op = await plan(ctx, p)
         except FAILURES as exc:
             return ToolResult.error(problem(exc, p.path))
         if isinstance(op, str):
             return ToolResult.error(op)
         result = await ctx.commit([op], "write")
         if not result.is_error:
-            remember(ctx, op)
+            await remember(ctx, op)
         return result
 
-    def plan(ctx: ToolContext, p: WriteParams) -> Operation | str:
+    async def plan(ctx: ToolContext, p: WriteParams) -> Operation | str:
         target = resolve(ctx.machine, p.path, write=True)
         if escapes(ctx.machine, target):
             return escape_message(target)
-        missing_parent = parent_problem(ctx.machine, target)
+        missing_parent = await parent_problem(ctx.machine, target)
         if missing_parent is not None:
             return missing_parent
-        existing = lstat_or_none(ctx.machine, target.inside)
+        existing = await file_ops(ctx.machine).lstat(target.inside)
         if p.kind == "folder":
             if p.content:
                 return "content is not used with kind=folder; create the folder, then write files into it."
             if existing is not None:
-                what = "folder" if stat_mod.S_ISDIR(existing.st_mode) else "file"
+                what = "folder" if existing.is_dir else "file"
                 return f"{target.requested} already exists (a {what})."
             return Operation("mkdir", target.inside, summary=f"create folder {target.inside}")
         size = len(p.content.encode("utf-8"))
@@ -126,16 +117,18 @@ def make_write(overwrite_if_read: bool) -> Tool:
                 expect=ABSENT,
                 summary=f"create {target.inside} ({len(p.content)} characters)",
             )
-        if stat_mod.S_ISDIR(existing.st_mode):
+        if existing.is_dir:
             return f"{target.requested} is a folder; choose a file path inside it."
-        current = fingerprint(ctx.machine, target.inside)
+        current = await fingerprint(ctx.machine, target.inside)
         refusal = overwrite_problem(ctx, target, current, overwrite_if_read)
         if refusal is not None:
             return refusal
         before = None  # too large to show in a diff; `expect` still guards the overwrite
-        if existing.st_size <= MAX_WRITE_BYTES:
-            before = read_capped(ctx.machine, target.inside, MAX_WRITE_BYTES).decode("utf-8", "replace")
-        was = f"{len(before)} characters" if before is not None else f"{existing.st_size} bytes"
+        if existing.size <= MAX_WRITE_BYTES:
+            before = (await read_capped(ctx.machine, target.inside, MAX_WRITE_BYTES)).decode(
+                "utf-8", "replace"
+            )
+        was = f"{len(before)} characters" if before is not None else f"{existing.size} bytes"
         return Operation(
             "write",
             target.inside,

@@ -7,15 +7,20 @@ editor and the tools call `file_ops(machine)` and never ask which kind they hold
 
 Two levels: the API's operations (`read_text`, `list_dir`, `upload`, ... with their results
 and limits), and the primitives the tools build on (`resolve`, `within_root`, `lstat`,
-`read_bytes`, `write_bytes`, `walk`, ...). On host files the primitives resolve links inside
-the machine's view, by descriptor; through the protocol paths are lexical and the machine
-resolves them itself, so `resolve` there cannot see where a link leads.
+`read_bytes`, `read_head`, `content_hash`, `write_bytes`, `write_new`, `rename`, `walk`, ...).
+On host files the primitives resolve links inside the machine's view, by descriptor; through
+the protocol paths are lexical and the machine resolves them itself, so `resolve` there cannot
+see where a link leads, mounts are unknown (`is_mount_root` is only `/`, `same_mount` always
+true: the machine's rename refuses EXDEV itself), and `rename(replace=False)` is a check then
+the rename, racy against a concurrent creator (`write_new` and `create` are exclusive creates
+on the machine itself).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import itertools
 import os
 import posixpath
@@ -24,7 +29,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from agentbox.machines.base import FileStat, Machine
+from agentbox.machines.base import FileStat, Machine, inside_path
 from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles, to_stat
 from agentbox.machines.hostview import HostView, Node
@@ -123,6 +128,37 @@ def _head(view: HostView, path: str, length: int, follow: bool) -> bytes:
         os.close(fd)
 
 
+def host_content_hash(machine: HostFiles, path: str, chunk: int) -> tuple[str, int] | None:
+    """sha256 and size of a regular file, read by descriptor `chunk` bytes at a time; None
+    when there is no regular file to open there."""
+    try:
+        fd = machine.view.open(path, os.O_RDONLY)
+    except (OSError, MachineError):
+        return None
+    if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    with os.fdopen(fd, "rb") as f:
+        digest = hashlib.sha256()
+        size = 0
+        while data := f.read(chunk):
+            digest.update(data)
+            size += len(data)
+    return digest.hexdigest(), size
+
+
+def host_write_new(machine: HostFiles, path: str, data: bytes) -> None:
+    """Create the file exclusively (`O_EXCL` in its resolved parent) for the default owner."""
+    fd = machine.view.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        owner = files.new_owner(machine, None)
+        if owner is not None:
+            os.fchown(fd, *owner)
+        files.write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
 class HostOps:
     """`files.py` on a host-file machine, off the event loop when the work may be large."""
 
@@ -203,9 +239,22 @@ class HostOps:
 
     # primitives ------------------------------------------------------------------------
 
+    def absolute(self, path: str) -> str:
+        """`path` as an absolute inside path, lexically (nothing resolved)."""
+        return self.machine.view.absolute(path)
+
     def resolve(self, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
         view = self.machine.view
         return Resolved(view.absolute(path), view.resolve(path, follow=follow, missing_ok=True, write=write))
+
+    def is_mount_root(self, inside: str) -> bool:
+        """`/` or where the machine mounts a folder: never moved or deleted."""
+        return bool(self.machine.view.is_mount_root(inside))
+
+    def same_mount(self, a: str, b: str) -> bool:
+        """Whether a rename from `a` to `b` stays on one mount (else it would be EXDEV)."""
+        view = self.machine.view
+        return view.mount_for(a) == view.mount_for(b)
 
     def within_root(self, inside: str) -> bool:
         return bool(self.machine.view.within_root(inside))
@@ -221,6 +270,10 @@ class HostOps:
         """A regular file's bytes (by descriptor, never through a swapped-in link); EFBIG past `limit`."""
         size = self._size(path)
         return await self._offload(size, self.machine.view.read_bytes, path, limit)
+
+    async def content_hash(self, path: str, chunk: int) -> tuple[str, int] | None:
+        """sha256 (hex) and size of the regular file `path` leads to; None when there is none."""
+        return await self._offload(self._size(path), host_content_hash, self.machine, path, chunk)
 
     async def write_bytes(self, path: str, data: bytes) -> None:
         """Write in place (the inode is kept), created for the machine's default owner if missing."""
@@ -249,14 +302,24 @@ class HostOps:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
         return real
 
+    async def write_new(self, path: str, data: bytes) -> None:
+        """Create the file, atomically refused (FileExistsError) when anything is there; a
+        missing parent is FileNotFoundError. New files get the machine's default owner."""
+        await self._offload(len(data), host_write_new, self.machine, path, data)
+
     async def makedirs(self, path: str) -> None:
         self.machine.view.makedirs(path, owner=files.new_owner(self.machine, None))
 
     async def unlink(self, path: str) -> None:
         self.machine.view.unlink(path)
 
-    async def rename(self, src: str, dst: str) -> None:
-        self.machine.view.rename(src, dst)
+    async def rmdir(self, path: str) -> None:
+        """Remove an empty directory (never a file, never through a link)."""
+        self.machine.view.rmdir(path)
+
+    async def rename(self, src: str, dst: str, *, replace: bool = True) -> None:
+        """Without `replace`, an existing `dst` is FileExistsError, atomically (RENAME_NOREPLACE)."""
+        self.machine.view.rename(src, dst, replace=replace)
 
     async def listdir(self, path: str) -> list[WalkNode]:
         inside = self.machine.view.absolute(path)
@@ -356,9 +419,20 @@ class RemoteOps:
 
     # primitives ------------------------------------------------------------------------
 
+    def absolute(self, path: str) -> str:
+        return inside_path(self.machine.root, path)
+
     def resolve(self, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
         inside = remote_files.shown_path(self.machine, path)
         return Resolved(inside, inside)
+
+    def is_mount_root(self, inside: str) -> bool:
+        """Only `/`: the machine's mounts are not known from here (it refuses to move them itself)."""
+        return self.absolute(inside) == "/"
+
+    def same_mount(self, a: str, b: str) -> bool:
+        """Not known from here: the machine's own rename fails across devices."""
+        return True
 
     def within_root(self, inside: str) -> bool:
         return within(self.machine.root, remote_files.shown_path(self.machine, inside))
@@ -369,6 +443,26 @@ class RemoteOps:
 
     async def read_bytes(self, path: str, limit: int) -> bytes:
         return await self.machine.read(self.shown_path(path), limit=limit)
+
+    async def content_hash(self, path: str, chunk: int) -> tuple[str, int] | None:
+        """sha256 and size, read by offset `chunk` bytes at a time; None when `path` leads to
+        no regular file. A file that grows meanwhile is hashed to the size `stat` saw."""
+        shown = self.shown_path(path)
+        try:
+            st = await self.machine.stat(shown)
+            if st is None or not st.is_file:
+                return None
+            digest = hashlib.sha256()
+            size = 0
+            while size < st.size:
+                data = await self.machine.read(shown, offset=size, length=min(chunk, st.size - size))
+                if not data:
+                    break
+                digest.update(data)
+                size += len(data)
+        except (OSError, MachineError):
+            return None
+        return digest.hexdigest(), size
 
     async def write_bytes(self, path: str, data: bytes) -> None:
         await self.machine.write(self.shown_path(path), data)
@@ -401,14 +495,37 @@ class RemoteOps:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
         return None if any(st is not None and st.is_symlink for st in stats) else inside
 
+    async def write_new(self, path: str, data: bytes) -> None:
+        """Create the file, refused (FileExistsError) when anything is there: `Machine.create`,
+        an exclusive create on the machine itself; a missing parent is FileNotFoundError."""
+
+        async def body() -> AsyncIterator[bytes]:
+            yield data
+
+        await self.machine.create(self.shown_path(path), body(), limit=len(data))
+
     async def makedirs(self, path: str) -> None:
         await self.machine.mkdir(self.shown_path(path), parents=True)
 
     async def unlink(self, path: str) -> None:
         await self.machine.remove(self.shown_path(path))
 
-    async def rename(self, src: str, dst: str) -> None:
-        await self.machine.rename(self.shown_path(src), self.shown_path(dst))
+    async def rmdir(self, path: str) -> None:
+        shown = self.shown_path(path)
+        st = await self.machine.stat(shown)
+        if st is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        if not st.is_dir or st.is_symlink:
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+        await self.machine.remove(shown)
+
+    async def rename(self, src: str, dst: str, *, replace: bool = True) -> None:
+        """Without `replace`, an existing `dst` is FileExistsError: a check, then the machine's
+        rename (racy against a concurrent creator, unlike the host's RENAME_NOREPLACE)."""
+        target = self.shown_path(dst)
+        if not replace and await self.machine.stat(target) is not None:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+        await self.machine.rename(self.shown_path(src), target)
 
     async def listdir(self, path: str) -> list[WalkNode]:
         return [
