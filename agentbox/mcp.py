@@ -61,6 +61,7 @@ from starlette.types import Receive, Scope, Send
 from agentbox import __version__
 from agentbox.config import Settings
 from agentbox.ids import SESSION_ID_RULE, is_session_id
+from agentbox.machines.base import Machine
 from agentbox.machines.errors import MachineError
 from agentbox.machines.registry import DEFAULT_SESSION, Registry
 from agentbox.store.approvals import ApprovalsRepo
@@ -202,16 +203,16 @@ class ToolHost:
 # ---------------------------------------------------------------------------- translation
 
 
-def open_world(tool: Tool, machine: Any) -> bool:
+def open_world(tool: Tool, machine: Machine | None) -> bool:
     """Whether the tool may reach beyond the machine: the web, or commands on a networked machine."""
     if tool.action in OPEN_WORLD_ACTIONS:
         return True
     if tool.action == Action.EXEC:
-        return not machine.isolated or machine.network_on
+        return machine is not None and (not machine.isolated or machine.network_on)
     return False
 
 
-def describe_tool(tool: Tool, machine: Any) -> mt.Tool:
+def describe_tool(tool: Tool, machine: Machine | None) -> mt.Tool:
     return mt.Tool(
         name=tool.name,
         description=tool.description,

@@ -152,7 +152,8 @@ class FileStore(Protocol):
 class ToolContext(Protocol):
     """What a tool may use. Built by the runner; tests build real ones."""
 
-    machine: Any  # a Machine with the HostFiles capability (agentbox.machines.hostfs)
+    machine: Any  # a `Machine`; `SessionTools` holds None for a session without one, and no tool
+    # that needs a machine is offered there (`Tool.machine`)
     session_id: str
     turn_id: str | None
     config: ToolConfig

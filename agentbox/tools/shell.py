@@ -37,11 +37,10 @@ import shlex
 import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel, Field
 
-from agentbox.machines.base import ExecRequest
+from agentbox.machines.base import ExecRequest, Machine
 from agentbox.workspace.commands import MAX_BUFFERED_OUTPUT, Command, CommandManager, OutputBuffer
 from agentbox.workspace.errors import WorkspaceError
 
@@ -139,7 +138,7 @@ async def run_exec(ctx: ToolContext, params: ExecParams) -> ToolResult:
     return await _result(machine, cmd, timeout)
 
 
-async def _cwd_problem(machine: Any, cwd: str) -> str | None:
+async def _cwd_problem(machine: Machine, cwd: str) -> str | None:
     """Why `cwd` cannot be a working directory, or None (seed 001: an invalid cwd is an error)."""
     try:
         info = await machine.stat(cwd)
@@ -155,7 +154,7 @@ async def _cwd_problem(machine: Any, cwd: str) -> str | None:
 # -- environment ------------------------------------------------------------------------
 
 
-def machine_env(machine: Any) -> dict[str, str]:
+def machine_env(machine: Machine) -> dict[str, str]:
     """The variables a machine itself gives every command (its base and its env providers)."""
     return dict(machine.command_env(ExecRequest()))
 
@@ -180,7 +179,7 @@ def without_env(command: str, names: Iterable[str]) -> str:
 # -- the result -------------------------------------------------------------------------
 
 
-async def _result(machine: Any, cmd: Command, timeout: int) -> ToolResult:
+async def _result(machine: Machine, cmd: Command, timeout: int) -> ToolResult:
     stdout, stderr = tails(cmd.stdout, cmd.stderr)
     exit_code, headline = _ending(cmd, timeout)
     parts = [headline]
@@ -288,7 +287,7 @@ def _marker(shown: Shown, path: str | None, problem: str | None) -> str:
     return "".join(parts) + "]"
 
 
-async def _save(machine: Any, command_id: str, shown: Shown) -> tuple[str | None, str | None]:
+async def _save(machine: Machine, command_id: str, shown: Shown) -> tuple[str | None, str | None]:
     """Write what was captured of a stream to `OUTPUT_DIR` inside the machine: (path, None) or (None, why)."""
     path = f"{OUTPUT_DIR}/{command_id}.{shown.name}"
     data = _captured_bytes(shown.buffer)
