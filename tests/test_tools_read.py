@@ -32,11 +32,12 @@ from typing import Any
 import docx
 import pytest
 import pytest_asyncio
-from conftest import Sshd, host_fingerprint, traversable
+from conftest import Dockerd, Sshd, host_fingerprint, traversable
 from fpdf import FPDF
 
 from agentbox.ids import SANDBOX, new_id
 from agentbox.machines.base import ExecRequest
+from agentbox.machines.docker import DockerHost, DockerMachine, DockerOptions
 from agentbox.machines.local import LocalMachine
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
 from agentbox.machines.ssh import SshMachine, SshOptions
@@ -165,6 +166,28 @@ def sandbox_box(sandbox: SandboxMachine, tmp_path: Path) -> Box:
     return Box(sandbox, f"/workspace/{name}", host)
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def docker(
+    dockerd: Dockerd, docker_host: DockerHost, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[DockerMachine]:
+    """One container (network off) for the module; each test works in its own folder of it."""
+    d = traversable(tmp_path_factory.mktemp("tools-docker"), tmp_path_factory)
+    options = DockerOptions.from_options({"docker_host": dockerd.host})
+    machine = DockerMachine("docker", new_id(SANDBOX), docker_host, options, d / "workspace", d / "run")
+    await machine.start()
+    yield machine
+    await machine.destroy()
+
+
+def docker_box(docker: DockerMachine) -> Box:
+    """A fresh folder of the module's container workspace, for one test."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    host = docker.workspace / name
+    host.mkdir()
+    os.lchown(host, *docker.uid_gid)
+    return Box(docker, f"/workspace/{name}", host, docker.uid_gid)
+
+
 def local_box(tmp_path: Path) -> Box:
     machine = LocalMachine("local", tmp_path / "root")
     return Box(machine, machine.root, Path(machine.root))
@@ -195,12 +218,14 @@ def make_box(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Box:
         return sandbox_box(request.getfixturevalue("sandbox"), tmp_path)
     if kind == "ssh":
         return ssh_box(request.getfixturevalue("ssh"), request.getfixturevalue("sshd"))
+    if kind == "docker":
+        return docker_box(request.getfixturevalue("docker"))
     return local_box(tmp_path)
 
 
-@pytest.fixture(params=["sandbox", "local", "ssh"])
+@pytest.fixture(params=["sandbox", "docker", "local", "ssh"])
 def box(request: pytest.FixtureRequest, tmp_path: Path) -> Box:
-    """A folder on each kind: host files by descriptor (sandbox, local), and ssh by protocol."""
+    """A folder on each kind: host files by descriptor (sandbox, docker, local), ssh by protocol."""
     return make_box(request.param, request, tmp_path)
 
 
