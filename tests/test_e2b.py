@@ -1,0 +1,156 @@
+"""The stock `e2b` SDK (sync client) against a real `agentbox serve` on loopback.
+
+The SDK is pointed at the server the way a user would: `E2B_API_URL` and `E2B_SANDBOX_URL`
+at the one port, `E2B_API_KEY` the server's key. Every sandbox it creates is a real
+bubblewrap sandbox of the server's default machine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+from e2b import CommandExitException, Sandbox, SandboxQuery
+from e2b.exceptions import AuthenticationException, NotFoundException
+
+from tests.conftest import Server, start_server, stop_server, traversable
+
+API_KEY = "e2b-test-key"
+#: Seconds a condition (a sandbox ending at its timeout) may take before a test fails.
+DEADLINE_SECONDS = 20.0
+POLL_SECONDS = 0.1
+
+
+@pytest.fixture(scope="module")
+def e2b_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    home = traversable(tmp_path_factory.mktemp("e2b"), tmp_path_factory) / "home"
+    home.mkdir()
+    server = start_server(home, env={"AGENTBOX_API_KEY": API_KEY})
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def e2b_env(e2b_server: Server) -> Iterator[Server]:
+    """The SDK's environment pointed at the server, for the module's tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("E2B_API_URL", e2b_server.url)
+        mp.setenv("E2B_SANDBOX_URL", e2b_server.url)
+        mp.setenv("E2B_API_KEY", API_KEY)
+        mp.delenv("E2B_DEBUG", raising=False)
+        yield e2b_server
+
+
+@pytest.fixture
+def sbx(e2b_env: Server) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(metadata={"suite": "e2b"}, envs={"GREETING": "hello from e2b"})
+    yield sandbox
+    sandbox.kill()
+
+
+def test_commands_run_in_an_isolated_sandbox(sbx: Sandbox) -> None:
+    result = sbx.commands.run("echo hi; echo oops >&2")
+    assert (result.stdout, result.stderr, result.exit_code) == ("hi\n", "oops\n", 0)
+    # The sandbox is the session's bubblewrap sandbox: its own pid namespace, /workspace as cwd.
+    inside = sbx.commands.run("echo $$; pwd; echo $GREETING")
+    pid, cwd, greeting = inside.stdout.split("\n")[:3]
+    assert int(pid) < 100 and cwd == "/workspace" and greeting == "hello from e2b"
+
+
+def test_a_failing_command_raises_with_its_exit_code(sbx: Sandbox) -> None:
+    with pytest.raises(CommandExitException) as failed:
+        sbx.commands.run("echo bad >&2; exit 3")
+    assert failed.value.exit_code == 3
+    assert failed.value.stderr == "bad\n"
+
+
+def test_background_command_is_listed_and_killed(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("sleep 600", background=True)
+    assert handle.pid in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(handle.pid)
+    with pytest.raises(CommandExitException) as ended:
+        handle.wait()
+    assert ended.value.exit_code == 137
+    assert handle.pid not in [p.pid for p in sbx.commands.list()]
+
+
+def test_files_write_read_list_make_dir_remove_exists(sbx: Sandbox) -> None:
+    info = sbx.files.write("/workspace/notes/a.txt", "alpha\n")
+    assert info.path == "/workspace/notes/a.txt"
+    assert sbx.files.read("/workspace/notes/a.txt") == "alpha\n"
+    assert sbx.files.read("notes/a.txt", format="bytes") == b"alpha\n"
+    assert sbx.commands.run("cat /workspace/notes/a.txt").stdout == "alpha\n"
+    assert sbx.files.make_dir("/workspace/notes/sub") is True
+    assert sbx.files.make_dir("/workspace/notes/sub") is False
+    names = sorted((e.name, e.type.value if e.type else None) for e in sbx.files.list("/workspace/notes"))
+    assert names == [("a.txt", "file"), ("sub", "dir")]
+    assert sbx.files.exists("/workspace/notes/a.txt")
+    sbx.files.remove("/workspace/notes")
+    assert not sbx.files.exists("/workspace/notes/a.txt")
+    with pytest.raises(NotFoundException):
+        sbx.files.read("/workspace/notes/a.txt")
+
+
+def test_connect_list_and_kill(e2b_env: Server) -> None:
+    first = Sandbox.create(metadata={"owner": "connect-test"})
+    try:
+        first.files.write("/workspace/kept.txt", "still here")
+        again = Sandbox.connect(first.sandbox_id)
+        assert again.files.read("/workspace/kept.txt") == "still here"
+        listed = Sandbox.list(query=SandboxQuery(metadata={"owner": "connect-test"})).next_items()
+        assert [s.sandbox_id for s in listed] == [first.sandbox_id]
+        assert listed[0].metadata == {"owner": "connect-test"}
+        assert Sandbox.get_info(first.sandbox_id).state.value == "running"
+    finally:
+        assert first.kill() is True
+    assert not (e2b_env.home / "sessions" / first.sandbox_id / "workspace" / "kept.txt").exists()
+    assert Sandbox.kill(first.sandbox_id) is False  # gone: E2B's 404, read as "nothing to kill"
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(first.sandbox_id)
+
+
+def test_a_wrong_api_key_is_refused(e2b_env: Server) -> None:
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="not-the-key")
+
+
+def test_errors_are_code_and_message(e2b_env: Server) -> None:
+    with httpx.Client(base_url=e2b_env.url, headers={"X-API-Key": API_KEY}) as client:
+        bad = client.post("/v2/sandboxes", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert bad.status_code == 400 and set(bad.json()) == {"code", "message"}
+        assert bad.json()["code"] == 400
+        wrong = client.post("/sandboxes", json={"templateID": "base", "timeout": "soon"})
+        assert wrong.status_code == 400 and "timeout" in wrong.json()["message"]
+        missing = client.get("/sandboxes/ses_nothere")
+        assert missing.status_code == 404 and missing.json()["code"] == 404
+        refused = client.get("/v2/sandboxes", headers={"X-API-Key": "wrong"})
+        assert refused.status_code == 401 and set(refused.json()) == {"code", "message"}
+
+
+def test_envd_checks_the_access_token(sbx: Sandbox, e2b_env: Server) -> None:
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": "wrong"}
+    with httpx.Client(base_url=e2b_env.url, headers=headers) as client:
+        assert client.get("/files", params={"path": "/workspace"}).status_code == 401
+        refused = client.post("/filesystem.Filesystem/Stat", json={"path": "/workspace"})
+        assert refused.status_code == 401 and refused.json()["code"] == "unauthenticated"
+        assert client.get("/health").status_code == 204
+
+
+def test_the_sandbox_ends_at_its_timeout(e2b_env: Server) -> None:
+    short = Sandbox.create(timeout=60)
+    assert short.is_running()
+    short.set_timeout(1)
+    eventually(lambda: not short.is_running(), "the sandbox to end at its timeout")
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(short.sandbox_id)
+    assert not (e2b_env.home / "sessions" / short.sandbox_id).exists()
+
+
+def eventually(check: Callable[[], bool], what: str, within: float = DEADLINE_SECONDS) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {within}s for {what}")
+        time.sleep(POLL_SECONDS)
