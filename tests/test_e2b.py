@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from e2b import CommandExitException, Sandbox, SandboxQuery
+from e2b import AsyncSandbox, CommandExitException, Sandbox, SandboxQuery
 from e2b.exceptions import AuthenticationException, NotFoundException
 
 from tests.conftest import Server, start_server, stop_server, traversable
@@ -28,6 +28,7 @@ def e2b_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     home = traversable(tmp_path_factory.mktemp("e2b"), tmp_path_factory) / "home"
     home.mkdir()
     server = start_server(home, env={"AGENTBOX_API_KEY": API_KEY})
+    assert server.api_key == API_KEY
     yield server
     stop_server(server)
 
@@ -50,13 +51,15 @@ def sbx(e2b_env: Server) -> Iterator[Sandbox]:
     sandbox.kill()
 
 
-def test_commands_run_in_an_isolated_sandbox(sbx: Sandbox) -> None:
+def test_commands_run_in_an_isolated_sandbox(sbx: Sandbox, e2b_env: Server) -> None:
     result = sbx.commands.run("echo hi; echo oops >&2")
     assert (result.stdout, result.stderr, result.exit_code) == ("hi\n", "oops\n", 0)
     # The sandbox is the session's bubblewrap sandbox: its own pid namespace, /workspace as cwd.
     inside = sbx.commands.run("echo $$; pwd; echo $GREETING")
     pid, cwd, greeting = inside.stdout.split("\n")[:3]
     assert int(pid) < 100 and cwd == "/workspace" and greeting == "hello from e2b"
+    # The server's home on the host (where this sandbox's workspace lives) is not visible in it.
+    assert sbx.commands.run(f"test -e {e2b_env.home} || echo hidden").stdout == "hidden\n"
 
 
 def test_a_failing_command_raises_with_its_exit_code(sbx: Sandbox) -> None:
@@ -76,6 +79,35 @@ def test_background_command_is_listed_and_killed(sbx: Sandbox) -> None:
     assert handle.pid not in [p.pid for p in sbx.commands.list()]
 
 
+def test_output_streams_while_the_command_runs(sbx: Sandbox) -> None:
+    seen: list[tuple[str, float]] = []
+    started = time.monotonic()
+    sbx.commands.run(
+        "echo first; sleep 1; echo second", on_stdout=lambda line: seen.append((line, time.monotonic()))
+    )
+    assert [line for line, _ in seen] == ["first\n", "second\n"]
+    assert seen[0][1] - started < seen[1][1] - started - 0.5  # the first arrived before the sleep ended
+
+
+def test_commands_take_cwd_envs_and_stdin(sbx: Sandbox) -> None:
+    sbx.files.make_dir("/workspace/here")
+    result = sbx.commands.run("pwd; echo $ONE", cwd="/workspace/here", envs={"ONE": "1"})
+    assert result.stdout == "/workspace/here\n1\n"
+    reader = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(reader.pid, "typed in\n")
+    sbx.commands.close_stdin(reader.pid)
+    assert reader.wait().stdout == "typed in\n"
+
+
+def test_connect_to_a_running_command(sbx: Sandbox) -> None:
+    ticker = sbx.commands.run("read _; echo after connect", background=True, stdin=True)
+    again = sbx.commands.connect(ticker.pid)
+    sbx.commands.send_stdin(ticker.pid, "go\n")
+    assert again.wait().stdout == "after connect\n"
+    assert sbx.commands.kill(ticker.pid) is False  # it has ended: nothing to kill
+    assert sbx.commands.kill(999_999) is False
+
+
 def test_files_write_read_list_make_dir_remove_exists(sbx: Sandbox) -> None:
     info = sbx.files.write("/workspace/notes/a.txt", "alpha\n")
     assert info.path == "/workspace/notes/a.txt"
@@ -87,10 +119,22 @@ def test_files_write_read_list_make_dir_remove_exists(sbx: Sandbox) -> None:
     names = sorted((e.name, e.type.value if e.type else None) for e in sbx.files.list("/workspace/notes"))
     assert names == [("a.txt", "file"), ("sub", "dir")]
     assert sbx.files.exists("/workspace/notes/a.txt")
+    moved = sbx.files.rename("/workspace/notes/a.txt", "/workspace/notes/b.txt")
+    assert (moved.name, moved.path) == ("b.txt", "/workspace/notes/b.txt")
+    assert sbx.files.read("/workspace/notes/b.txt") == "alpha\n"
+    assert not sbx.files.exists("/workspace/notes/a.txt")
     sbx.files.remove("/workspace/notes")
     assert not sbx.files.exists("/workspace/notes/a.txt")
     with pytest.raises(NotFoundException):
-        sbx.files.read("/workspace/notes/a.txt")
+        sbx.files.read("/workspace/notes/b.txt")
+
+
+def test_agentbox_api_reaches_the_same_sandbox(sbx: Sandbox, e2b_env: Server) -> None:
+    sbx.files.write("/workspace/shared.txt", "one sandbox")
+    with e2b_env.client() as client:  # agentbox's own key and routes, under the session's prefix
+        read = client.get(f"/sandboxes/{sbx.sandbox_id}/v2/fs/read", params={"path": "/workspace/shared.txt"})
+        assert read.status_code == 200, read.text
+        assert "one sandbox" in read.text
 
 
 def test_connect_list_and_kill(e2b_env: Server) -> None:
@@ -154,3 +198,16 @@ def eventually(check: Callable[[], bool], what: str, within: float = DEADLINE_SE
         if time.monotonic() > deadline:
             raise AssertionError(f"waited {within}s for {what}")
         time.sleep(POLL_SECONDS)
+
+
+async def test_the_async_client(e2b_env: Server) -> None:
+    sandbox = await AsyncSandbox.create(envs={"WHO": "async"})
+    try:
+        result = await sandbox.commands.run("echo $WHO")
+        assert result.stdout == "async\n"
+        await sandbox.files.write("/workspace/a.bin", b"\x00\x01")
+        assert await sandbox.files.read("/workspace/a.bin", format="bytes") == b"\x00\x01"
+        assert [e.name for e in await sandbox.files.list("/workspace")] == ["a.bin"]
+    finally:
+        await sandbox.kill()
+    assert not await sandbox.is_running()

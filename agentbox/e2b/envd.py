@@ -55,8 +55,11 @@ from agentbox.workspace.fileops import file_ops
 
 log = logging.getLogger(__name__)
 
-#: Seconds a process stream may go without output before a keepalive event is sent.
+#: Seconds a process stream may go without output before a keepalive event is sent, at most;
+#: a client asks for its own interval in `Keepalive-Ping-Interval` (the SDK: 50), and at least
+#: MIN_KEEPALIVE_SECONDS.
 KEEPALIVE_SECONDS = 30.0
+MIN_KEEPALIVE_SECONDS = 1.0
 #: Depth `ListDir` lists at most (1 = the directory's own entries).
 MAX_LIST_DEPTH = 16
 #: E2B's signals and the ones they send.
@@ -99,6 +102,15 @@ def rpc_errors(op: str, path: str | None = None) -> Iterator[None]:
 
 def sandbox_id_of(ctx: RequestContext[Any, Any]) -> str:
     return ctx.request_headers.get("e2b-sandbox-id", "")
+
+
+def keepalive_of(ctx: RequestContext[Any, Any]) -> float:
+    """The keepalive interval the client asked for, within our bounds."""
+    try:
+        asked = float(ctx.request_headers.get("keepalive-ping-interval", KEEPALIVE_SECONDS))
+    except ValueError:
+        asked = KEEPALIVE_SECONDS
+    return min(max(asked, MIN_KEEPALIVE_SECONDS), KEEPALIVE_SECONDS)
 
 
 def inside_path(machine_root: str, path: str) -> str:
@@ -163,7 +175,7 @@ class ProcessService(Process):
             )
         pid = sandbox.new_pid(Launched(cmd.id, config, request.tag))
         yield pr.StartResponse(event=started(pid))
-        async for event in follow(services, cmd, 0, 0):
+        async for event in follow(services, cmd, 0, 0, keepalive_of(ctx)):
             yield pr.StartResponse(event=event)
 
     async def connect(
@@ -175,7 +187,7 @@ class ProcessService(Process):
             cmd = services.commands.get(launched.command_id)
         pid = next(p for p, v in sandbox.pids.items() if v is launched)
         yield pr.ConnectResponse(event=started(pid))
-        async for event in follow(services, cmd, cmd.stdout.total, cmd.stderr.total):
+        async for event in follow(services, cmd, cmd.stdout.total, cmd.stderr.total, keepalive_of(ctx)):
             yield pr.ConnectResponse(event=event)
 
     async def send_signal(
@@ -226,12 +238,12 @@ def started(pid: int) -> pr.ProcessEvent:
 
 
 async def follow(
-    services: MachineServices, cmd: Command, out: int, err: int
+    services: MachineServices, cmd: Command, out: int, err: int, keepalive: float
 ) -> AsyncIterator[pr.ProcessEvent]:
     """The command's output from these offsets as data events, keepalives while it is quiet, then its end."""
     while True:
         with rpc_errors("exec"):
-            cmd = await services.commands.wait_output(cmd.id, out, err, timeout=KEEPALIVE_SECONDS)
+            cmd = await services.commands.wait_output(cmd.id, out, err, timeout=keepalive)
         stdout, stderr = cmd.stdout.read(out), cmd.stderr.read(err)
         out, err = stdout.next_offset, stderr.next_offset
         if stdout.data:
