@@ -13,6 +13,11 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 from e2b import AsyncSandbox, CommandExitException, Sandbox, SandboxQuery
+from e2b.api.client.api.sandboxes import get_sandboxes, post_sandboxes, post_sandboxes_sandbox_id_connect
+from e2b.api.client.models import ConnectSandbox, NewSandbox
+from e2b.api.client.models import Sandbox as SandboxModel
+from e2b.api.client_sync import get_api_client
+from e2b.connection_config import ConnectionConfig
 from e2b.exceptions import AuthenticationException, NotFoundException
 
 from tests.conftest import Server, start_server, stop_server, traversable
@@ -155,6 +160,28 @@ def test_connect_list_and_kill(e2b_env: Server) -> None:
         Sandbox.connect(first.sandbox_id)
 
 
+def test_the_v1_routes_of_older_sdks(e2b_env: Server) -> None:
+    """`e2b` up to 2.45 creates with `POST /sandboxes` and connects with `/sandboxes/{id}/connect`
+    (measured: 2.45.1 against this server does the whole create/run/files/kill round); here
+    through those routes' client code as the current SDK still ships it."""
+    client = get_api_client(ConnectionConfig())
+    body = NewSandbox(template_id="base", timeout=60, metadata={"route": "v1"}, env_vars={"V": "1"})
+    created = post_sandboxes.sync_detailed(client=client, body=body)
+    assert created.status_code == 201, created.content
+    sandbox = created.parsed
+    assert isinstance(sandbox, SandboxModel) and sandbox.envd_access_token
+    try:
+        joined = post_sandboxes_sandbox_id_connect.sync_detailed(
+            sandbox.sandbox_id, client=client, body=ConnectSandbox(timeout=120)
+        )
+        assert joined.status_code == 200 and joined.parsed.sandbox_id == sandbox.sandbox_id  # type: ignore[union-attr]
+        listed = get_sandboxes.sync_detailed(client=client, metadata="route=v1")
+        assert [s.sandbox_id for s in listed.parsed] == [sandbox.sandbox_id]  # type: ignore[union-attr]
+        assert Sandbox.connect(sandbox.sandbox_id).commands.run("echo $V").stdout == "1\n"
+    finally:
+        Sandbox.kill(sandbox.sandbox_id)
+
+
 def test_a_wrong_api_key_is_refused(e2b_env: Server) -> None:
     with pytest.raises(AuthenticationException):
         Sandbox.create(api_key="not-the-key")
@@ -180,6 +207,20 @@ def test_envd_checks_the_access_token(sbx: Sandbox, e2b_env: Server) -> None:
         refused = client.post("/filesystem.Filesystem/Stat", json={"path": "/workspace"})
         assert refused.status_code == 401 and refused.json()["code"] == "unauthenticated"
         assert client.get("/health").status_code == 204
+
+
+def test_malformed_connect_messages_are_invalid_argument(sbx: Sandbox, e2b_env: Server) -> None:
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token or ""}
+    with httpx.Client(base_url=e2b_env.url, headers=headers) as client:
+        for body in (b"{not json", b'{"path": 7}'):
+            bad = client.post(
+                "/filesystem.Filesystem/Stat", content=body, headers={"Content-Type": "application/json"}
+            )
+            assert bad.status_code == 400 and bad.json()["code"] == "invalid_argument", bad.text
+        empty = client.post("/filesystem.Filesystem/Stat", json={"path": ""})
+        assert empty.status_code == 400 and empty.json()["code"] == "invalid_argument"
+        upload = client.post("/files", content=b"data", headers={"Content-Type": "application/octet-stream"})
+        assert upload.status_code == 400 and set(upload.json()) == {"code", "message"}
 
 
 def test_the_sandbox_ends_at_its_timeout(e2b_env: Server) -> None:

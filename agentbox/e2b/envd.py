@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from connectrpc.code import Code
+from connectrpc.codec import Codec, proto_binary_codec, proto_json_codec
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from protobuf import Oneof
@@ -485,13 +486,39 @@ class FilesHttp:
 # ------------------------------------------------------------------ one envd for every sandbox
 
 
+class CheckedDecoding:
+    """A Connect codec whose undecodable message is the client's error (`invalid_argument`),
+    not an `unknown` 500 as the library answers it."""
+
+    def __init__(self, codec: Codec) -> None:
+        self._codec = codec
+
+    def name(self) -> str:
+        return str(self._codec.name())
+
+    def encode(self, message: Any) -> bytes:
+        return bytes(self._codec.encode(message))
+
+    def decode(self, data: bytes | bytearray, message_class: type[Any]) -> Any:
+        try:
+            return self._codec.decode(data, message_class)
+        except ConnectError:
+            raise
+        except Exception as exc:
+            name = self.name()
+            raise ConnectError(Code.INVALID_ARGUMENT, f"malformed {name} message: {exc}") from None
+
+
+CODECS = [CheckedDecoding(proto_binary_codec()), CheckedDecoding(proto_json_codec())]
+
+
 class Envd:
     """The envd of every E2B sandbox: the sandbox by header, its token checked, then the service."""
 
     def __init__(self, table: SandboxTable) -> None:
         self.table = table
-        self.process: ASGIApp = ProcessASGIApplication(ProcessService(table))
-        self.filesystem: ASGIApp = FilesystemASGIApplication(FilesystemService(table))
+        self.process: ASGIApp = ProcessASGIApplication(ProcessService(table), codecs=CODECS)
+        self.filesystem: ASGIApp = FilesystemASGIApplication(FilesystemService(table), codecs=CODECS)
         self.http: ASGIApp = FilesHttp(table).app()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
