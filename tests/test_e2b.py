@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from e2b import AsyncSandbox, CommandExitException, Sandbox, SandboxQuery
+from e2b import AsyncSandbox, CommandExitException, Sandbox, SandboxQuery, SandboxState
 from e2b.api.client.api.sandboxes import get_sandboxes, post_sandboxes, post_sandboxes_sandbox_id_connect
 from e2b.api.client.models import ConnectSandbox, NewSandbox
 from e2b.api.client.models import Sandbox as SandboxModel
@@ -158,6 +158,29 @@ def test_connect_list_and_kill(e2b_env: Server) -> None:
     assert Sandbox.kill(first.sandbox_id) is False  # gone: E2B's 404, read as "nothing to kill"
     with pytest.raises(NotFoundException):
         Sandbox.connect(first.sandbox_id)
+
+
+def test_pause_keeps_the_workspace_and_connect_resumes(e2b_env: Server) -> None:
+    sandbox = Sandbox.create(metadata={"owner": "pause-test"})
+    try:
+        sandbox.files.write("/workspace/kept.txt", "across the pause")
+        sandbox.commands.run("echo gone > /tmp/scratch.txt")
+        assert sandbox.files.exists("/tmp/scratch.txt")
+        assert sandbox.pause() is True
+        assert sandbox.pause() is False  # already paused: E2B's 409
+        assert not sandbox.is_running()
+        assert Sandbox.get_info(sandbox.sandbox_id).state.value == "paused"
+        paused = Sandbox.list(
+            query=SandboxQuery(metadata={"owner": "pause-test"}, state=[SandboxState.PAUSED])
+        )
+        assert [s.sandbox_id for s in paused.next_items()] == [sandbox.sandbox_id]
+        resumed = Sandbox.connect(sandbox.sandbox_id)
+        assert resumed.is_running()
+        assert resumed.files.read("/workspace/kept.txt") == "across the pause"
+        assert not resumed.files.exists("/tmp/scratch.txt")  # a filesystem-only pause: /tmp is new
+        assert Sandbox.get_info(sandbox.sandbox_id).state.value == "running"
+    finally:
+        Sandbox.kill(sandbox.sandbox_id)
 
 
 def test_the_v1_routes_of_older_sdks(e2b_env: Server) -> None:

@@ -23,7 +23,7 @@ from agentbox.e2b.envd import Envd
 from agentbox.e2b.sandboxes import SandboxTable
 
 #: The control-plane paths; agentbox's own `/sandboxes/{session}/...` routes are all deeper.
-CONTROL_PATH = re.compile(r"/(v2/)?sandboxes(/[^/]+(/(timeout|refreshes|connect))?)?")
+CONTROL_PATH = re.compile(r"/(v2/)?sandboxes(/[^/]+(/(timeout|refreshes|connect|pause|resume))?)?")
 #: The header that marks a request for envd.
 SANDBOX_HEADER = b"e2b-sandbox-id"
 

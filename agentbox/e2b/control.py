@@ -6,13 +6,14 @@
     DELETE /sandboxes/{id}                           204
     POST   /sandboxes/{id}/timeout                   {timeout}  204: the sandbox ends that many seconds from now
     POST   /sandboxes/{id}/refreshes                 {duration}  204: keep it at least that long
-    POST   /sandboxes/{id}/connect, /v2/.../connect  {timeout}  200 Sandbox (what `Sandbox.connect` reads)
+    POST   /sandboxes/{id}/connect, /v2/.../connect  {timeout}  200 Sandbox (what `Sandbox.connect` reads), resuming
+    POST   /sandboxes/{id}/pause                     {memory}  204, 409 when paused: filesystem-only, always
+    POST   /sandboxes/{id}/resume                    {timeout}  201 Sandbox, 409 when running
 
 Every request carries `X-API-Key`, checked against the server's API key (any key is taken
 when the server has none). Every error, a refused key and malformed JSON included, is
 `{code, message}` with `code` the HTTP status: the SDK reads exactly that and nothing else.
-`Idempotency-Key`, pause and resume, and templates other than the default image are not
-served yet.
+`Idempotency-Key` and templates other than the default image are not served yet.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def detail_view(sandbox: E2BSandbox, table: SandboxTable) -> dict[str, Any]:
         **sandbox_view(sandbox),
         "startedAt": stamp(sandbox.started_at),
         "endAt": stamp(sandbox.end_at),
-        "state": "running",
+        "state": sandbox.state,
         "metadata": sandbox.metadata,
         **table.shape(),
     }
@@ -132,7 +133,7 @@ async def list_sandboxes(request: Request, table: SandboxTable) -> Response:
     limit = _limit(query.get("limit"))
     after = query.get("nextToken") or ""
     found = sorted(
-        (s for s in table.list(wanted) if s.id > after and (not states or "running" in states)),
+        (s for s in table.list(wanted) if s.id > after and (not states or s.state in states)),
         key=lambda s: s.id,
     )
     page = found[:limit]
@@ -173,9 +174,23 @@ async def refresh(request: Request, table: SandboxTable) -> Response:
 async def connect(request: Request, table: SandboxTable) -> Response:
     body = await body_of(request)
     sandbox_id = request.path_params["sandbox_id"]
-    sandbox = table.extend(sandbox_id, checked_timeout(body.get("timeout", DEFAULT_TIMEOUT_SECONDS)))
-    await table.services(sandbox_id)  # running again if it was reclaimed while idle
+    timeout = checked_timeout(body.get("timeout", DEFAULT_TIMEOUT_SECONDS))
+    sandbox = await table.resume(sandbox_id, timeout, strict=False)
+    await table.services(sandbox_id)  # running again if agentbox reclaimed it while idle
     return JSONResponse(sandbox_view(sandbox))
+
+
+async def pause(request: Request, table: SandboxTable) -> Response:
+    await body_of(request)  # `memory` (older SDKs) or not: the pause is filesystem-only
+    await table.pause(request.path_params["sandbox_id"])
+    return Response(status_code=204)
+
+
+async def resume(request: Request, table: SandboxTable) -> Response:
+    body = await body_of(request)
+    timeout = checked_timeout(body.get("timeout", DEFAULT_TIMEOUT_SECONDS))
+    sandbox = await table.resume(request.path_params["sandbox_id"], timeout, strict=True)
+    return JSONResponse(sandbox_view(sandbox), status_code=201)
 
 
 # ------------------------------------------------------------------ the app
@@ -217,6 +232,8 @@ def control_app(table: SandboxTable) -> Starlette:
         route("/sandboxes/{sandbox_id}/refreshes", refresh, "POST"),
         route("/sandboxes/{sandbox_id}/connect", connect, "POST"),
         route("/v2/sandboxes/{sandbox_id}/connect", connect, "POST"),
+        route("/sandboxes/{sandbox_id}/pause", pause, "POST"),
+        route("/sandboxes/{sandbox_id}/resume", resume, "POST"),
     ]
 
     async def unrouted(request: Request, exc: Exception) -> Response:

@@ -536,14 +536,19 @@ class Envd:
 
     def _refused(self, scope: Scope, path: str) -> Response | None:
         """What E2B's proxy and envd answer before any service: a 502 "was not found" for a
-        sandbox that is not (or no longer) there, which the SDK reads as "not running", and a
-        401 without the sandbox's token (`/health` needs none)."""
+        sandbox that is not (or no longer) there, which the SDK reads as "not running", a 502
+        for a paused one (not running either, until `connect`), and a 401 without the
+        sandbox's token (`/health` needs none)."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         rpc = path.startswith(("/process.Process/", "/filesystem.Filesystem/"))
+        sandbox_id = headers.get("e2b-sandbox-id", "")
         try:
-            sandbox = self.table.get(headers.get("e2b-sandbox-id", ""))
+            sandbox = self.table.get(sandbox_id)
         except E2BError as exc:
             return rpc_error(Code.UNAVAILABLE, 502, exc.message) if rpc else http_error(502, exc.message)
+        if sandbox.state == "paused":
+            message = f"sandbox {sandbox_id!r} is paused; connect to it to resume it"
+            return rpc_error(Code.UNAVAILABLE, 502, message) if rpc else http_error(502, message)
         if path != "/health" and not sandbox.token_ok(headers.get("x-access-token")):
             message = "missing or invalid X-Access-Token"
             return rpc_error(Code.UNAUTHENTICATED, 401, message) if rpc else http_error(401, message)

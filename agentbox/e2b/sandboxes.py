@@ -6,8 +6,15 @@ sandbox. Beside the session this table keeps what E2B adds: the template, `metad
 `envVars` (the sandbox's environment, given to the registry as an env provider so every
 process sees them), the `envdAccessToken` envd checks, and the end of its lifetime.
 
-Lifetime: created running, killed (machine closed, workspace purged) when `end_at` passes
-unless `set_timeout` / `connect` moved it, or on `kill`. The table lives in memory: after a
+Lifetime, E2B's states on agentbox's machine lifecycle:
+
+    running ──pause──▶ paused ──connect / resume──▶ running       (the timer is off while paused)
+       │                  │
+       └──kill, or end_at passes (set_timeout / connect / refreshes move it)──▶ gone
+
+`pause` is filesystem-only, whatever the client asks for (`memory`): agentbox's reclaim,
+so `/workspace` is kept and processes, `/tmp` and `$HOME` are not. `kill` closes the
+machine and purges the workspace. The table lives in memory: after a
 server restart the sessions' workspaces are still there, but E2B no longer lists them.
 """
 
@@ -89,6 +96,8 @@ class E2BSandbox:
     """pid -> the machine's command (`CommandManager`) it names."""
     tags: dict[str, int] = field(default_factory=dict)
     """A command's tag (E2B's name for it) -> its pid."""
+    state: str = "running"
+    """E2B's state: `running` or `paused` (gone sandboxes are not in the table)."""
     _next_pid: itertools.count[int] = field(default_factory=lambda: itertools.count(FIRST_PID))
     _expiry: asyncio.Task[None] | None = None
 
@@ -203,18 +212,44 @@ class SandboxTable:
             self.set_timeout(sandbox_id, timeout)
         return sandbox
 
+    async def pause(self, sandbox_id: str) -> None:
+        """Release everything but the workspace (the registry's reclaim); 409 when already paused."""
+        sandbox = self.get(sandbox_id)
+        if sandbox.state == "paused":
+            raise E2BError(409, f"sandbox {sandbox_id!r} is already paused")
+        sandbox.state = "paused"
+        self._disarm(sandbox)
+        system = self.system()
+        entry = system.registry.entry(sandbox_id)
+        if entry is not None:
+            await system.registry.suspend(entry)
+
+    async def resume(self, sandbox_id: str, timeout: int, *, strict: bool) -> E2BSandbox:
+        """Run a paused sandbox again (rebuilt on its workspace) with `timeout` seconds to live;
+        with `strict`, a sandbox that is already running is a 409 (the `resume` route)."""
+        sandbox = self.get(sandbox_id)
+        if sandbox.state != "paused":
+            if strict:
+                raise E2BError(409, f"sandbox {sandbox_id!r} is already running")
+            return self.extend(sandbox_id, timeout)
+        await self.system().services.get(sandbox_id)
+        sandbox.state = "running"
+        return self.set_timeout(sandbox_id, timeout)
+
     async def kill(self, sandbox_id: str) -> None:
         """Close the machine and purge its workspace, then forget the sandbox: once it reads as
         gone, nothing of it is left."""
         sandbox = self.get(sandbox_id)
-        if sandbox._expiry is not None and sandbox._expiry is not asyncio.current_task():
-            sandbox._expiry.cancel()
+        if sandbox._expiry is not asyncio.current_task():
+            self._disarm(sandbox)
         await self._close_machine(self.system(), sandbox_id)
         self._sandboxes.pop(sandbox_id, None)
 
     async def services(self, sandbox_id: str) -> MachineServices:
-        """The sandbox's machine and its services (rebuilt transparently if it was reclaimed)."""
-        self.get(sandbox_id)
+        """The sandbox's machine and its services (rebuilt transparently if agentbox reclaimed it
+        while idle); a paused sandbox stays paused until `connect` or `resume`."""
+        if self.get(sandbox_id).state == "paused":
+            raise E2BError(409, f"sandbox {sandbox_id!r} is paused; connect to it to resume it")
         return await self.system().services.get(sandbox_id)
 
     def shape(self) -> dict[str, int]:
@@ -230,16 +265,21 @@ class SandboxTable:
     async def close(self) -> None:
         """Stop the timers (the machines close with the system)."""
         for sandbox in self._sandboxes.values():
-            if sandbox._expiry is not None:
-                sandbox._expiry.cancel()
+            self._disarm(sandbox)
         self._sandboxes.clear()
 
     # -- lifetime ---------------------------------------------------------------------
 
     def _arm(self, sandbox: E2BSandbox) -> None:
+        self._disarm(sandbox)
+        if sandbox.state == "running":
+            sandbox._expiry = asyncio.create_task(self._expire(sandbox))
+
+    @staticmethod
+    def _disarm(sandbox: E2BSandbox) -> None:
         if sandbox._expiry is not None:
             sandbox._expiry.cancel()
-        sandbox._expiry = asyncio.create_task(self._expire(sandbox))
+            sandbox._expiry = None
 
     async def _expire(self, sandbox: E2BSandbox) -> None:
         delay = (sandbox.end_at - datetime.now(UTC)).total_seconds()
