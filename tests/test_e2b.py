@@ -183,6 +183,24 @@ def test_pause_keeps_the_workspace_and_connect_resumes(e2b_env: Server) -> None:
         Sandbox.kill(sandbox.sandbox_id)
 
 
+def test_an_idempotency_key_makes_one_sandbox(e2b_env: Server) -> None:
+    first = Sandbox.create(idempotency_key="make-once-1")
+    try:
+        again = Sandbox.create(idempotency_key="make-once-1")
+        assert again.sandbox_id == first.sandbox_id
+        other = Sandbox.create(idempotency_key="make-once-2")
+        assert other.sandbox_id != first.sandbox_id
+        other.kill()
+    finally:
+        first.kill()
+    anew = Sandbox.create(idempotency_key="make-once-1")  # the key's sandbox is gone: a new one
+    assert anew.sandbox_id != first.sandbox_id
+    anew.kill()
+    with httpx.Client(base_url=e2b_env.url, headers={"X-API-Key": API_KEY}) as client:
+        bad = client.post("/v2/sandboxes", json={"templateID": "base"}, headers={"Idempotency-Key": "Not OK"})
+        assert bad.status_code == 400 and "Idempotency-Key" in bad.json()["message"]
+
+
 def test_the_v1_routes_of_older_sdks(e2b_env: Server) -> None:
     """`e2b` up to 2.45 creates with `POST /sandboxes` and connects with `/sandboxes/{id}/connect`
     (measured: 2.45.1 against this server does the whole create/run/files/kill round); here

@@ -1,6 +1,7 @@
 """E2B's control plane (its public `spec/openapi.yml`), the routes the `e2b` SDK calls.
 
     POST   /sandboxes, /v2/sandboxes                 {templateID, timeout, metadata, envVars}  201 Sandbox
+                                                     Idempotency-Key: the same sandbox for a retry
     GET    /sandboxes, /v2/sandboxes                 ?metadata=k%3Dv&state=running&limit&nextToken
     GET    /sandboxes/{id}                           200 SandboxDetail
     DELETE /sandboxes/{id}                           204
@@ -13,7 +14,8 @@
 Every request carries `X-API-Key`, checked against the server's API key (any key is taken
 when the server has none). Every error, a refused key and malformed JSON included, is
 `{code, message}` with `code` the HTTP status: the SDK reads exactly that and nothing else.
-`Idempotency-Key` and templates other than the default image are not served yet.
+A create with an `Idempotency-Key` seen before answers the sandbox that key made, while it is
+there. Templates other than the default image are not served yet.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -49,6 +52,8 @@ log = logging.getLogger(__name__)
 MAX_LIST_LIMIT = 100
 #: Bytes of a control-plane request body at most (they are a few small JSON fields).
 MAX_BODY_BYTES = 64 * 1024
+#: An `Idempotency-Key` as E2B's SDK checks it before sending.
+IDEMPOTENCY_KEY = re.compile(r"[a-z0-9-]{1,255}")
 #: The client id every sandbox reports (one server, no clusters).
 CLIENT_ID = "agentbox"
 
@@ -120,7 +125,10 @@ async def create(request: Request, table: SandboxTable) -> Response:
     timeout = checked_timeout(body.get("timeout", DEFAULT_TIMEOUT_SECONDS))
     metadata = checked_strings(body.get("metadata"), "metadata")
     env = checked_strings(body.get("envVars"), "envVars")
-    sandbox = await table.create(template, timeout, metadata, env)
+    key = request.headers.get("idempotency-key")
+    if key is not None and not IDEMPOTENCY_KEY.fullmatch(key):
+        raise E2BError(400, "Idempotency-Key must be 1-255 lowercase letters, digits and hyphens")
+    sandbox = await table.create_once(key, template, timeout, metadata, env)
     return JSONResponse(sandbox_view(sandbox), status_code=201)
 
 

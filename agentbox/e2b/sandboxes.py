@@ -55,6 +55,8 @@ MAX_E2B_SANDBOXES = 256
 FIRST_PID = 1000
 #: Processes a sandbox remembers by pid at most (the command manager keeps about as many).
 MAX_PIDS_KEPT = 256
+#: Idempotency keys remembered at most (the oldest is forgotten first).
+MAX_IDEMPOTENCY_KEYS = 1024
 #: Bytes of the envd access token (hex-encoded, so twice as many characters).
 ACCESS_TOKEN_BYTES = 24
 
@@ -143,6 +145,8 @@ class SandboxTable:
         self._sandboxes: dict[str, E2BSandbox] = {}
         self._provided: System | None = None
         """The system whose registry has our env provider (once per system)."""
+        self._by_key: dict[str, asyncio.Future[E2BSandbox]] = {}
+        """Idempotency-Key -> the create it started (done or still starting)."""
 
     def system(self) -> System:
         system = self._system_of()
@@ -158,6 +162,36 @@ class SandboxTable:
         return dict(sandbox.env) if sandbox is not None else {}
 
     # -- control plane --------------------------------------------------------------
+
+    async def create_once(
+        self,
+        key: str | None,
+        template: str | None,
+        timeout: int,
+        metadata: dict[str, str],
+        env: dict[str, str],
+    ) -> E2BSandbox:
+        """`create`, or for an `Idempotency-Key` seen before the sandbox that key made (the same
+        one for a retry racing the first try) while that sandbox is there."""
+        if key is None:
+            return await self.create(template, timeout, metadata, env)
+        earlier = self._by_key.get(key)
+        if earlier is not None and (not earlier.done() or earlier.exception() is None):
+            sandbox = await asyncio.shield(earlier)
+            if sandbox.id in self._sandboxes:
+                return sandbox
+        made: asyncio.Future[E2BSandbox] = asyncio.get_running_loop().create_future()
+        self._by_key.pop(key, None)
+        self._by_key[key] = made
+        while len(self._by_key) > MAX_IDEMPOTENCY_KEYS:
+            del self._by_key[next(iter(self._by_key))]
+        try:
+            made.set_result(await self.create(template, timeout, metadata, env))
+        except BaseException as exc:
+            made.set_exception(exc)
+            made.exception()  # retrieved: a later retry creates anew
+            raise
+        return made.result()
 
     async def create(
         self, template: str | None, timeout: int, metadata: dict[str, str], env: dict[str, str]
