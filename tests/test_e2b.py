@@ -7,6 +7,7 @@ bubblewrap sandbox of the server's default machine.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 
@@ -132,6 +133,28 @@ def test_files_write_read_list_make_dir_remove_exists(sbx: Sandbox) -> None:
     assert not sbx.files.exists("/workspace/notes/a.txt")
     with pytest.raises(NotFoundException):
         sbx.files.read("/workspace/notes/b.txt")
+
+
+def test_watch_dir_reports_changes(sbx: Sandbox) -> None:
+    sbx.files.make_dir("/workspace/w")
+    handle = sbx.files.watch_dir("/workspace/w", recursive=True)
+    try:
+        sbx.files.write("/workspace/w/new.txt", "x")
+        sbx.commands.run("mv /workspace/w/new.txt /workspace/w/moved.txt && rm /workspace/w/moved.txt")
+        seen: list[tuple[str, str]] = []
+
+        def arrived() -> bool:
+            seen.extend((e.name, e.type.name) for e in handle.get_new_events())
+            return ("moved.txt", "REMOVE") in seen
+
+        eventually(arrived, "the watcher's events")
+        assert (
+            ("new.txt", "CREATE") in seen
+            and ("new.txt", "RENAME") in seen
+            and ("moved.txt", "CREATE") in seen
+        )
+    finally:
+        handle.stop()
 
 
 def test_agentbox_api_reaches_the_same_sandbox(sbx: Sandbox, e2b_env: Server) -> None:
@@ -290,6 +313,14 @@ async def test_the_async_client(e2b_env: Server) -> None:
         await sandbox.files.write("/workspace/a.bin", b"\x00\x01")
         assert await sandbox.files.read("/workspace/a.bin", format="bytes") == b"\x00\x01"
         assert [e.name for e in await sandbox.files.list("/workspace")] == ["a.bin"]
+        events: list[str] = []
+        handle = await sandbox.files.watch_dir("/workspace", on_event=lambda e: events.append(e.name))
+        await sandbox.files.write("/workspace/watched.txt", "w")
+        deadline = time.monotonic() + DEADLINE_SECONDS
+        while "watched.txt" not in events and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_SECONDS)
+        await handle.stop()
+        assert "watched.txt" in events
     finally:
         await sandbox.kill()
     assert not await sandbox.is_running()

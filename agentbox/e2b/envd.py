@@ -6,6 +6,7 @@ both, then hands the request to one of:
 
     /process.Process/{Start,Connect,List,SendSignal,SendInput,CloseStdin}   Connect RPC
     /filesystem.Filesystem/{Stat,ListDir,MakeDir,Move,Remove}               Connect RPC
+    /filesystem.Filesystem/{WatchDir,CreateWatcher,GetWatcherEvents,RemoveWatcher}
     GET  /files?path=        the file's bytes
     POST /files?path=        multipart (a part per file, named by its path) or octet-stream (gzip too)
     GET  /health             204
@@ -13,8 +14,7 @@ both, then hands the request to one of:
 A process is a command of the machine's `CommandManager` (so `/v2/commands` lists it too);
 its pid is a number this sandbox's table hands out, not the kernel's. Files go through
 `file_ops(machine)`; relative paths are taken from the machine's root (`/workspace`). Not
-served yet: PTYs, `StreamInput`, `Update`, watching directories, signed file URLs, file
-metadata, and running as a named user (`username`/`user` is accepted and ignored).
+served yet: PTYs, `StreamInput`, `Update`, signed file URLs, file metadata, and running as a named user (`username`/`user` is accepted and ignored).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from agentbox.tools.services import MachineServices
 from agentbox.workspace.commands import Command
 from agentbox.workspace.errors import WorkspaceError, translate
 from agentbox.workspace.fileops import file_ops
+from agentbox.workspace.watch import Event as WatchEvent
+from agentbox.workspace.watch import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -361,17 +363,92 @@ class FilesystemService(Filesystem):
             await ops.remove(path, recursive=True)
         return fs.RemoveResponse()
 
-    def watch_dir(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not served yet")
+    # Watching: a watcher of the machine's watch hub, with no excludes (envd has none). The
+    # sync SDK polls one (CreateWatcher, GetWatcherEvents, RemoveWatcher); the async SDK
+    # streams (WatchDir), and its watcher goes when the stream ends.
 
-    async def create_watcher(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not served yet")
+    async def _watcher(self, ctx: RequestContext[Any, Any], path: str, recursive: bool) -> Watcher:
+        with rpc_errors("watch"):
+            services = await self.table.services(sandbox_id_of(ctx))
+        path = inside_path(services.machine.root, path)
+        with rpc_errors("watch", path):
+            if not (await file_ops(services.machine).stat(path)).is_dir:
+                raise ConnectError(Code.INVALID_ARGUMENT, f"{path} is not a directory")
+            return await services.watches.start(path, recursive=recursive, exclude=())
 
-    async def get_watcher_events(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not served yet")
+    async def create_watcher(
+        self, request: fs.CreateWatcherRequest, ctx: RequestContext[Any, Any]
+    ) -> fs.CreateWatcherResponse:
+        watcher = await self._watcher(ctx, request.path, request.recursive)
+        self.table.get(sandbox_id_of(ctx)).watch_cursors[watcher.id] = 0
+        return fs.CreateWatcherResponse(watcher_id=watcher.id)
 
-    async def remove_watcher(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not served yet")
+    async def get_watcher_events(
+        self, request: fs.GetWatcherEventsRequest, ctx: RequestContext[Any, Any]
+    ) -> fs.GetWatcherEventsResponse:
+        sandbox = self.table.get(sandbox_id_of(ctx))
+        cursor = sandbox.watch_cursors.get(request.watcher_id)
+        if cursor is None:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id!r} not found")
+        with rpc_errors("watch"):
+            services = await self.table.services(sandbox.id)
+            result = await services.watches.get(request.watcher_id).poll(cursor)
+        sandbox.watch_cursors[request.watcher_id] = result.cursor
+        return fs.GetWatcherEventsResponse(events=[e for event in result.events for e in fs_events(event)])
+
+    async def remove_watcher(
+        self, request: fs.RemoveWatcherRequest, ctx: RequestContext[Any, Any]
+    ) -> fs.RemoveWatcherResponse:
+        sandbox = self.table.get(sandbox_id_of(ctx))
+        if sandbox.watch_cursors.pop(request.watcher_id, None) is None:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id!r} not found")
+        with rpc_errors("watch"):
+            (await self.table.services(sandbox.id)).watches.delete(request.watcher_id)
+        return fs.RemoveWatcherResponse()
+
+    async def watch_dir(
+        self, request: fs.WatchDirRequest, ctx: RequestContext[Any, Any]
+    ) -> AsyncIterator[fs.WatchDirResponse]:
+        watcher = await self._watcher(ctx, request.path, request.recursive)
+        keepalive = keepalive_of(ctx)
+        try:
+            yield fs.WatchDirResponse(event=oneof("start", fs.WatchDirResponse.StartEvent()))
+            cursor = 0
+            while not watcher.closed:
+                with rpc_errors("watch", watcher.path):
+                    result = await watcher.poll(cursor, timeout=keepalive)
+                cursor = result.cursor
+                for event in result.events:
+                    for change in fs_events(event):
+                        yield fs.WatchDirResponse(event=oneof("filesystem", change))
+                if not result.events:
+                    yield fs.WatchDirResponse(event=oneof("keepalive", fs.WatchDirResponse.KeepAlive()))
+        finally:
+            with contextlib.suppress(WorkspaceError):
+                watcher.hub.delete(watcher.id)
+
+
+#: The watch hub's event types as envd's.
+EVENT_TYPES = {
+    "create": fs.EventType.CREATE,
+    "write": fs.EventType.WRITE,
+    "remove": fs.EventType.REMOVE,
+    "rename": fs.EventType.RENAME,
+    "chmod": fs.EventType.CHMOD,
+}
+
+
+def fs_events(event: WatchEvent) -> list[fs.FilesystemEvent]:
+    """One hub event as envd reports it (inotify's way): a rename is the old name renamed
+    away, then the new name created; names are relative to the watched directory."""
+    if event.type == "rename" and event.old_path is not None:
+        root = event.path[: len(event.path) - len(event.relative_path)].rstrip("/")
+        old = posixpath.relpath(event.old_path, root) if root else event.old_path
+        return [
+            fs.FilesystemEvent(name=old, type=fs.EventType.RENAME),
+            fs.FilesystemEvent(name=event.relative_path, type=fs.EventType.CREATE),
+        ]
+    return [fs.FilesystemEvent(name=event.relative_path, type=EVENT_TYPES[event.type])]
 
 
 # ------------------------------------------------------------------ plain HTTP: /files, /health

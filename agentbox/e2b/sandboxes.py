@@ -98,6 +98,8 @@ class E2BSandbox:
     """pid -> the machine's command (`CommandManager`) it names."""
     tags: dict[str, int] = field(default_factory=dict)
     """A command's tag (E2B's name for it) -> its pid."""
+    watch_cursors: dict[str, int] = field(default_factory=dict)
+    """A polled watcher's id (the machine's watch hub's) -> the seq its events were read to."""
     state: str = "running"
     """E2B's state: `running` or `paused` (gone sandboxes are not in the table)."""
     _next_pid: itertools.count[int] = field(default_factory=lambda: itertools.count(FIRST_PID))
