@@ -157,6 +157,19 @@ def test_watch_dir_reports_changes(sbx: Sandbox) -> None:
         handle.stop()
 
 
+def test_signed_file_urls_work_without_headers(sbx: Sandbox) -> None:
+    upload = sbx.upload_url("/workspace/signed.txt")
+    assert httpx.post(upload, files={"file": ("signed.txt", b"by url")}).status_code == 200
+    assert httpx.get(sbx.download_url("/workspace/signed.txt")).content == b"by url"
+    assert (
+        httpx.get(sbx.download_url("/workspace/signed.txt", use_signature_expiration=60)).content == b"by url"
+    )
+    expired = httpx.get(sbx.download_url("/workspace/signed.txt", use_signature_expiration=-1))
+    assert expired.status_code == 401 and set(expired.json()) == {"code", "message"}
+    other_path = sbx.download_url("/workspace/signed.txt").replace("signed.txt", "other.txt", 1)
+    assert httpx.get(other_path).status_code == 401  # the signature covers the path
+
+
 def test_agentbox_api_reaches_the_same_sandbox(sbx: Sandbox, e2b_env: Server) -> None:
     sbx.files.write("/workspace/shared.txt", "one sandbox")
     with e2b_env.client() as client:  # agentbox's own key and routes, under the session's prefix

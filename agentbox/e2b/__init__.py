@@ -2,7 +2,7 @@
 
 One `agentbox serve` port serves both sides of E2B: the control plane (`control.py`,
 `/sandboxes`, `/v2/sandboxes`) and envd (`envd.py`, every request carrying an
-`E2b-Sandbox-Id` header). `E2BDispatch` sits in front of agentbox's own routes and sends
+`E2b-Sandbox-Id` header, and signed file URLs). `E2BDispatch` sits in front of agentbox's own routes and sends
 those requests here; everything else goes on to agentbox. Point the SDK at it with
 
     E2B_API_URL=http://127.0.0.1:8080      # the control plane
@@ -19,13 +19,11 @@ import re
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentbox.e2b.control import control_app
-from agentbox.e2b.envd import Envd
+from agentbox.e2b.envd import FILES_PATH, SANDBOX_HEADER, Envd
 from agentbox.e2b.sandboxes import SandboxTable
 
 #: The control-plane paths; agentbox's own `/sandboxes/{session}/...` routes are all deeper.
 CONTROL_PATH = re.compile(r"/(v2/)?sandboxes(/[^/]+(/(timeout|refreshes|connect|pause|resume))?)?")
-#: The header that marks a request for envd.
-SANDBOX_HEADER = b"e2b-sandbox-id"
 
 
 class E2B:
@@ -42,6 +40,8 @@ class E2B:
             return None
         if any(k.lower() == SANDBOX_HEADER for k, _ in scope["headers"]):
             return self.envd
+        if scope["path"] == FILES_PATH and b"signature=" in scope["query_string"]:
+            return self.envd  # a signed file URL: it names no sandbox
         if CONTROL_PATH.fullmatch(scope["path"]):
             return self.control
         return None

@@ -9,12 +9,14 @@ both, then hands the request to one of:
     /filesystem.Filesystem/{WatchDir,CreateWatcher,GetWatcherEvents,RemoveWatcher}
     GET  /files?path=        the file's bytes
     POST /files?path=        multipart (a part per file, named by its path) or octet-stream (gzip too)
+    /files?...&signature=    a signed URL (`download_url`, `upload_url`): no headers, the sandbox
+                             is the one whose token made the signature
     GET  /health             204
 
 A process is a command of the machine's `CommandManager` (so `/v2/commands` lists it too);
 its pid is a number this sandbox's table hands out, not the kernel's. Files go through
 `file_ops(machine)`; relative paths are taken from the machine's root (`/workspace`). Not
-served yet: PTYs, `StreamInput`, `Update`, signed file URLs, file metadata, and running as a named user (`username`/`user` is accepted and ignored).
+served yet: PTYs, `StreamInput`, `Update`, file metadata, and running as a named user (`username`/`user` is accepted and ignored).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import posixpath
 import shlex
 import signal
 import stat as stat_mod
+import urllib.parse
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -46,7 +49,7 @@ from agentbox.e2b.envd_gen.filesystem import filesystem_pb as fs
 from agentbox.e2b.envd_gen.filesystem.filesystem_connect import Filesystem, FilesystemASGIApplication
 from agentbox.e2b.envd_gen.process import process_pb as pr
 from agentbox.e2b.envd_gen.process.process_connect import Process, ProcessASGIApplication
-from agentbox.e2b.sandboxes import E2BError, E2BSandbox, Launched, SandboxTable
+from agentbox.e2b.sandboxes import E2BError, E2BSandbox, Launched, SandboxTable, SignedUrl
 from agentbox.machines.base import FileStat
 from agentbox.machines.errors import MachineError
 from agentbox.tools.services import MachineServices
@@ -67,6 +70,10 @@ MIN_KEEPALIVE_SECONDS = 1.0
 MAX_LIST_DEPTH = 16
 #: E2B's signals and the ones they send.
 SIGNALS = {pr.Signal.SIGKILL: signal.SIGKILL, pr.Signal.SIGTERM: signal.SIGTERM}
+
+#: The header naming the sandbox of an envd request, and envd's file route.
+SANDBOX_HEADER = b"e2b-sandbox-id"
+FILES_PATH = "/files"
 
 #: WorkspaceError types as Connect codes and as envd's HTTP statuses.
 ERROR_CODES: dict[str, tuple[Code, int]] = {
@@ -553,8 +560,8 @@ class FilesHttp:
     def app(self) -> Starlette:
         return Starlette(
             routes=[
-                Route("/files", self.download, methods=["GET"]),
-                Route("/files", self.upload, methods=["POST"]),
+                Route(FILES_PATH, self.download, methods=["GET"]),
+                Route(FILES_PATH, self.upload, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
             ]
         )
@@ -600,6 +607,13 @@ class Envd:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
+        if path == FILES_PATH and not has_header(scope, SANDBOX_HEADER):
+            signed = self._signed(scope)
+            if isinstance(signed, Response):
+                await signed(scope, receive, send)
+                return
+            await self.http(signed, receive, send)
+            return
         refused = self._refused(scope, path)
         if refused is not None:
             await refused(scope, receive, send)
@@ -630,6 +644,28 @@ class Envd:
             message = "missing or invalid X-Access-Token"
             return rpc_error(Code.UNAUTHENTICATED, 401, message) if rpc else http_error(401, message)
         return None
+
+    def _signed(self, scope: Scope) -> Scope | Response:
+        """A signed file URL's request, as if it carried its sandbox's header; else 401."""
+        query = dict(urllib.parse.parse_qsl(scope["query_string"].decode("latin-1")))
+        expiration = query.get("signature_expiration")
+        if "signature" not in query or (expiration is not None and not expiration.isdigit()):
+            return http_error(401, "a file URL needs a signature (or the sandbox's headers)")
+        url = SignedUrl(
+            query.get("path", ""),
+            "write" if scope["method"] == "POST" else "read",
+            query.get("username", ""),
+            query["signature"],
+            int(expiration) if expiration is not None else None,
+        )
+        sandbox = self.table.signed(url)
+        if sandbox is None or sandbox.state != "running":
+            return http_error(401, "the signature is invalid or expired")
+        return {**scope, "headers": [*scope["headers"], (SANDBOX_HEADER, sandbox.id.encode())]}
+
+
+def has_header(scope: Scope, name: bytes) -> bool:
+    return any(k.lower() == name for k, _ in scope["headers"])
 
 
 def rpc_error(code: Code, status: int, message: str) -> JSONResponse:

@@ -21,13 +21,16 @@ server restart the sessions' workspaces are still there, but E2B no longer lists
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import hmac
 import itertools
 import logging
 import math
 import os
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -119,6 +122,36 @@ class E2BSandbox:
 
     def token_ok(self, given: str | None) -> bool:
         return given is not None and hmac.compare_digest(given.encode(), self.access_token.encode())
+
+    def signature_ok(self, url: SignedUrl) -> bool:
+        """Whether `url` was signed with this sandbox's token, and is not expired."""
+        if url.expiration is not None and url.expiration < time.time():
+            return False
+        return hmac.compare_digest(url.signature.encode(), url.expected(self.access_token).encode())
+
+
+@dataclass(frozen=True)
+class SignedUrl:
+    """A file URL the SDK signed (`download_url` / `upload_url`): usable without headers.
+
+    The signature is `v1_` + unpadded base64 of sha256("path:operation:user:token[:expiration]"),
+    with `user` empty for the default user; it names no sandbox, so the sandbox is the one
+    whose token makes it.
+    """
+
+    path: str
+    operation: str
+    """`read` (GET) or `write` (POST)."""
+    user: str
+    signature: str
+    expiration: int | None
+
+    def expected(self, token: str) -> str:
+        raw = f"{self.path}:{self.operation}:{self.user}:{token}"
+        if self.expiration is not None:
+            raw += f":{self.expiration}"
+        digest = hashlib.sha256(raw.encode()).digest()
+        return "v1_" + base64.b64encode(digest).rstrip(b"=").decode("ascii")
 
 
 def checked_timeout(value: Any, what: str = "timeout") -> int:
@@ -223,6 +256,10 @@ class SandboxTable:
             raise
         self._arm(sandbox)
         return sandbox
+
+    def signed(self, url: SignedUrl) -> E2BSandbox | None:
+        """The sandbox whose token signed `url` (each is tried: at most MAX_E2B_SANDBOXES)."""
+        return next((s for s in self._sandboxes.values() if s.signature_ok(url)), None)
 
     def get(self, sandbox_id: str) -> E2BSandbox:
         sandbox = self._sandboxes.get(sandbox_id)
