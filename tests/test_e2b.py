@@ -19,7 +19,7 @@ from e2b.api.client.models import ConnectSandbox, NewSandbox
 from e2b.api.client.models import Sandbox as SandboxModel
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
-from e2b.exceptions import AuthenticationException, NotFoundException
+from e2b.exceptions import AuthenticationException, NotFoundException, TimeoutException
 
 from tests.conftest import Server, start_server, stop_server, traversable
 
@@ -93,6 +93,14 @@ def test_output_streams_while_the_command_runs(sbx: Sandbox) -> None:
     )
     assert [line for line, _ in seen] == ["first\n", "second\n"]
     assert seen[0][1] - started < seen[1][1] - started - 0.5  # the first arrived before the sleep ended
+
+
+def test_a_command_is_killed_at_its_timeout(sbx: Sandbox) -> None:
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30", timeout=1)
+    # As envd does it: the call's timeout is the process's deadline, not only the stream's.
+    eventually(lambda: not sbx.commands.list(), "the timed-out process to be gone")
+    assert sbx.commands.run("grep -lx sleep /proc/[0-9]*/comm | wc -l").stdout == "0\n"
 
 
 def test_commands_take_cwd_envs_and_stdin(sbx: Sandbox) -> None:

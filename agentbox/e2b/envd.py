@@ -53,7 +53,7 @@ from agentbox.e2b.sandboxes import E2BError, E2BSandbox, Launched, SandboxTable,
 from agentbox.machines.base import FileStat
 from agentbox.machines.errors import MachineError
 from agentbox.tools.services import MachineServices
-from agentbox.workspace.commands import Command
+from agentbox.workspace.commands import MAX_TIMEOUT_SECONDS, Command
 from agentbox.workspace.errors import WorkspaceError, translate
 from agentbox.workspace.fileops import file_ops
 from agentbox.workspace.watch import Event as WatchEvent
@@ -66,8 +66,14 @@ log = logging.getLogger(__name__)
 #: MIN_KEEPALIVE_SECONDS.
 KEEPALIVE_SECONDS = 30.0
 MIN_KEEPALIVE_SECONDS = 1.0
+#: The shortest deadline put on a process (a call whose timeout has all but run out), and the
+#: longest (the command manager's cap).
+MIN_PROCESS_SECONDS = 0.001
+MAX_PROCESS_SECONDS = MAX_TIMEOUT_SECONDS
 #: Depth `ListDir` lists at most (1 = the directory's own entries).
 MAX_LIST_DEPTH = 16
+#: A process ended by signal N exits 128+N (the command manager's convention).
+SIGNAL_EXIT_BASE = 128
 #: E2B's signals and the ones they send.
 SIGNALS = {pr.Signal.SIGKILL: signal.SIGKILL, pr.Signal.SIGTERM: signal.SIGTERM}
 
@@ -112,6 +118,18 @@ def rpc_errors(op: str, path: str | None = None) -> Iterator[None]:
 
 def sandbox_id_of(ctx: RequestContext[Any, Any]) -> str:
     return ctx.request_headers.get("e2b-sandbox-id", "")
+
+
+def process_deadline(ctx: RequestContext[Any, Any]) -> float | None:
+    """The process's deadline as envd sets it: the call's timeout (`Connect-Timeout-Ms`; the SDK
+    sends its command `timeout`), none without one. The stream ending sooner (the client went
+    away) does not kill the process. A deadline past the command manager's cap is not put on
+    the process (it is still bounded by the sandbox's lifetime)."""
+    remaining = ctx.timeout_ms
+    if remaining is None:
+        return None
+    seconds = max(remaining / 1000, MIN_PROCESS_SECONDS)
+    return seconds if seconds <= MAX_PROCESS_SECONDS else None
 
 
 def keepalive_of(ctx: RequestContext[Any, Any]) -> float:
@@ -181,7 +199,11 @@ class ProcessService(Process):
         stdin = True if request.stdin is None else request.stdin
         with rpc_errors("exec", cwd):
             cmd = await services.commands.start(
-                shlex.join([config.cmd, *config.args]), cwd=cwd, env=dict(config.envs), stdin=stdin
+                shlex.join([config.cmd, *config.args]),
+                cwd=cwd,
+                env=dict(config.envs),
+                stdin=stdin,
+                timeout=process_deadline(ctx),
             )
         pid = sandbox.new_pid(Launched(cmd.id, config, request.tag))
         yield pr.StartResponse(event=started(pid))
@@ -280,13 +302,12 @@ def data_event(output: Any) -> pr.ProcessEvent:
 def ended(cmd: Command) -> pr.ProcessEvent.EndEvent:
     """The end as envd reports it: Go's `ProcessState.String()` in `status`."""
     code = -1 if cmd.exit_code is None else cmd.exit_code
-    if cmd.kill_signal is not None and code >= 128:
-        status = f"signal: {signal.Signals(code - 128).name.lower().removeprefix('sig')}"
+    signalled = cmd.status in ("killed", "timed_out") and code > SIGNAL_EXIT_BASE
+    if signalled:
+        status = f"signal: {signal.Signals(code - SIGNAL_EXIT_BASE).name.lower().removeprefix('sig')}"
     else:
         status = f"exit status {code}"
-    return pr.ProcessEvent.EndEvent(
-        exit_code=code, exited=cmd.kill_signal is None, status=status, error=cmd.error
-    )
+    return pr.ProcessEvent.EndEvent(exit_code=code, exited=not signalled, status=status, error=cmd.error)
 
 
 # ------------------------------------------------------------------ filesystem.Filesystem
