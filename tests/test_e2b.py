@@ -8,8 +8,10 @@ bubblewrap sandbox of the server's default machine.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +22,11 @@ from e2b.api.client.models import Sandbox as SandboxModel
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
 from e2b.exceptions import AuthenticationException, NotFoundException, TimeoutException
+from e2b.sandbox.filesystem.filesystem import WriteEntry
 
+from agentbox.api.app import create_app
+from agentbox.config import Settings
+from agentbox.e2b import CONTROL_PATH
 from tests.conftest import Server, start_server, stop_server, traversable
 
 API_KEY = "e2b-test-key"
@@ -133,6 +139,16 @@ def test_files_write_read_list_make_dir_remove_exists(sbx: Sandbox) -> None:
     names = sorted((e.name, e.type.value if e.type else None) for e in sbx.files.list("/workspace/notes"))
     assert names == [("a.txt", "file"), ("sub", "dir")]
     assert sbx.files.exists("/workspace/notes/a.txt")
+    written = sbx.files.write_files(
+        [
+            WriteEntry(path="/workspace/notes/sub/x.txt", data="x"),
+            WriteEntry(path="notes/sub/y.txt", data=b"y"),
+        ]
+    )
+    assert [w.path for w in written] == ["/workspace/notes/sub/x.txt", "/workspace/notes/sub/y.txt"]
+    deep = sorted(e.path for e in sbx.files.list("/workspace/notes", depth=2))
+    assert deep == [f"/workspace/notes/{n}" for n in ("a.txt", "sub", "sub/x.txt", "sub/y.txt")]
+    assert sbx.get_metrics() == []
     moved = sbx.files.rename("/workspace/notes/a.txt", "/workspace/notes/b.txt")
     assert (moved.name, moved.path) == ("b.txt", "/workspace/notes/b.txt")
     assert sbx.files.read("/workspace/notes/b.txt") == "alpha\n"
@@ -267,6 +283,14 @@ def test_the_v1_routes_of_older_sdks(e2b_env: Server) -> None:
         Sandbox.kill(sandbox.sandbox_id)
 
 
+def test_no_agentbox_route_is_shadowed(tmp_path: Path) -> None:
+    """E2B's dispatch takes every path CONTROL_PATH matches: none may be one of agentbox's."""
+    app = create_app(Settings(home=tmp_path))
+    paths = [re.sub(r"\{[^}]+\}", "x", getattr(r, "path", "")) for r in app.router.routes]
+    assert len(paths) > 100  # the sandbox routers, twice
+    assert [p for p in paths if CONTROL_PATH.fullmatch(p)] == []
+
+
 def test_a_wrong_api_key_is_refused(e2b_env: Server) -> None:
     with pytest.raises(AuthenticationException):
         Sandbox.create(api_key="not-the-key")
@@ -281,6 +305,8 @@ def test_errors_are_code_and_message(e2b_env: Server) -> None:
         assert wrong.status_code == 400 and "timeout" in wrong.json()["message"]
         missing = client.get("/sandboxes/ses_nothere")
         assert missing.status_code == 404 and missing.json()["code"] == 404
+        unserved = client.post("/sandboxes/ses_nothere/snapshots")
+        assert unserved.status_code == 404 and set(unserved.json()) == {"code", "message"}
         refused = client.get("/v2/sandboxes", headers={"X-API-Key": "wrong"})
         assert refused.status_code == 401 and set(refused.json()) == {"code", "message"}
 

@@ -22,8 +22,10 @@ from agentbox.e2b.control import control_app
 from agentbox.e2b.envd import FILES_PATH, SANDBOX_HEADER, Envd
 from agentbox.e2b.sandboxes import SandboxTable
 
-#: The control-plane paths; agentbox's own `/sandboxes/{session}/...` routes are all deeper.
-CONTROL_PATH = re.compile(r"/(v2/)?sandboxes(/[^/]+(/(timeout|refreshes|connect|pause|resume))?)?")
+#: The control-plane paths: `/sandboxes`, `/sandboxes/{id}`, `/sandboxes/{id}/{action}` (and under
+#: `/v2`). agentbox's own `/sandboxes/{session}/v1/...` routes are all deeper, so E2B answers
+#: every path of this shape, an action it does not serve with its own 404.
+CONTROL_PATH = re.compile(r"/(v2/)?sandboxes(/[^/]+(/[^/]+)?)?")
 
 
 class E2B:

@@ -10,6 +10,7 @@
     POST   /sandboxes/{id}/connect, /v2/.../connect  {timeout}  200 Sandbox (what `Sandbox.connect` reads), resuming
     POST   /sandboxes/{id}/pause                     {memory}  204, 409 when paused: filesystem-only, always
     POST   /sandboxes/{id}/resume                    {timeout}  201 Sandbox, 409 when running
+    GET    /sandboxes/{id}/metrics                   200 []: no samples are collected
 
 Every request carries `X-API-Key`, checked against the server's API key (any key is taken
 when the server has none). Every error, a refused key and malformed JSON included, is
@@ -188,6 +189,11 @@ async def connect(request: Request, table: SandboxTable) -> Response:
     return JSONResponse(sandbox_view(sandbox))
 
 
+async def metrics(request: Request, table: SandboxTable) -> Response:
+    table.get(request.path_params["sandbox_id"])
+    return JSONResponse([])
+
+
 async def pause(request: Request, table: SandboxTable) -> Response:
     await body_of(request)  # `memory` (older SDKs) or not: the pause is filesystem-only
     await table.pause(request.path_params["sandbox_id"])
@@ -242,6 +248,7 @@ def control_app(table: SandboxTable) -> Starlette:
         route("/v2/sandboxes/{sandbox_id}/connect", connect, "POST"),
         route("/sandboxes/{sandbox_id}/pause", pause, "POST"),
         route("/sandboxes/{sandbox_id}/resume", resume, "POST"),
+        route("/sandboxes/{sandbox_id}/metrics", metrics, "GET"),
     ]
 
     async def unrouted(request: Request, exc: Exception) -> Response:

@@ -39,12 +39,15 @@ from connectrpc.request import RequestContext
 from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from starlette.applications import Starlette
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from agentbox.api.v1_file import spooled, upload_form
+from agentbox.api.envelope import BodyTooLarge, read_form
+from agentbox.api.v1_file import MAX_UPLOAD_FORM_BYTES, spooled
 from agentbox.e2b.envd_gen.filesystem import filesystem_pb as fs
 from agentbox.e2b.envd_gen.filesystem.filesystem_connect import Filesystem, FilesystemASGIApplication
 from agentbox.e2b.envd_gen.process import process_pb as pr
@@ -80,6 +83,9 @@ SIGNALS = {pr.Signal.SIGKILL: signal.SIGKILL, pr.Signal.SIGTERM: signal.SIGTERM}
 #: The header naming the sandbox of an envd request, and envd's file route.
 SANDBOX_HEADER = b"e2b-sandbox-id"
 FILES_PATH = "/files"
+
+#: Files one multipart upload may carry (`files.write_files`); the whole form is within the upload limit.
+MAX_UPLOAD_FILES = 100
 
 #: WorkspaceError types as Connect codes and as envd's HTTP statuses.
 ERROR_CODES: dict[str, tuple[Code, int]] = {
@@ -547,6 +553,10 @@ class FilesHttp:
             return JSONResponse([written(target)])
         except ConnectError as exc:
             return http_error(400, exc.message)
+        except BodyTooLarge as exc:
+            return http_error(413, str(exc))
+        except HTTPException as exc:  # a malformed form, or one with too many parts
+            return http_error(exc.status_code, exc.detail)
         except zlib.error as exc:
             return http_error(400, f"the body is not gzip: {exc}")
         except (WorkspaceError, MachineError, OSError, E2BError) as exc:
@@ -555,16 +565,23 @@ class FilesHttp:
     async def _multipart(
         self, request: Request, root: str, ops: Any, path: str | None
     ) -> list[dict[str, str]]:
+        """Every file part, to `path` when there is one part, else to the part's own name (the
+        SDK names each part by its path)."""
         out = []
-        async with upload_form(request) as form:
-            parts = [(k, v) for k, v in form.multi_items() if not isinstance(v, str)]
+        form = await read_form(
+            request, MAX_UPLOAD_FORM_BYTES, max_files=MAX_UPLOAD_FILES, max_fields=0, operation="upload"
+        )
+        try:
+            parts = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
             if not parts:
                 raise ConnectError(Code.INVALID_ARGUMENT, "the form has no file part")
-            for _, part in parts:
-                name = path if path and len(parts) == 1 else part.filename  # type: ignore[union-attr]
+            for part in parts:
+                name = path if path and len(parts) == 1 else part.filename
                 target = inside_path(root, name or "")
-                await self._store(ops, target, spooled(part))  # type: ignore[arg-type]
+                await self._store(ops, target, spooled(part))
                 out.append(written(target))
+        finally:
+            await form.close()
         return out
 
     @staticmethod
