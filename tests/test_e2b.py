@@ -49,11 +49,16 @@ def e2b_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def e2b_env(e2b_server: Server) -> Iterator[Server]:
     """The SDK's environment pointed at the server, for the module's tests."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("E2B_API_URL", e2b_server.url)
-        mp.setenv("E2B_SANDBOX_URL", e2b_server.url)
-        mp.setenv("E2B_API_KEY", API_KEY)
-        mp.delenv("E2B_DEBUG", raising=False)
+        point_sdk(mp, e2b_server)
         yield e2b_server
+
+
+def point_sdk(mp: pytest.MonkeyPatch, server: Server) -> None:
+    """The SDK's environment as a user sets it for a self-hosted server."""
+    mp.setenv("E2B_API_URL", server.url)
+    mp.setenv("E2B_SANDBOX_URL", server.url)
+    mp.setenv("E2B_API_KEY", API_KEY)
+    mp.delenv("E2B_DEBUG", raising=False)
 
 
 @pytest.fixture
@@ -281,6 +286,38 @@ def test_the_v1_routes_of_older_sdks(e2b_env: Server) -> None:
         assert Sandbox.connect(sandbox.sandbox_id).commands.run("echo $V").stdout == "1\n"
     finally:
         Sandbox.kill(sandbox.sandbox_id)
+
+
+def test_a_sandbox_outlives_a_server_restart(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = traversable(tmp_path_factory.mktemp("e2b-restart"), tmp_path_factory) / "home"
+    home.mkdir()
+    first = start_server(home, env={"AGENTBOX_API_KEY": API_KEY})
+    try:
+        point_sdk(monkeypatch, first)
+        kept = Sandbox.create(metadata={"owner": "restart"}, envs={"KEPT": "env too"}, timeout=600)
+        kept.files.write("/workspace/kept.txt", "across a restart")
+        ended = Sandbox.create(timeout=60)
+        ended.set_timeout(2)  # its end passes while the server is down
+    finally:
+        stop_server(first)
+    record = (home / "sessions" / kept.sandbox_id / "e2b.json").read_text()
+    assert "env too" not in record and kept._envd_access_token not in record  # sealed at rest
+    time.sleep(2)  # past `ended`'s end: a fixed wait, since no server runs to be asked
+    second = start_server(home, env={"AGENTBOX_API_KEY": API_KEY})
+    try:
+        point_sdk(monkeypatch, second)
+        again = Sandbox.connect(kept.sandbox_id)
+        assert again.files.read("/workspace/kept.txt") == "across a restart"
+        assert again.commands.run("echo $KEPT").stdout == "env too\n"
+        assert Sandbox.get_info(kept.sandbox_id).metadata == {"owner": "restart"}
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(ended.sandbox_id)
+        assert not (home / "sessions" / ended.sandbox_id).exists()
+        again.kill()
+    finally:
+        stop_server(second)
 
 
 def test_no_agentbox_route_is_shadowed(tmp_path: Path) -> None:

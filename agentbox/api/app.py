@@ -88,6 +88,7 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
             metrics.wire(system)
             app.state.system = system
             try:
+                await e2b.open()  # the E2B sandboxes an earlier server left
                 async with mcp_http.running():
                     yield
             finally:

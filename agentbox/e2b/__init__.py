@@ -48,6 +48,10 @@ class E2B:
             return self.control
         return None
 
+    async def open(self) -> None:
+        """Take back the sandboxes an earlier server left (once the system is open)."""
+        await self.table.restore()
+
     async def close(self) -> None:
         await self.table.close()
 

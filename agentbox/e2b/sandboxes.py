@@ -14,8 +14,10 @@ Lifetime, E2B's states on agentbox's machine lifecycle:
 
 `pause` is filesystem-only, whatever the client asks for (`memory`): agentbox's reclaim,
 so `/workspace` is kept and processes, `/tmp` and `$HOME` are not. `kill` closes the
-machine and purges the workspace. The table lives in memory: after a
-server restart the sessions' workspaces are still there, but E2B no longer lists them.
+machine and purges the workspace. Each sandbox is also recorded in its session's directory
+(`records.py`), and `restore` reads the records back when the server starts: a sandbox
+outlives a restart (its processes do not), and one whose end passed while the server was
+down is killed then.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from agentbox.e2b import records
 from agentbox.ids import SESSION, new_id
 from agentbox.machines.kinds import memory_mb
+from agentbox.secrets import SecretBox
 from agentbox.system import System
 from agentbox.tools.services import MachineServices
 
@@ -250,12 +254,32 @@ class SandboxTable:
         self._sandboxes[sandbox.id] = sandbox
         try:
             await system.services.get(sandbox.id)
+            self._record(sandbox)
         except BaseException:
             del self._sandboxes[sandbox.id]
             await self._close_machine(system, sandbox.id)
             raise
         self._arm(sandbox)
         return sandbox
+
+    async def restore(self) -> list[str]:
+        """Read back the sandboxes an earlier server recorded; kill those whose end has passed.
+        Returns the ids restored (their machines start again on first use)."""
+        system = self.system()
+        restored = []
+        sessions = system.settings.home / "sessions"
+        for fields in await asyncio.to_thread(records.load_all, sessions, self._box()):
+            sandbox = E2BSandbox(**fields)
+            self._sandboxes[sandbox.id] = sandbox
+            if sandbox.state == "running" and sandbox.end_at <= datetime.now(UTC):
+                log.info(
+                    "e2b sandbox %s reached its timeout while the server was down; killing it", sandbox.id
+                )
+                await self.kill(sandbox.id)
+                continue
+            self._arm(sandbox)
+            restored.append(sandbox.id)
+        return restored
 
     def signed(self, url: SignedUrl) -> E2BSandbox | None:
         """The sandbox whose token signed `url` (each is tried: at most MAX_E2B_SANDBOXES)."""
@@ -275,6 +299,7 @@ class SandboxTable:
         """End the sandbox `timeout` seconds from now (sooner or later than before)."""
         sandbox = self.get(sandbox_id)
         sandbox.end_at = datetime.now(UTC) + timedelta(seconds=timeout)
+        self._record(sandbox)
         self._arm(sandbox)
         return sandbox
 
@@ -291,6 +316,7 @@ class SandboxTable:
         if sandbox.state == "paused":
             raise E2BError(409, f"sandbox {sandbox_id!r} is already paused")
         sandbox.state = "paused"
+        self._record(sandbox)
         self._disarm(sandbox)
         system = self.system()
         entry = system.registry.entry(sandbox_id)
@@ -341,7 +367,14 @@ class SandboxTable:
             self._disarm(sandbox)
         self._sandboxes.clear()
 
-    # -- lifetime ---------------------------------------------------------------------
+    # -- records and lifetime -----------------------------------------------------------
+
+    def _box(self) -> SecretBox:
+        return SecretBox(self.system().settings.home)
+
+    def _record(self, sandbox: E2BSandbox) -> None:
+        """Write the sandbox's record (a few hundred bytes: on the loop, like the activity file)."""
+        records.save(self.system().registry.session_dir(sandbox.id), sandbox, self._box())
 
     def _arm(self, sandbox: E2BSandbox) -> None:
         self._disarm(sandbox)
