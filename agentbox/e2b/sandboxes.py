@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import hmac
 import itertools
@@ -275,7 +274,7 @@ class SandboxTable:
                 log.info(
                     "e2b sandbox %s reached its timeout while the server was down; killing it", sandbox.id
                 )
-                await self.kill(sandbox.id)
+                await self._kill_logged(sandbox)
                 continue
             self._arm(sandbox)
             restored.append(sandbox.id)
@@ -391,8 +390,17 @@ class SandboxTable:
         delay = (sandbox.end_at - datetime.now(UTC)).total_seconds()
         await asyncio.sleep(max(0.0, delay))
         log.info("e2b sandbox %s reached its timeout; killing it", sandbox.id)
-        with contextlib.suppress(E2BError):
+        await self._kill_logged(sandbox)
+
+    async def _kill_logged(self, sandbox: E2BSandbox) -> None:
+        """`kill` where nobody waits for it (a timer, the restore): a failure is logged, and the
+        sandbox stays listed, so a later `kill` can try again."""
+        try:
             await self.kill(sandbox.id)
+        except E2BError:
+            pass  # killed meanwhile
+        except Exception:
+            log.exception("e2b sandbox %s could not be killed", sandbox.id)
 
     @staticmethod
     async def _close_machine(system: System, sandbox_id: str) -> None:
