@@ -1,7 +1,7 @@
 """envd, E2B's in-sandbox daemon, served by agentbox for its sandboxes: Connect RPC and `/files`.
 
 The `e2b` SDK sends every envd request to one URL (`E2B_SANDBOX_URL`) with the sandbox in
-`E2b-Sandbox-Id` and the sandbox's `envdAccessToken` in `X-Access-Token`; `dispatch` checks
+`E2b-Sandbox-Id` and the sandbox's `envdAccessToken` in `X-Access-Token`; `Envd` checks
 both, then hands the request to one of:
 
     /process.Process/{Start,Connect,List,SendSignal,SendInput,CloseStdin}   Connect RPC
@@ -16,7 +16,8 @@ both, then hands the request to one of:
 A process is a command of the machine's `CommandManager` (so `/v2/commands` lists it too);
 its pid is a number this sandbox's table hands out, not the kernel's. Files go through
 `file_ops(machine)`; relative paths are taken from the machine's root (`/workspace`). Not
-served yet: PTYs, `StreamInput`, `Update`, file metadata, and running as a named user (`username`/`user` is accepted and ignored).
+served yet: PTYs, `StreamInput`, `Update`, file metadata, and running as a named user
+(`username` / `user` is accepted and ignored: commands run as the sandbox's own root).
 """
 
 from __future__ import annotations
@@ -309,11 +310,15 @@ def ended(cmd: Command) -> pr.ProcessEvent.EndEvent:
     """The end as envd reports it: Go's `ProcessState.String()` in `status`."""
     code = -1 if cmd.exit_code is None else cmd.exit_code
     signalled = cmd.status in ("killed", "timed_out") and code > SIGNAL_EXIT_BASE
-    if signalled:
-        status = f"signal: {signal.Signals(code - SIGNAL_EXIT_BASE).name.lower().removeprefix('sig')}"
-    else:
-        status = f"exit status {code}"
+    status = f"signal: {signal_name(code - SIGNAL_EXIT_BASE)}" if signalled else f"exit status {code}"
     return pr.ProcessEvent.EndEvent(exit_code=code, exited=not signalled, status=status, error=cmd.error)
+
+
+def signal_name(number: int) -> str:
+    """The signal as Go's `ProcessState.String()` words it (`killed`, `terminated`), or its
+    number for one the C library does not name."""
+    described = signal.strsignal(number) if 0 < number < signal.NSIG else None
+    return described.lower() if described else str(number)
 
 
 # ------------------------------------------------------------------ filesystem.Filesystem
