@@ -60,6 +60,7 @@ from agentbox.tools.services import MachineServices
 from agentbox.workspace.commands import MAX_TIMEOUT_SECONDS, Command
 from agentbox.workspace.errors import WorkspaceError, translate
 from agentbox.workspace.fileops import file_ops
+from agentbox.workspace.files import STAGING_PREFIX, STAGING_SUFFIX, is_staging_name
 from agentbox.workspace.watch import Event as WatchEvent
 from agentbox.workspace.watch import Watcher
 
@@ -85,6 +86,8 @@ SIGNALS = {pr.Signal.SIGKILL: signal.SIGKILL, pr.Signal.SIGTERM: signal.SIGTERM}
 SANDBOX_HEADER = b"e2b-sandbox-id"
 FILES_PATH = "/files"
 
+#: What envd's watchers leave out: the server's own staging files (uploads land through them).
+STAGING_EXCLUDE = (f"{STAGING_PREFIX}*{STAGING_SUFFIX}",)
 #: Files one multipart upload may carry (`files.write_files`); the whole form is within the upload limit.
 MAX_UPLOAD_FILES = 100
 
@@ -402,7 +405,8 @@ class FilesystemService(Filesystem):
             await ops.remove(path, recursive=True)
         return fs.RemoveResponse()
 
-    # Watching: a watcher of the machine's watch hub, with no excludes (envd has none). The
+    # Watching: a watcher of the machine's watch hub, excluding only the server's own staging
+    # files (envd has no excludes; a staged upload then reads as the file written). The
     # sync SDK polls one (CreateWatcher, GetWatcherEvents, RemoveWatcher); the async SDK
     # streams (WatchDir), and its watcher goes when the stream ends.
 
@@ -413,7 +417,7 @@ class FilesystemService(Filesystem):
         with rpc_errors("watch", path):
             if not (await file_ops(services.machine).stat(path)).is_dir:
                 raise ConnectError(Code.INVALID_ARGUMENT, f"{path} is not a directory")
-            return await services.watches.start(path, recursive=recursive, exclude=())
+            return await services.watches.start(path, recursive=recursive, exclude=STAGING_EXCLUDE)
 
     async def create_watcher(
         self, request: fs.CreateWatcherRequest, ctx: RequestContext[Any, Any]
@@ -479,7 +483,18 @@ EVENT_TYPES = {
 
 def fs_events(event: WatchEvent) -> list[fs.FilesystemEvent]:
     """One hub event as envd reports it (inotify's way): a rename is the old name renamed
-    away, then the new name created; names are relative to the watched directory."""
+    away, then the new name created; names are relative to the watched directory. A staged
+    upload landing (renamed from the server's `.aiod-*.part`) is the file created and written,
+    as envd's own write of a new file reads."""
+    if (
+        event.type == "rename"
+        and event.old_path is not None
+        and is_staging_name(posixpath.basename(event.old_path))
+    ):
+        return [
+            fs.FilesystemEvent(name=event.relative_path, type=fs.EventType.CREATE),
+            fs.FilesystemEvent(name=event.relative_path, type=fs.EventType.WRITE),
+        ]
     if event.type == "rename" and event.old_path is not None:
         root = event.path[: len(event.path) - len(event.relative_path)].rstrip("/")
         old = posixpath.relpath(event.old_path, root) if root else event.old_path
