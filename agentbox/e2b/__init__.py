@@ -19,7 +19,8 @@ import re
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentbox.e2b.control import control_app
-from agentbox.e2b.envd import FILES_PATH, SANDBOX_HEADER, Envd
+from agentbox.e2b.envd import SANDBOX_HEADER, Envd
+from agentbox.e2b.files import FILES_PATH
 from agentbox.e2b.sandboxes import SandboxTable
 
 #: The control-plane paths: `/sandboxes`, `/sandboxes/{id}`, `/sandboxes/{id}/{action}` (and under
