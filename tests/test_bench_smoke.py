@@ -55,6 +55,7 @@ API_FIGURES = {
     "api_exec_16_clients_throughput",
     "api_exec_16_clients_latency",
 }
+E2B_FIGURES = {"bare_spawn", "e2b_create_to_first_run", "e2b_run_true", "api_exec_true"}
 TOOLS_FIGURES = {
     "host_read_4k",
     "files_read_text_4k",
@@ -149,6 +150,12 @@ def test_bench_api_quick(tmp_path: Path) -> None:
     document = run_quick("bench_api.py", tmp_path / "api.json")
     check_figures(document, API_FIGURES, "bench_api")
     assert document["missing_routes"] == []
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_e2b_quick(tmp_path: Path) -> None:
+    document = run_quick("bench_e2b.py", tmp_path / "e2b.json")
+    check_figures(document, E2B_FIGURES, "bench_e2b")
 
 
 @pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)

@@ -39,6 +39,7 @@ from agentbox.api.metrics import Metrics
 from agentbox.api.observe import RequestIdMiddleware, note_error
 from agentbox.api.routing import add_sandbox_routes
 from agentbox.config import Settings
+from agentbox.e2b import E2B, E2BDispatch, SandboxTable
 from agentbox.home import HomeClaim
 from agentbox.machines.errors import MachineError
 from agentbox.mcp import McpHttp
@@ -79,6 +80,7 @@ def unauthorized() -> JSONResponse:
 def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     mcp_http = McpHttp()  # `/mcp`: the tools over MCP (streamable HTTP), see agentbox/mcp.py
     metrics = Metrics(lambda: getattr(app.state, "system", None))
+    e2b = E2B(SandboxTable(lambda: getattr(app.state, "system", None)))  # E2B's SDK: agentbox.e2b
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -86,9 +88,11 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
             metrics.wire(system)
             app.state.system = system
             try:
+                await e2b.open()  # the E2B sandboxes an earlier server left
                 async with mcp_http.running():
                     yield
             finally:
+                await e2b.close()
                 app.state.system = None  # `/ready` answers 503 from here on
 
     app = FastAPI(title="agentbox", version=__version__, lifespan=lifespan)
@@ -113,6 +117,8 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     async def machine_error(request: Request, exc: MachineError) -> Response:
         return error_response(request, translate(exc, "open", exc.path))
 
+    # E2B's control plane and envd answer for themselves (their own key and error shape).
+    app.add_middleware(E2BDispatch, e2b=e2b)
     if settings.allowed_origins:  # inside the guard, outside the key check: a preflight has no key
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"]
