@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 from starlette.middleware.base import RequestResponseEndpoint
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
@@ -30,6 +31,7 @@ from agentbox.api.envelope import (
     BodyRefused,
     body_errors,
     error_response,
+    http_refusal,
     query_error,
     refused,
     request_fields,
@@ -120,6 +122,10 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     app.add_middleware(GuardMiddleware, guard=Guard.of(settings))  # before anything of the app runs
     # Outside the guard: a refused request gets an id, an access line and a count too.
     app.add_middleware(RequestIdMiddleware, on_finished=metrics.finished)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return http_refusal(request, exc)  # an unknown route, a wrong method: the envelope too
 
     @app.exception_handler(BodyRefused)
     async def refused_body(request: Request, exc: BodyRefused) -> Response:
