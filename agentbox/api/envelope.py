@@ -52,6 +52,7 @@ STATUS_BY_TYPE = {
     "read_only_filesystem": 403,
     "not_found": 404,
     "already_exists": 409,
+    "conflict": 409,
     "decode_error": 422,
     "no_space_left": 507,
     "capacity_exceeded": 503,
@@ -62,6 +63,8 @@ STATUS_BY_TYPE = {
     "method_not_allowed": 405,
     "io_error": 500,
 }
+#: Error types that refuse the request itself: their status on v1 routes too (not AIO's 200).
+REQUEST_REFUSALS = frozenset({"session_deleted"})
 #: HTTP statuses of refusals raised by routing or Starlette itself, as envelope `error_type`s.
 HTTP_ERROR_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
 #: Bytes of JSON body a route reads before refusing it (uploads and tar bodies stream instead).
@@ -116,7 +119,9 @@ def ok(data: Any = None, message: str = "Operation successful", **extra: Any) ->
 
 
 def failure(error: WorkspaceError, *, v1: bool = False) -> JSONResponse:
-    status = 200 if v1 else STATUS_BY_TYPE.get(error.error_type, 500)
+    status = (
+        200 if v1 and error.error_type not in REQUEST_REFUSALS else STATUS_BY_TYPE.get(error.error_type, 500)
+    )
     body: dict[str, Any] = {"success": False, "message": error.message, "data": error.to_dict(), "hint": None}
     body.update(request_fields())
     note_error(error.error_type)

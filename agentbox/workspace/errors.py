@@ -41,6 +41,7 @@ from agentbox.machines.errors import (
     OwnerUnsupported,
     PathEscape,
     PermissionRequired,
+    SessionDeleted,
 )
 
 #: How the machine errors read in the envelope: (family, error_type, retryable).
@@ -48,6 +49,7 @@ MACHINE_ERRORS: tuple[tuple[type[MachineError], str, bool], ...] = (
     (MachineNotFound, "machine_not_found", False),
     (MachineDenied, "machine_denied", False),
     (MachineUnavailable, "machine_unavailable", True),
+    (SessionDeleted, "session_deleted", False),
 )
 
 ERRNO_TYPES: dict[int, str] = {
