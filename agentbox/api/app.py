@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from agentbox import __version__
 from agentbox.api import files as files_api
+from agentbox.api import sandboxes as sandboxes_api
 from agentbox.api import sessions as sessions_api
 from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2_fs, v2_sandbox, v2_watch
 from agentbox.api.envelope import (
@@ -172,6 +173,8 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     app.include_router(files_api.router)
     # `/v1/sessions`: once, at the root; a session is not a sandbox route.
     app.include_router(sessions_api.router)
+    # `/v1/sandboxes`: once, at the root; the lifecycle of the sandboxes the routes above reach.
+    app.include_router(sandboxes_api.router)
 
     # MCP over streamable HTTP: an ASGI app on the exact path `/mcp` (as the SDK routes it).
     app.router.routes.append(Route("/mcp", endpoint=mcp_http, include_in_schema=False))

@@ -4,7 +4,7 @@
     GET    /v1/sessions                 ?after&limit      {items, has_more, next_after}
     GET    /v1/sessions/{id}                              the session + status, sandbox, usage, last_seq
     PATCH  /v1/sessions/{id}            permission_mode, metadata (the rest: 400 not supported)
-    DELETE /v1/sessions/{id}                              {id, deleted: true}
+    DELETE /v1/sessions/{id}                              {id, deleted: true}; retires the id
     POST   /v1/sessions/{id}/messages   {content, files}  202 {turn_id, ...}; Idempotency-Key
     GET    /v1/sessions/{id}/events     ?after&limit      {items, has_more, next_after}
     GET    /v1/sessions/{id}/events/stream                SSE, resumable (Last-Event-ID / ?after)
@@ -271,8 +271,12 @@ async def update_session(request: Request, session_id: str) -> Any:
 
 @router.delete("/{session_id}")
 async def delete_session(request: Request, session_id: str) -> Any:
-    """Aborts the active turn, removes the session's events and workspace; its files stay."""
+    """Aborts the active turn, removes the session's events and its sandbox (machines stopped,
+    workspace removed); its files stay. The id is retired: later requests to its sandbox are
+    refused with 410 `session_deleted` (see `agentbox.api.sandboxes`)."""
     p = platform(request)
+    await p.store.get_session(session_id)  # 404 before anything is retired
+    await p.registry.retire(session_id)  # first: no request brings an empty sandbox back while it closes
     await p.worker.delete_session(session_id)
     await p.services.forget(session_id)
     return {"id": session_id, "deleted": True}
