@@ -3,6 +3,8 @@ session's sandbox refuses instead of coming back empty, across a restart too."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 from agentbox.api.sandboxes import SANDBOXES_LIMIT_MAX
 from tests.conftest import Server, start_server, stop_server, traversable
 from tests.test_api_sessions import DEADLINE, bash, create, frames, post, until_turn_end
+from tests.test_cli_exec import CLI_DEADLINE, cli_env
 
 #: Bytes written into a workspace, so its measured size is seen to count them.
 PAYLOAD_BYTES = 256 * 1024
@@ -152,3 +155,10 @@ async def test_retirement_and_stopped_sandboxes_survive_a_restart(
             assert_refused(refused, "session_deleted", 410)
     finally:
         stop_server(second)
+    # the CLI reaches the same sandbox, and is refused the same way
+    done = subprocess.run(
+        [sys.executable, "-m", "agentbox", "exec", "--session", sid, "--", "true"],
+        env=cli_env(home), cwd=home.parent, capture_output=True, timeout=CLI_DEADLINE,
+    )  # fmt: skip
+    assert done.returncode == 2 and b"was deleted" in done.stderr, done.stderr.decode()[-2000:]
+    assert b"Traceback" not in done.stderr and not (home / "sessions" / sid).exists()
