@@ -37,6 +37,10 @@ JSON schema) and annotations set from the tool itself (`readOnlyHint`, `destruct
 commands on a machine with a network). Results are text and image content, `isError` as the
 tool said, and the tool's structured extras (change set ids, delivered files) under
 `_meta["agentbox/data"]`.
+
+HTTP is stateless (no MCP session outlives a request), so there is no server-to-client stream
+for a `GET` to open: every `GET /mcp` is answered 405 at once (`Allow: POST`), as the
+streamable-HTTP transport permits, instead of an event stream that would never carry anything.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ DATA_META_KEY = "agentbox/data"
 OPEN_WORLD_ACTIONS = frozenset({Action.WEB, Action.BROWSER_READ, Action.BROWSER_WRITE, Action.MCP})
 #: JSON-RPC "invalid params": what a bad session or toolset choice is answered with over HTTP.
 INVALID_PARAMS = -32602
+#: JSON-RPC's code for a request the server will not take as sent.
+INVALID_REQUEST = -32600
 #: JSON-RPC "internal error": the session's machine could not be opened.
 INTERNAL_ERROR = -32603
 
@@ -346,6 +352,13 @@ HTTP_INSTRUCTIONS = (
 )
 
 
+def no_stream() -> JSONResponse:
+    """The answer to `GET /mcp`: a stateless server offers no stream (405, a JSON-RPC error body)."""
+    message = "this endpoint is stateless and offers no event stream: send JSON-RPC requests with POST"
+    body = {"jsonrpc": "2.0", "id": None, "error": {"code": INVALID_REQUEST, "message": message}}
+    return JSONResponse(body, status_code=405, headers={"Allow": "POST"})
+
+
 class McpHttp:
     """`/mcp` of the HTTP app: a stateless streamable-HTTP endpoint over the app's registry.
 
@@ -372,6 +385,9 @@ class McpHttp:
             self._host = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET":
+            await no_stream()(scope, receive, send)
+            return
         if scope["type"] == "http":
             try:
                 self._choices(Request(scope))

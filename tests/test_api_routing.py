@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
@@ -13,6 +14,10 @@ from agentbox.api.app import ROUTERS, create_app
 from agentbox.api.observe import SESSION_PREFIX
 from agentbox.api.routing import HOT_ROUTES, add_sandbox_routes, hot_first
 from agentbox.config import load
+from tests.conftest import Server
+
+#: Seconds one request to the test server may take.
+REQUEST_TIMEOUT = 10.0
 
 
 def app_routes(tmp_path: Path) -> list[APIRoute]:
@@ -61,3 +66,36 @@ def test_a_hot_route_that_another_route_would_serve_first_is_refused() -> None:
         hot_first(list(router.routes), [], hot_routes=[("GET", "/v2/fs/read")])
     with pytest.raises(ValueError, match="is not served"):
         add_sandbox_routes(FastAPI(), [router])  # the real hot routes are not in this router
+
+
+@pytest.mark.parametrize(
+    "method, path, status, error_type",
+    [
+        ("GET", "/nope", 404, "not_found"),
+        ("GET", "/v1/nope", 404, "not_found"),  # a v1 path too: the request, not an operation, fails
+        ("POST", "/v2/fs/nope", 404, "not_found"),
+        ("GET", f"{SESSION_PREFIX.format(session_id='ses_x')}/nope", 404, "not_found"),
+        ("DELETE", "/v2/fs/read", 405, "method_not_allowed"),
+        ("PUT", "/v1/sessions", 405, "method_not_allowed"),
+    ],
+)
+def test_unknown_routes_answer_in_the_envelope(
+    server: Server, method: str, path: str, status: int, error_type: str
+) -> None:
+    r = httpx.request(method, server.url + path, timeout=REQUEST_TIMEOUT)
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["success"] is False and body["data"]["error_type"] == error_type
+    assert path in body["message"] and r.headers["x-request-id"] == body["request_id"]
+    if status == 405:
+        assert r.headers["allow"] and r.headers["allow"] in body["message"]
+
+
+def test_query_errors_on_sandbox_routes_stay_plain_text(server: Server) -> None:
+    """Seed 002's exception: a malformed query string on a sandbox route is a plain-text 400."""
+    r = httpx.get(
+        server.url + "/v2/fs/read",
+        params={"path": "/workspace/x", "start_line": "many"},
+        timeout=REQUEST_TIMEOUT,
+    )
+    assert r.status_code == 400 and r.headers["content-type"].startswith("text/plain"), r.text

@@ -195,18 +195,39 @@ async def test_text_deltas_are_opt_in_unstored_and_carry_no_id(client: httpx.Asy
     assert await events(client, sid) == [f.data for f in without]
 
 
-async def test_until_turn_end_waits_for_the_next_turn_when_none_is_open(client: httpx.AsyncClient) -> None:
+async def test_until_turn_end_follows_the_turn_posted_after_the_clients_cursor(
+    client: httpx.AsyncClient,
+) -> None:
     sid = await create(client, [{"text": "one"}, {"text": "two"}])
     await post(client, sid, "1")
     first = await until_turn_end(client, sid)
-    # the cursor is past the first turn's end: the stream follows the next turn, posted before
-    # or after the stream is opened (either way, the client has not seen that turn's end)
-    watcher = asyncio.create_task(until_turn_end(client, sid, after=first[-1].id or 0))
+    # posted, then the stream opened with the cursor the client had: it follows that turn,
+    # open or already ended (either way, the client has not seen its end)
     second = (await post(client, sid, "2")).json()["turn_id"]
-    got = await watcher
+    got = await until_turn_end(client, sid, after=first[-1].id or 0)
     assert got[0].event == "user.message"
     assert got[-1].event == "turn.completed" and got[-1].data is not None
     assert got[-1].data["turn_id"] == second
+
+
+async def test_until_turn_end_past_the_last_turns_end_closes_at_once(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [{"text": "one"}])
+    await post(client, sid)
+    ended = await until_turn_end(client, sid)
+    # a later session-level event is replayed, then the stream closes: no turn is left to wait for
+    assert (await client.patch(f"/v1/sessions/{sid}", json={"metadata": {"k": "v"}})).status_code == 200
+    got = await until_turn_end(client, sid, after=ended[-1].id or 0)
+    assert [f.event for f in got] == ["session.updated"]
+    assert await until_turn_end(client, sid, after=got[-1].id or 0) == []
+
+
+async def test_until_turn_end_before_any_turn_waits_for_the_first(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [{"text": "one"}])
+    watcher = asyncio.create_task(until_turn_end(client, sid))
+    turn_id = (await post(client, sid)).json()["turn_id"]
+    got = await watcher
+    assert got[-1].event == "turn.completed" and got[-1].data is not None
+    assert got[-1].data["turn_id"] == turn_id
 
 
 async def test_idempotent_post_returns_the_same_turn_and_writes_nothing(client: httpx.AsyncClient) -> None:

@@ -31,6 +31,7 @@ from mcp.shared.exceptions import MCPError
 from agentbox.machines.local import LocalMachine
 from agentbox.mcp import (
     DATA_META_KEY,
+    INVALID_REQUEST,
     ChoiceError,
     call_result,
     check_session,
@@ -383,3 +384,11 @@ def test_annotations_on_the_wire(tmp_path: Path) -> None:
     assert wire["inputSchema"] == tools["bash"].schema()
     wire = describe_tool(tools["read_file"], host).model_dump(by_alias=True, exclude_none=True)
     assert wire["annotations"] == {"readOnlyHint": True, "destructiveHint": False, "openWorldHint": False}
+
+
+def test_http_get_answers_at_once_without_a_stream(server: Server) -> None:
+    """A stateless endpoint has no server-to-client stream: 405 at once, whatever the headers."""
+    for headers in ({}, {"Accept": "text/event-stream"}, {"Accept": "application/json, text/event-stream"}):
+        r = httpx.get(server.url + "/mcp", headers=headers, timeout=REQUEST_TIMEOUT)
+        assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+        assert r.json()["error"]["code"] == INVALID_REQUEST

@@ -69,8 +69,9 @@ LONG_POLL_CAP_SECONDS = 0.2
 MAX_STREAM_EVENTS = 1
 #: Members of a generated tar archive, at most.
 MAX_TAR_MEMBERS = 5
-#: The only prefix not fuzzed (see the module docstring).
-SESSION_PREFIX = "/sandboxes/"
+#: The only prefix not fuzzed (see the module docstring), as it begins a path in a label
+#: (`GET /sandboxes/...`; `/v1/sandboxes/{session_id}` is fuzzed).
+SESSION_PREFIX = " /sandboxes/"
 
 #: Where the steered cases' files live; live watchers watch it, so fuzzed writes there are events.
 KNOWN_DIR = "/workspace/fuzz-known"

@@ -17,12 +17,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 from starlette.middleware.base import RequestResponseEndpoint
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from agentbox import __version__
 from agentbox.api import files as files_api
+from agentbox.api import sandboxes as sandboxes_api
 from agentbox.api import sessions as sessions_api
 from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2_fs, v2_sandbox, v2_watch
 from agentbox.api.envelope import (
@@ -30,6 +32,7 @@ from agentbox.api.envelope import (
     BodyRefused,
     body_errors,
     error_response,
+    http_refusal,
     query_error,
     refused,
     request_fields,
@@ -127,6 +130,10 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     # Outside the guard: a refused request gets an id, an access line and a count too.
     app.add_middleware(RequestIdMiddleware, on_finished=metrics.finished)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return http_refusal(request, exc)  # an unknown route, a wrong method: the envelope too
+
     @app.exception_handler(BodyRefused)
     async def refused_body(request: Request, exc: BodyRefused) -> Response:
         return exc.response(request)
@@ -172,6 +179,8 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     app.include_router(files_api.router)
     # `/v1/sessions`: once, at the root; a session is not a sandbox route.
     app.include_router(sessions_api.router)
+    # `/v1/sandboxes`: once, at the root; the lifecycle of the sandboxes the routes above reach.
+    app.include_router(sandboxes_api.router)
 
     # MCP over streamable HTTP: an ASGI app on the exact path `/mcp` (as the SDK routes it).
     app.router.routes.append(Route("/mcp", endpoint=mcp_http, include_in_schema=False))

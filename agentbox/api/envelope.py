@@ -10,7 +10,10 @@ Every failure (and the 422 of a malformed body) also carries "request_id": the i
 `X-Request-ID` header names (`agentbox.api.observe`), so a client's report finds the log lines.
 
 v2 sends failures with the HTTP status of their `error_type`; v1 sends them with 200
-(upstream AIO), except downloads and unknown watchers. A malformed JSON body is 422 with a
+(upstream AIO), except downloads and unknown watchers. Refusals of the request itself keep
+their status on every route: an unknown path (404 `not_found`), a method the path does not
+serve (405 `method_not_allowed`, with `Allow`), a deleted session's sandbox (410
+`session_deleted`). A malformed JSON body is 422 with a
 top-level `errors` list (`location`, `message`, `type`) and, for the AIO SDK, `detail` as a
 list (never a string); a malformed query string is 400 plain text.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from http import HTTPStatus
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -48,14 +52,21 @@ STATUS_BY_TYPE = {
     "read_only_filesystem": 403,
     "not_found": 404,
     "already_exists": 409,
+    "conflict": 409,
     "decode_error": 422,
     "no_space_left": 507,
     "capacity_exceeded": 503,
     "machine_not_found": 404,
     "machine_denied": 403,
     "machine_unavailable": 503,
+    "session_deleted": 410,
+    "method_not_allowed": 405,
     "io_error": 500,
 }
+#: Error types that refuse the request itself: their status on v1 routes too (not AIO's 200).
+REQUEST_REFUSALS = frozenset({"session_deleted"})
+#: HTTP statuses of refusals raised by routing or Starlette itself, as envelope `error_type`s.
+HTTP_ERROR_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
 #: Bytes of JSON body a route reads before refusing it (uploads and tar bodies stream instead).
 MAX_JSON_BODY = 16 * 1024 * 1024
 #: Most bytes one non-file field of a multipart form may hold (Starlette's default).
@@ -108,7 +119,9 @@ def ok(data: Any = None, message: str = "Operation successful", **extra: Any) ->
 
 
 def failure(error: WorkspaceError, *, v1: bool = False) -> JSONResponse:
-    status = 200 if v1 else STATUS_BY_TYPE.get(error.error_type, 500)
+    status = (
+        200 if v1 and error.error_type not in REQUEST_REFUSALS else STATUS_BY_TYPE.get(error.error_type, 500)
+    )
     body: dict[str, Any] = {"success": False, "message": error.message, "data": error.to_dict(), "hint": None}
     body.update(request_fields())
     note_error(error.error_type)
@@ -123,6 +136,31 @@ def refused(status: int, error_type: str, message: str, operation: str, exceptio
     error = WorkspaceError(error_type, message, operation, exception_type=exception_type)
     response = failure(error)
     response.status_code = status
+    return response
+
+
+def http_refusal(request: Request, exc: HTTPException) -> JSONResponse:
+    """An `HTTPException` (routing's 404 and 405, a malformed multipart form's 400) as the envelope.
+
+    Routing raises them with the bare status phrase as detail; the message then names what was
+    asked, and a 405 keeps its `Allow` header.
+    """
+    status = exc.status_code
+    error_type = HTTP_ERROR_TYPES.get(status, "bad_request")
+    asked = f"{request.method} {request.url.path}"
+    message = str(exc.detail)
+    if status == 404 and message == HTTPStatus.NOT_FOUND.phrase:
+        message, exception_type = f"no route matches {asked}", "RouteNotFound"
+    elif status == 405 and message == HTTPStatus.METHOD_NOT_ALLOWED.phrase:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message, exception_type = (
+            f"{asked}: the method is not allowed here (allowed: {allowed})",
+            "MethodNotAllowed",
+        )
+    else:
+        exception_type = "HTTPException"
+    response = refused(status, error_type, message, "request", exception_type)
+    response.headers.update(exc.headers or {})
     return response
 
 

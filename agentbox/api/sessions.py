@@ -4,7 +4,7 @@
     GET    /v1/sessions                 ?after&limit      {items, has_more, next_after}
     GET    /v1/sessions/{id}                              the session + status, sandbox, usage, last_seq
     PATCH  /v1/sessions/{id}            permission_mode, metadata (the rest: 400 not supported)
-    DELETE /v1/sessions/{id}                              {id, deleted: true}
+    DELETE /v1/sessions/{id}                              {id, deleted: true}; retires the id
     POST   /v1/sessions/{id}/messages   {content, files}  202 {turn_id, ...}; Idempotency-Key
     GET    /v1/sessions/{id}/events     ?after&limit      {items, has_more, next_after}
     GET    /v1/sessions/{id}/events/stream                SSE, resumable (Last-Event-ID / ?after)
@@ -22,8 +22,9 @@ The SSE stream is a view of the same log as the JSON page: `id: <seq>`, `event: 
 `data: <the event's JSON>`; it replays from the cursor, then tails (`EventBus.subscribe`
 reads every event from the database, so the two views cannot differ). `until=turn_end`
 closes after the terminal event of the turn open at request time; with none open, of the
-last turn if its end is after the cursor (it was posted just before the stream opened),
-else of the next turn submitted. A comment line is sent after `heartbeat` seconds without events.
+last turn: at once, after what follows the cursor, when the cursor is already past its end
+(nothing is left to wait for), and of the first turn when the session has had none. So a
+client posts its message first, then opens the stream with the cursor it had. A comment line is sent after `heartbeat` seconds without events.
 With `?deltas=true` the stream also carries the reply text as it is produced: `event:
 agent.message.delta` frames (`{type, session_id, turn_id, text, index}`) WITHOUT an `id:` line,
 so they never move a client's Last-Event-ID; they are not stored, so the JSON page and a
@@ -270,8 +271,12 @@ async def update_session(request: Request, session_id: str) -> Any:
 
 @router.delete("/{session_id}")
 async def delete_session(request: Request, session_id: str) -> Any:
-    """Aborts the active turn, removes the session's events and workspace; its files stay."""
+    """Aborts the active turn, removes the session's events and its sandbox (machines stopped,
+    workspace removed); its files stay. The id is retired: later requests to its sandbox are
+    refused with 410 `session_deleted` (see `agentbox.api.sandboxes`)."""
     p = platform(request)
+    await p.store.get_session(session_id)  # 404 before anything is retired
+    await p.registry.retire(session_id)  # first: no request brings an empty sandbox back while it closes
     await p.worker.delete_session(session_id)
     await p.services.forget(session_id)
     return {"id": session_id, "deleted": True}
@@ -403,10 +408,12 @@ async def stream_events(
 
 @dataclass
 class Follow:
-    """The turn `until=turn_end` waits for: `turn_id`, or else the first turn with an id > `floor`."""
+    """The turn `until=turn_end` waits for: `turn_id`, or else the first turn with an id > `floor`;
+    `ended`: that turn's end is already behind the cursor, so the stream only replays."""
 
     turn_id: str | None
     floor: str
+    ended: bool = False
 
     def matches(self, event: Event) -> bool:
         if self.turn_id is None and event.turn_id is not None and event.turn_id > self.floor:
@@ -415,8 +422,8 @@ class Follow:
 
 
 async def turn_to_follow(store: SessionStore, session_id: str, cursor: int) -> Follow:
-    """The open turn that runs now; else the last turn if it ended after `cursor` (the client
-    has not seen its end: a message posted just before the stream was opened); else the next."""
+    """The open turn that runs now; else the last turn, `ended` if its end is not after `cursor`
+    (the client has seen it); else, in a session that has had no turn, the first one."""
     turns = await store.list_turns(session_id)  # before active_turn: a turn submitted between is caught
     active = await store.active_turn(session_id)
     if active is not None:
@@ -424,13 +431,19 @@ async def turn_to_follow(store: SessionStore, session_id: str, cursor: int) -> F
     if not turns:
         return Follow(None, "")
     last = turns[-1]
-    ended = await store.list_events(session_id, after=cursor, turn_id=last.id, types=TERMINAL_EVENTS, limit=1)
-    return Follow(last.id if ended else None, last.id)
+    unseen = await store.list_events(
+        session_id, after=cursor, turn_id=last.id, types=TERMINAL_EVENTS, limit=1
+    )
+    return Follow(last.id, last.id, ended=not unseen)
 
 
 async def sse(
     p: System, session_id: str, after: int, follow: Follow | None, heartbeat: float, deltas: bool = False
 ) -> AsyncIterator[str]:
+    if follow is not None and follow.ended:
+        async for stored in replay(p.store, session_id, after):
+            yield frame(stored)
+        return
     async for event in p.bus.subscribe(session_id, after, idle_timeout=heartbeat, deltas=deltas):
         if event is None:
             if not await session_exists(p.store, session_id):
@@ -443,6 +456,14 @@ async def sse(
         yield frame(event)
         if follow is not None and follow.matches(event):
             return
+
+
+async def replay(store: SessionStore, session_id: str, after: int) -> AsyncIterator[Event]:
+    """The stored events after `after`, page by page, as they stand now."""
+    while page := await store.list_events(session_id, after=after, limit=MAX_EVENTS_PAGE):
+        for event in page:
+            yield event
+        after = page[-1].seq
 
 
 def frame(event: Event) -> str:

@@ -116,6 +116,20 @@ def detach_all(under: Path) -> list[Path]:
     return gone
 
 
+def usage(workspace: Path) -> int:
+    """Bytes the workspace takes on the host disk: its image's allocated blocks (sparse, and
+    `discard` returns what is deleted inside), or without one the blocks of its files."""
+    image = image_of(workspace)
+    with contextlib.suppress(FileNotFoundError):
+        return image.stat().st_blocks * 512
+    total = 0
+    for root, dirs, files in os.walk(workspace):
+        for name in [*dirs, *files]:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
 def remove(workspace: Path) -> None:
     """Delete the workspace and its image (purge): unmounted first, so nothing else is touched."""
     detach(workspace)

@@ -7,6 +7,7 @@
     │                         caller approves (the tool layer turns it into an approval)
     ├── MachineDenied         the caller's level or the routing allow-list refuses the machine
     ├── MachineNotFound       no machine of that name is configured
+    ├── SessionDeleted        the id is a deleted session's: nothing opens under it again
     ├── MachineUnavailable    the machine could not be opened or its transport broke
     │   └── ContainerGone     a docker machine's container is not on its engine any more
     │                         (removed behind agentbox's back)
@@ -47,6 +48,10 @@ class MachineDenied(MachineError):
 
 class MachineNotFound(MachineError):
     pass
+
+
+class SessionDeleted(MachineError):
+    """The session id was retired when its session was deleted; its sandbox is gone for good."""
 
 
 class MachineUnavailable(MachineError):

@@ -18,6 +18,13 @@ bwrap sandboxes die with the server (`--die-with-parent`), after a restart a liv
 leads to cleaning up what the dead sandbox left and to a lazy rebuild under the same id.
 A session's workspace is purged after `purge_days` without activity.
 
+A sandbox, as the lifecycle API lists it (`sandboxes`), is a session id with per-session
+state here: a machine open under it (running, or suspended: "stopped") or a workspace on
+disk (after a restart, before the lazy rebuild). Deleting a session retires its id
+(`retire`, before its machines close): opening a per-session machine under a retired id is
+refused with `SessionDeleted`, whichever surface asks, so a late request cannot bring back
+an empty sandbox under the deleted session's name.
+
 A session's workspace is an ext4 image of `disk_mb` (see `disk.py`), mounted on the
 session's workspace directory before its first sandbox starts and unmounted when the
 session is closed or the server stops.
@@ -58,6 +65,7 @@ from agentbox.machines.errors import (
     MachineNotFound,
     MachineUnavailable,
     PathEscape,
+    SessionDeleted,
 )
 from agentbox.machines.kinds import KINDS, Build, Kind, memory_mb
 from agentbox.machines.sandbox import SandboxHost, release_orphans
@@ -97,6 +105,10 @@ class MarkerLog(Protocol):
 
     async def live(self) -> list[Any]: ...
 
+    async def retire(self, session_id: str) -> None: ...
+
+    async def retired(self, session_id: str) -> bool: ...
+
 
 @dataclass
 class Entry:
@@ -108,6 +120,22 @@ class Entry:
     """How many lifetimes this instance has had: 1 = created, more = rebuilt."""
     touched: float = float("-inf")
     """When the activity file was last updated (monotonic)."""
+
+
+@dataclass(frozen=True)
+class SandboxState:
+    """What a session id holds here, as the sandbox lifecycle API shows it."""
+
+    session_id: str
+    machines: list[tuple[str, str, str]]
+    """(name, kind, "running" | "stopped") of each per-session machine known under the id."""
+    workspace_bytes: int
+    last_used: float | None
+    """Wall-clock seconds of the last use: a request to a machine, or the activity file."""
+
+    @property
+    def state(self) -> str:
+        return "running" if any(state == "running" for _, _, state in self.machines) else "stopped"
 
 
 class Registry:
@@ -251,6 +279,8 @@ class Registry:
         return self._machine(config, sid, new_id("sbx"))
 
     async def _create(self, config: MachineConfig, session_id: str | None) -> Entry:
+        if session_id is not None and await self.retired(session_id):
+            raise deleted(session_id)
         config = MachineConfig(config.name, config.kind, self.secrets(config), config.level, config.env)
         instance_id, recovered = await self._recovered(session_id, config.name) if session_id else (None, {})
         machine = self._machine(config, session_id, instance_id or new_id("sbx"), recovered)
@@ -411,6 +441,53 @@ class Registry:
 
     # lifecycle --------------------------------------------------------------------------
 
+    async def retire(self, session_id: str) -> None:
+        """Refuse every later open under `session_id` (its session is being deleted)."""
+        if self.markers is not None:
+            await self.markers.retire(checked_session(session_id))
+
+    async def retired(self, session_id: str) -> bool:
+        return self.markers is not None and await self.markers.retired(session_id)
+
+    async def sandboxes(self, after: str | None = None, limit: int | None = None) -> list[SandboxState]:
+        """The sandboxes (see the module docstring) with an id after `after`, in id order."""
+        ids = {sid for _, sid in self._entries if sid is not None} | set(self._workspace_ids())
+        chosen = sorted(sid for sid in ids if after is None or sid > after)[:limit]
+        live = await self.markers.live() if self.markers is not None and chosen else []
+        return [await self._sandbox(sid, [m for m in live if m.session_id == sid]) for sid in chosen]
+
+    async def sandbox(self, session_id: str) -> SandboxState | None:
+        """The sandbox of `session_id`; None if the id holds nothing here."""
+        session_id = checked_session(session_id)
+        held = any(sid == session_id for _, sid in self._entries) or self._has_workspace(session_id)
+        if not held:
+            return None
+        live = await self.markers.live() if self.markers is not None else []
+        return await self._sandbox(session_id, [m for m in live if m.session_id == session_id])
+
+    async def _sandbox(self, session_id: str, markers: list[Any]) -> SandboxState:
+        open_ = [(e.config.name, e.config.kind, "running" if e.state == "running" else "stopped", e)
+                 for (_, sid), e in self._entries.items() if sid == session_id]  # fmt: skip
+        machines = [(name, kind, state) for name, kind, state, _ in open_]
+        machines += [
+            (m.machine, m.kind, "stopped") for m in markers if m.machine not in {n for n, *_ in open_}
+        ]
+        used = [wall_time(e.machine.last_used) for *_, e in open_ if isinstance(e.machine, Lifetime)]
+        with contextlib.suppress(OSError):
+            used.append((self.session_dir(session_id) / ACTIVITY_FILE).stat().st_mtime)
+        size = await asyncio.to_thread(disk.usage, self._workspace(session_id))
+        return SandboxState(session_id, machines, size, max(used, default=None))
+
+    def _workspace_ids(self) -> list[str]:
+        sessions = self.settings.home / "sessions"
+        if not sessions.is_dir():
+            return []
+        return [d.name for d in sessions.iterdir() if is_session_id(d.name) and self._has_workspace(d.name)]
+
+    def _has_workspace(self, session_id: str) -> bool:
+        workspace = self._workspace(session_id)
+        return workspace.is_dir() or disk.image_of(workspace).exists()
+
     def entry(self, session_id: str | None, name: str | None = None) -> Entry | None:
         config = self.config(name)
         sid = checked_session(session_id or DEFAULT_SESSION) if config.per_session else None
@@ -528,6 +605,18 @@ class Registry:
         self._entries.clear()
         for session_id in list(self._attached):
             self._detach(session_id)
+
+
+def deleted(session_id: str) -> SessionDeleted:
+    """The refusal of a retired id, wherever it is asked for."""
+    return SessionDeleted(
+        f"session {session_id} was deleted: its sandbox is gone for good (a new session has a new id)"
+    )
+
+
+def wall_time(monotonic: float) -> float:
+    """The wall-clock time of a `time.monotonic()` reading."""
+    return time.time() - (time.monotonic() - monotonic)
 
 
 def checked_session(session_id: str) -> str:

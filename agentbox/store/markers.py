@@ -5,6 +5,9 @@ state reconnecting needs); closing it appends a clear, so a restarted server nev
 reconnects to a sandbox that is gone. Rows are only ever appended; for each
 (session, machine) the newest row is the truth. `live()` is what the server reads at start.
 
+Deleting a session retires its id (`retire`, the `retired_sessions` table): no machine is
+opened under it again, by any surface, after any restart.
+
 `MarkersRepo` is the store's implementation of the machine registry's `MarkerLog` protocol;
 the registry depends on that protocol, never on this module.
 """
@@ -57,6 +60,17 @@ class MarkersRepo:
             "INSERT INTO machine_markers (session_id, machine, cleared, created_at) VALUES (?, ?, 1, ?)",
             (session_id, machine, timestamp()),
         )
+
+    async def retire(self, session_id: str) -> None:
+        """Record that `session_id` was deleted: nothing may open under it from now on."""
+        await self.db.execute(
+            "INSERT OR IGNORE INTO retired_sessions (session_id, retired_at) VALUES (?, ?)",
+            (session_id, timestamp()),
+        )
+
+    async def retired(self, session_id: str) -> bool:
+        row = await self.db.fetchone("SELECT 1 FROM retired_sessions WHERE session_id = ?", (session_id,))
+        return row is not None
 
     async def latest(self, session_id: str, machine: str) -> Marker | None:
         """The newest marker of `machine` in `session_id`; None if there is none or it was cleared."""

@@ -14,6 +14,9 @@
     ├── machine_not_found     no machine of that name or kind, or a session without one (404)
     ├── machine_denied        the caller's level or the allow-list refuses the machine (403)
     ├── machine_unavailable   the machine could not start or its transport broke (503, retryable)
+    ├── session_deleted       the id names a session that was deleted: its sandbox is gone for good
+    │                         (410 on every route, v1 too: the request itself is refused)
+    ├── method_not_allowed    a known path asked with a method it does not serve (405, `Allow`)
     └── io_error              anything else the OS reports; retryable when transient
 
 The fields are exactly the `data` object of the AIO error envelope; `retry_after` (seconds,
@@ -38,6 +41,7 @@ from agentbox.machines.errors import (
     OwnerUnsupported,
     PathEscape,
     PermissionRequired,
+    SessionDeleted,
 )
 
 #: How the machine errors read in the envelope: (family, error_type, retryable).
@@ -45,6 +49,7 @@ MACHINE_ERRORS: tuple[tuple[type[MachineError], str, bool], ...] = (
     (MachineNotFound, "machine_not_found", False),
     (MachineDenied, "machine_denied", False),
     (MachineUnavailable, "machine_unavailable", True),
+    (SessionDeleted, "session_deleted", False),
 )
 
 ERRNO_TYPES: dict[int, str] = {
