@@ -74,7 +74,8 @@ def test_a_hot_route_that_another_route_would_serve_first_is_refused() -> None:
         ("GET", "/nope", 404, "not_found"),
         ("GET", "/v1/nope", 404, "not_found"),  # a v1 path too: the request, not an operation, fails
         ("POST", "/v2/fs/nope", 404, "not_found"),
-        ("GET", f"{SESSION_PREFIX.format(session_id='ses_x')}/nope", 404, "not_found"),
+        # `/sandboxes/{id}/{action}` is E2B's control plane (agentbox.e2b): agentbox's own are deeper
+        ("GET", f"{SESSION_PREFIX.format(session_id='ses_x')}/v2/nope", 404, "not_found"),
         ("DELETE", "/v2/fs/read", 405, "method_not_allowed"),
         ("PUT", "/v1/sessions", 405, "method_not_allowed"),
     ],
