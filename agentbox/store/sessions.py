@@ -47,7 +47,8 @@ from typing import Any, Literal
 
 from agentbox import ids
 from agentbox.secrets import SecretBox, is_encrypted
-from agentbox.store.db import Database, timestamp
+from agentbox.store.db import Database
+from agentbox.timestamps import timestamp
 
 TurnStatus = Literal["queued", "running", "awaiting_approval", "completed", "failed", "aborted"]
 Outcome = Literal["completed", "failed", "aborted"]

@@ -1,0 +1,68 @@
+"""The API's smaller promises, over a real server, real sandboxes and the scripted model: one
+timestamp format, a session's `updated_at`, the ids on file records and tool results, diffs
+that `git apply` takes in the workspace, a trash the agent cannot see, the ids in a tar."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+import pytest
+
+from agentbox.timestamps import parse_timestamp
+from tests.conftest import Server
+from tests.test_api_sessions import DEADLINE, bash, create, events, frames, post, until_turn_end, write
+
+#: The one format of every time the API writes: RFC 3339, UTC, milliseconds, `Z`.
+RFC3339_MS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+@pytest.fixture
+async def client(server: Server) -> Any:
+    async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as c:
+        yield c
+
+
+def times(value: Any, found: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """Every (key, text) under `value` whose key names a time (`…_at`, `modified_time`)."""
+    found = [] if found is None else found
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if (key.endswith("_at") or key == "modified_time") and isinstance(item, str):
+                found.append((key, item))
+            else:
+                times(item, found)
+    elif isinstance(value, list):
+        for item in value:
+            times(item, found)
+    return found
+
+
+async def test_every_time_the_api_writes_has_one_format(client: httpx.AsyncClient) -> None:
+    script = [bash("echo ok"), {"tool_calls": [write("t.txt", "T\n")]}, {"text": "done"}]
+    sid = await create(client, script, permission_mode="full-ask")
+    await post(client, sid)
+    asked = await frames(client, sid, stop=lambda f: f.event == "approval.requested")
+    approval_id = asked[-1].data["approval_id"] if asked[-1].data else None
+    answer = await client.post(f"/v1/sessions/{sid}/approvals/{approval_id}", json={"decision": "allow"})
+    await until_turn_end(client, sid)
+    [change] = (await client.get(f"/v1/sessions/{sid}/changes")).json()["items"]
+    command = await client.post(f"/sandboxes/{sid}/v2/commands", json={"command": "echo > /workspace/f"})
+    bash_session = await client.post(f"/sandboxes/{sid}/v1/bash/sessions/create", json={})
+    listing = await client.post(f"/sandboxes/{sid}/v1/file/list", json={"path": "/workspace"})
+    bodies = [
+        (await client.get(f"/v1/sessions/{sid}")).json(),
+        (await client.get(f"/v1/sessions/{sid}/approvals")).json(),
+        answer.json(),
+        (await client.get(f"/v1/sessions/{sid}/changes/{change['id']}")).json(),
+        await events(client, sid),
+        command.json(),
+        bash_session.json(),
+        listing.json(),
+    ]
+    found = times(bodies)
+    keys = {key for key, _ in found}
+    assert {"created_at", "updated_at", "resolved_at", "started_at", "last_used_at", "modified_time"} <= keys
+    assert [(k, t) for k, t in found if not RFC3339_MS.fullmatch(t)] == []
+    assert all(parse_timestamp(t).utcoffset() is not None for _, t in found)
