@@ -66,3 +66,18 @@ async def test_every_time_the_api_writes_has_one_format(client: httpx.AsyncClien
     assert {"created_at", "updated_at", "resolved_at", "started_at", "last_used_at", "modified_time"} <= keys
     assert [(k, t) for k, t in found if not RFC3339_MS.fullmatch(t)] == []
     assert all(parse_timestamp(t).utcoffset() is not None for _, t in found)
+
+
+async def test_a_sessions_updated_at_follows_its_last_event(client: httpx.AsyncClient) -> None:
+    sid = await create(client, [{"text": "hello"}])
+    created = (await client.get(f"/v1/sessions/{sid}")).json()
+    await post(client, sid)
+    await until_turn_end(client, sid)
+    after_turn = (await client.get(f"/v1/sessions/{sid}")).json()
+    logged = await events(client, sid)
+    assert logged[-1]["type"] == "turn.completed"
+    assert after_turn["updated_at"] == logged[-1]["created_at"] > created["updated_at"]
+    patched = await client.patch(f"/v1/sessions/{sid}", json={"metadata": {"k": 1}})
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["updated_at"] == (await events(client, sid))[-1]["created_at"]
+    assert patched.json()["updated_at"] > after_turn["updated_at"]

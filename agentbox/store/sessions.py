@@ -24,6 +24,9 @@ place that uses it (the worker, when it builds the provider and the MCP clients)
 `Session.to_dict` (the API, `session.created`) shows `REDACTED` instead.
 
 Records are frozen dataclasses; timestamps stay the store's UTC ISO strings (the wire form).
+A session's `updated_at` is the time of its last event: every event is inserted by
+`insert_event`, which moves it in the same transaction (a message, a tool result, a turn's end,
+an update), so a client sorting sessions by activity needs no second source.
 
 Every way this repository refuses:
 
@@ -385,11 +388,10 @@ class SessionStore:
             if values:
                 assignments = ", ".join(f"{name} = ?" for name in values)
                 conn.execute(
-                    f"UPDATE sessions SET {assignments}, updated_at = ? WHERE id = ?",
-                    (*values.values(), timestamp(), session_id),
+                    f"UPDATE sessions SET {assignments} WHERE id = ?", (*values.values(), session_id)
                 )
-            session = _session_row(conn, session_id)
-            return session, [insert_event(conn, session_id, None, "session.updated", dict(changes))]
+            event = insert_event(conn, session_id, None, "session.updated", dict(changes))
+            return _session_row(conn, session_id), [event]
 
         return await self.db.transaction(write)
 
@@ -721,13 +723,15 @@ def _redact_created_event(conn: sqlite3.Connection, session_id: str) -> None:
 def insert_event(
     conn: sqlite3.Connection, session_id: str, turn_id: str | None, type_: str, data: Mapping[str, Any]
 ) -> Event:
-    """Append one event with the session's next seq (call inside a write transaction)."""
+    """Append one event with the session's next seq and move the session's `updated_at` to its
+    time (call inside a write transaction)."""
     seq = _next(conn, "events", session_id)
     event = Event(ids.new_id(ids.EVENT), session_id, seq, type_, turn_id, dict(data), timestamp())
     conn.execute(
         "INSERT INTO events (id, session_id, seq, type, turn_id, data, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
         (event.id, session_id, seq, type_, turn_id, _json(event.data), event.created_at),
     )
+    conn.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", (event.created_at, session_id))
     return event
 
 
