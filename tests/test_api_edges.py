@@ -81,3 +81,34 @@ async def test_a_sessions_updated_at_follows_its_last_event(client: httpx.AsyncC
     assert patched.status_code == 200, patched.text
     assert patched.json()["updated_at"] == (await events(client, sid))[-1]["created_at"]
     assert patched.json()["updated_at"] > after_turn["updated_at"]
+
+
+async def test_files_name_their_session_turn_and_call(client: httpx.AsyncClient) -> None:
+    up = await client.post("/v1/files", files={"file": ("in.txt", b"three\nlines\nhere\n")})
+    assert up.status_code == 201 and up.json()["session_id"] is None, up.text
+    upload = up.json()["id"]
+    script = [
+        bash("wc -l < /workspace/inputs/in.txt > /workspace/count.txt"),
+        {"tool_calls": [{"name": "deliver_file", "input": {"path": "count.txt"}}]},
+        {"text": "delivered"},
+    ]
+    sid = await create(client, script)
+    await post(client, sid, body={"files": [upload]})
+    streamed = await until_turn_end(client, sid)
+    assert streamed[-1].event == "turn.completed", streamed[-1]
+    uses = [f.data for f in streamed if f.event == "agent.tool_use" and f.data]
+    results = [f.data for f in streamed if f.event == "agent.tool_result" and f.data]
+    deliver = next(u["tool_use_id"] for u in uses if u["name"] == "deliver_file")
+    by_call = {r["tool_use_id"]: r for r in results}
+    assert by_call[uses[0]["tool_use_id"]]["files"] == []
+    [delivered] = by_call[deliver]["files"]
+    assert delivered["filename"] == "count.txt" and delivered["bytes"] == len(b"3\n")
+    record = (await client.get(f"/v1/files/{delivered['id']}")).json()
+    assert record["tool_use_id"] == deliver and record["session_id"] == sid and record["source"] == "delivery"
+    assert streamed[-1].data is not None and record["turn_id"] == streamed[-1].data["turn_id"]
+    assert (await client.get(f"/v1/files/{upload}")).json()["session_id"] == sid
+    listed = (await client.get("/v1/files", params={"session_id": sid})).json()["items"]
+    assert {f["id"] for f in listed} == {upload, delivered["id"]}
+    other = await create(client, [{"text": "never"}])
+    refused = await post(client, other, body={"files": [upload]})
+    assert refused.status_code == 400, refused.text  # the upload is the first session's now

@@ -440,6 +440,7 @@ class SessionStore:
                         raise IdempotencyConflict(idempotency_key, turn.id)
                     return Submission(turn, [])
             named = _resolve_files(conn, session_id, file_ids)
+            _claim_files(conn, session_id, file_ids)
             turn_id, now = ids.new_id(ids.TURN), timestamp()
             seq = _next(conn, "turns", session_id)
             conn.execute(
@@ -615,15 +616,19 @@ class SessionStore:
         text: str,
         is_error: bool,
         events: Sequence[NewEvent] = (),
+        files: Sequence[Mapping[str, Any]] = (),
     ) -> list[Event]:
         """Record a tool call's result with `agent.tool_result` (and `events` after it).
 
+        `files`: what the call delivered (`id`, `filename`, `bytes` each), the event's `files`.
         First write wins: if the call already has a result, nothing is written and [] returned.
         """
 
         def write(conn: sqlite3.Connection) -> list[Event]:
             turn = open_turn(conn, turn_id)
-            return _record_result(conn, turn.session_id, turn_id, tool_use_id, name, text, is_error, events)
+            return _record_result(
+                conn, turn.session_id, turn_id, tool_use_id, name, text, is_error, events, files
+            )
 
         return await self.db.transaction(write)
 
@@ -780,6 +785,7 @@ def _record_result(
     text: str,
     is_error: bool,
     events: Sequence[NewEvent] = (),
+    files: Sequence[Mapping[str, Any]] = (),
 ) -> list[Event]:
     exists = conn.execute(
         "SELECT 1 FROM messages WHERE session_id = ? AND tool_use_id = ? AND role = 'tool'",
@@ -791,7 +797,8 @@ def _record_result(
     insert_message(conn, session_id, turn_id, "tool", content, tool_use_id=tool_use_id)
     result = insert_event(
         conn, session_id, turn_id, "agent.tool_result",
-        {"tool_use_id": tool_use_id, "content": [{"type": "text", "text": text}], "is_error": is_error},
+        {"tool_use_id": tool_use_id, "content": [{"type": "text", "text": text}], "is_error": is_error,
+         "files": [dict(f) for f in files]},
     )  # fmt: skip
     return [result, *(insert_event(conn, session_id, turn_id, e.type, e.data) for e in events)]
 
@@ -831,6 +838,15 @@ def _resolve_files(
     if unknown:
         raise UnknownFiles(unknown)
     return named
+
+
+def _claim_files(conn: sqlite3.Connection, session_id: str, file_ids: Sequence[str]) -> None:
+    """Make the uploads a message names (those of no session yet) the session's: they are listed
+    under it (`GET /v1/files?session_id=`), and another session can no longer name them."""
+    conn.executemany(
+        "UPDATE files SET session_id = ? WHERE id = ? AND session_id IS NULL",
+        [(session_id, file_id) for file_id in file_ids],
+    )
 
 
 def open_turn(conn: sqlite3.Connection, turn_id: str) -> Turn:
