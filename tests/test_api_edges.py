@@ -4,13 +4,18 @@ that `git apply` takes in the workspace, a trash the agent cannot see, the ids i
 
 from __future__ import annotations
 
+import io
 import re
+import subprocess
+import tarfile
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from agentbox.timestamps import parse_timestamp
+from agentbox.tools.changes import diff_name, unified_diff
 from tests.conftest import Server
 from tests.test_api_sessions import DEADLINE, bash, create, events, frames, post, until_turn_end, write
 
@@ -112,3 +117,47 @@ async def test_files_name_their_session_turn_and_call(client: httpx.AsyncClient)
     other = await create(client, [{"text": "never"}])
     refused = await post(client, other, body={"files": [upload]})
     assert refused.status_code == 400, refused.text  # the upload is the first session's now
+
+
+async def test_a_change_sets_diffs_apply_with_git_in_a_copy_of_the_workspace(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    edit = {"path": "notes.md", "mode": "replace", "oldText": "two", "newText": "TWO"}
+    script = [
+        {"tool_calls": [{"name": "read_file", "input": {"path": "notes.md"}}]},
+        {"tool_calls": [{"name": "edit_file", "input": edit}, write("docs/new.md", "fresh\n")]},
+        {"text": "ok"},
+    ]
+    sid = await create(client, script, permission_mode="workspace-write")
+    files = f"/sandboxes/{sid}/v1/file"
+    for path, content in (("/workspace/notes.md", "one\ntwo\nthree\n"), ("/workspace/docs/keep", "")):
+        assert (await client.post(f"{files}/write", json={"file": path, "content": content})).json()[
+            "success"
+        ]
+    await post(client, sid)
+    await until_turn_end(client, sid)
+    [listed] = (await client.get(f"/v1/sessions/{sid}/changes")).json()["items"]
+    detail = (await client.get(f"/v1/sessions/{sid}/changes/{listed['id']}")).json()
+    diffs = [op["diff"] for op in detail["operations"]]
+    assert [d.splitlines()[1] for d in diffs] == ["+++ b/notes.md", "+++ b/docs/new.md"]
+    tree = await client.get(f"/sandboxes/{sid}/v2/fs/tree", params={"path": "/workspace"})
+    assert tree.status_code == 200, tree.text
+    copy = tmp_path / "copy"
+    with tarfile.open(fileobj=io.BytesIO(tree.content)) as tar:
+        tar.extractall(copy, filter="data")
+    patch = tmp_path / "changes.diff"
+    patch.write_text("".join(diffs))
+    for check in (["--check"], []):
+        done = subprocess.run(["git", "apply", *check, str(patch)], cwd=copy, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    assert (copy / "notes.md").read_text() == "one\nTWO\nthree\n"
+    assert (copy / "docs" / "new.md").read_text() == "fresh\n" and not (copy / "workspace").exists()
+
+
+def test_a_diff_names_files_outside_the_root_absolutely() -> None:
+    assert diff_name("/workspace", "/workspace/a/b.md") == "a/b.md"
+    assert diff_name("/workspace", "/etc/hosts") == "/etc/hosts"
+    assert diff_name("/workspace", "/workspace2/x") == "/workspace2/x"
+    assert diff_name("/", "/srv/x") == "/srv/x"
+    lines = unified_diff(diff_name("/workspace", "/etc/hosts"), "a\n", "b\n").splitlines()
+    assert lines[:2] == ["--- a/etc/hosts", "+++ b/etc/hosts"]

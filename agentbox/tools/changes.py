@@ -64,7 +64,7 @@ from agentbox.tools.base import Operation
 from agentbox.tools.fingerprint import ABSENT, fingerprint
 from agentbox.workspace.editor import MAX_EDIT_BYTES
 from agentbox.workspace.errors import WorkspaceError, translate
-from agentbox.workspace.fileops import file_ops
+from agentbox.workspace.fileops import below, file_ops
 
 #: The trash folder, directly under the machine's root.
 TRASH_DIR = ".agentbox-trash"
@@ -376,15 +376,25 @@ async def _remove_empty_dirs(machine: GovernedMachine, folder: str) -> None:
 # ---------------------------------------------------------------- review records
 
 
-def unified_diff(path: str, before: str | None, after: str | None) -> str:
-    """A unified diff from `before` (None: no file) to `after`, marking a missing final newline."""
+def diff_name(root: str, inside: str) -> str:
+    """How a diff names `inside`: relative to the machine's root when within it (`notes.md`, so
+    `git apply` run in the workspace changes that file), else absolute (`/etc/hosts`)."""
+    if below(root, inside) and root.rstrip("/"):
+        return inside[len(root.rstrip("/")) + 1 :]
+    return inside
+
+
+def unified_diff(name: str, before: str | None, after: str | None) -> str:
+    """A unified diff of the file `name` (`diff_name`) from `before` (None: no file) to `after`,
+    with git's `a/` and `b/` prefixes, marking a missing final newline."""
     old = (before or "").splitlines(keepends=True)
     new = (after or "").splitlines(keepends=True)
+    name = name.lstrip("/")  # an absolute name keeps its one slash after the prefix: `a/etc/hosts`
     lines = difflib.unified_diff(
         old,
         new,
-        fromfile="/dev/null" if before is None else f"a{path}",
-        tofile=f"b{path}",
+        fromfile="/dev/null" if before is None else f"a/{name}",
+        tofile=f"b/{name}",
         n=DIFF_CONTEXT_LINES,
     )
     out = []
@@ -447,7 +457,11 @@ async def review(
             warnings.append(
                 f"operation {earlier.id} also changes {inside}: applying one may make the other stale"
             )
-    diff = unified_diff(inside, op.before, op.after) if op.kind in ("write", "edit") else ""
+    diff = (
+        unified_diff(diff_name(machine.root, inside), op.before, op.after)
+        if op.kind in ("write", "edit")
+        else ""
+    )
     return PlannedOperation(
         tool=tool,
         kind=op.kind,
