@@ -161,3 +161,23 @@ def test_a_diff_names_files_outside_the_root_absolutely() -> None:
     assert diff_name("/", "/srv/x") == "/srv/x"
     lines = unified_diff(diff_name("/workspace", "/etc/hosts"), "a\n", "b\n").splitlines()
     assert lines[:2] == ["--- a/etc/hosts", "+++ b/etc/hosts"]
+
+
+async def test_a_trees_owners_are_the_ids_seen_inside_the_machine(client: httpx.AsyncClient) -> None:
+    sid = "edges-tree-owners"
+    made = "mkdir -p /workspace/t/sub && echo x > /workspace/t/sub/f && ln -s sub/f /workspace/t/link"
+    run = await client.post(f"/sandboxes/{sid}/v2/commands", json={"command": made})
+    assert run.status_code == 200 and run.json()["data"]["exit_code"] == 0, run.text
+    seen = await client.post(
+        f"/sandboxes/{sid}/v2/commands",
+        json={"command": "cd /workspace/t && stat -c '%n %u %g' sub sub/f link"},
+    )
+    inside = {
+        name: (int(uid), int(gid))
+        for name, uid, gid in (line.split() for line in seen.json()["data"]["stdout"].splitlines())
+    }
+    tree = await client.get(f"/sandboxes/{sid}/v2/fs/tree", params={"path": "/workspace/t"})
+    assert tree.status_code == 200, tree.text
+    with tarfile.open(fileobj=io.BytesIO(tree.content)) as tar:
+        owners = {m.name: (m.uid, m.gid) for m in tar.getmembers()}
+    assert owners == inside and set(inside.values()) == {(0, 0)}

@@ -72,7 +72,7 @@ from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
 from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
 from agentbox.machines.errors import ImageError, MachineUnavailable
-from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.hostfs import HostFiles, Owner
 from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
 from agentbox.machines.shared_run import SharedRun
@@ -83,6 +83,9 @@ START_TIMEOUT = 20.0
 #: Host uid/gid sandbox processes run as when the server is root.
 DEFAULT_SANDBOX_UID = 64999
 SANDBOX_HOME = "/root"
+#: The id a sandbox's processes see for any host id its user namespace does not map (the
+#: kernel's overflow uid and gid): every owner but the sandbox's own host uid and gid.
+OVERFLOW_ID = 65534
 #: Directories that live only as long as a sandbox, as size-limited tmpfs (charged to the memory
 #: cgroup of whoever writes): never on the host disk, never reachable by another host user. A
 #: root server mounts them itself under its root-only runtime directory (in the host's user
@@ -460,6 +463,10 @@ class SandboxMachine(HostFiles):
         self._joins: list[asyncio.Future[None]] = []
         self._stops = SharedRun(self._stop)
         self._buffer = b""
+
+    def inside_ids(self, uid: int, gid: int) -> Owner:
+        """The namespace maps the sandbox's host uid and gid to root (0) and nothing else."""
+        return (0 if uid == self.host.uid else OVERFLOW_ID), (0 if gid == self.host.gid else OVERFLOW_ID)
 
     def _view(self) -> HostView:
         """The server's view of this sandbox's files.
