@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentbox.machines.base import TRASH_DIR
 from agentbox.timestamps import parse_timestamp
 from agentbox.tools.changes import diff_name, unified_diff
 from tests.conftest import Server
@@ -181,3 +182,41 @@ async def test_a_trees_owners_are_the_ids_seen_inside_the_machine(client: httpx.
     with tarfile.open(fileobj=io.BytesIO(tree.content)) as tar:
         owners = {m.name: (m.uid, m.gid) for m in tar.getmembers()}
     assert owners == inside and set(inside.values()) == {(0, 0)}
+
+
+def call(name: str, **arguments: Any) -> dict[str, Any]:
+    return {"tool_calls": [{"name": name, "input": arguments}]}
+
+
+async def test_the_trash_is_out_of_the_agents_reach(client: httpx.AsyncClient) -> None:
+    """On a sandbox (full-auto by default) the agent deletes a file; nothing it has then finds
+    the trash or changes what is in it (the move back out, a restore, is in
+    tests/test_tools_governance.py's sandbox test)."""
+    trash = f"/workspace/{TRASH_DIR}"
+    script = [
+        call("edit_file", path="gone.txt", mode="delete"),
+        call("list", path="."),
+        call("glob", pattern=f"{TRASH_DIR}/**"),
+        call("grep", pattern="precious", path="."),
+        call("list", path=TRASH_DIR),
+        call("edit_file", path=TRASH_DIR, mode="delete"),
+        call("write_file", path=f"{TRASH_DIR}/planted.txt", content="x"),
+        call("bash", command=f"ls -A {trash} | wc -l; rm -rf {trash}; ls -d {trash}"),
+        {"text": "done"},
+    ]
+    sid = await create(client, script)
+    write = await client.post(
+        f"/sandboxes/{sid}/v1/file/write", json={"file": "/workspace/gone.txt", "content": "precious\n"}
+    )
+    assert write.json()["success"], write.text
+    await post(client, sid)
+    streamed = await until_turn_end(client, sid)
+    assert streamed[-1].event == "turn.completed", streamed[-1]
+    texts = [f.data["content"][0]["text"] for f in streamed if f.event == "agent.tool_result" and f.data]
+    deleted, listed, globbed, grepped, looked, removed, planted, shell = texts
+    trashed = re.search(rf"{re.escape(trash)}/\S+/gone\.txt", deleted)
+    assert trashed is not None, deleted
+    assert TRASH_DIR not in listed and "gone.txt" not in listed, listed
+    assert "gone.txt" not in globbed and "precious" not in grepped, (globbed, grepped)
+    assert "in the trash" in looked and "trash" in removed and "in the trash" in planted, (looked, removed)
+    assert "<stdout>\n0\n" in shell and f"\n{trash}\n" in shell, shell  # empty, and not removable
