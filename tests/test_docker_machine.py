@@ -17,7 +17,7 @@ import pytest
 from conftest import SANDBOX_DEADLINE, Dockerd, DockerFactory
 
 from agentbox.ids import SANDBOX, new_id
-from agentbox.machines.base import ExecRequest, ExecResult, Machine
+from agentbox.machines.base import TRASH_DIR, ExecRequest, ExecResult, Machine
 from agentbox.machines.docker import (
     AGENT_SOCKET,
     CONTAINER_HOME,
@@ -136,7 +136,10 @@ async def test_files_through_the_machine_and_through_commands(make_docker: Docke
     assert await m.read("sub/in.txt") == b"inside\n"
     assert await m.read("/tmp/t.txt") == b"t\n"  # the container's own tmpfs, handed over by the agent
     names = sorted(e.name for e in await m.list("/workspace"))
-    assert names == ["from-server.txt", "sub"]
+    assert names == [TRASH_DIR, "from-server.txt", "sub"]  # the trash's mount point (empty inside)
+    (m.workspace / TRASH_DIR / "trashed.txt").write_text("out of reach")  # as a delete leaves it
+    covered = await sh(m, f"ls -A /workspace/{TRASH_DIR}; rm -rf /workspace/{TRASH_DIR}; echo rc=$?")
+    assert covered.stdout == b"rc=1\n" and (m.workspace / TRASH_DIR / "trashed.txt").exists()
     await m.write(f"{CONTAINER_HOME}/.profile", b"export X=1\n")
     assert (await sh(m, "cat ~/.profile")).stdout == b"export X=1\n"
     assert b"Debian" in await m.read("/etc/os-release")  # the image's, as the container sees it

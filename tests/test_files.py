@@ -19,6 +19,7 @@ import pytest
 
 from agentbox.machines.hostview import HostView, Mount
 from agentbox.machines.local import LocalMachine
+from agentbox.timestamps import epoch_timestamp
 from agentbox.workspace import files
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.files import RangeNotSatisfiable
@@ -450,7 +451,9 @@ def test_glob_files_records_and_sorting(box: Box) -> None:
     scaffold(box.host["t"])
     result = files.glob_files(box, "/tmp", "**/*", sort_by="size", sort_desc=True)
     mtime = (box.host["t"] / "big.bin").stat().st_mtime
-    assert result.files[0] == files.GlobEntry("/tmp/big.bin", "big.bin", False, 10_000, files.iso_time(mtime))
+    assert result.files[0] == files.GlobEntry(
+        "/tmp/big.bin", "big.bin", False, 10_000, epoch_timestamp(mtime)
+    )
     assert result.total_count == 4 and not any(f.is_directory for f in result.files)
     names = files.glob_files(box, "/tmp", "**/*", sort_by="name", include_metadata=False)
     assert [f.name for f in names.files] == ["README.md", "app.py", "big.bin", "mod.py"]

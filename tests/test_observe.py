@@ -12,10 +12,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import websockets.sync.client as ws_client
 from conftest import Server, start_server, stop_server, traversable
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.routing import WebSocketRoute
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocket
+from websockets.exceptions import InvalidStatus
 
-from agentbox.api.observe import MAX_REQUEST_ID
+from agentbox.api.observe import MAX_REQUEST_ID, WEBSOCKET_ACCEPTED, Finished, RequestIdMiddleware
 
 KEY = "observe-test-key"
 SECRET = "s3cr3t-never-logged"
@@ -202,3 +208,62 @@ def test_serve_refuses_an_unknown_log_format(tmp_path: Path) -> None:
         timeout=DEADLINE,
     )
     assert done.returncode == 2 and "log format must be one of text, json" in done.stderr
+
+
+def wait_turns(client: httpx.Client, outcome: str, count: float) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while value(samples(client), "agentbox_turns_total", outcome=outcome) < count:
+        assert time.monotonic() < deadline, f"no {outcome} turn was counted"
+        time.sleep(0.05)
+
+
+def test_model_calls_and_tokens_are_counted_by_provider_and_outcome(client: httpx.Client) -> None:
+    before = samples(client)
+    script = [{"error": "overloaded"}, {"text": "Done.", "usage": {"input_tokens": 7, "output_tokens": 5}}]
+    created = client.post("/v1/sessions", json={"model": "scripted", "script": script})
+    assert created.status_code == 201, created.text
+    posted = client.post(f"/v1/sessions/{created.json()['id']}/messages", json={"content": "go"})
+    assert posted.status_code == 202, posted.text
+    wait_turns(client, "completed", value(before, "agentbox_turns_total", outcome="completed") + 1)
+    after = samples(client)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("agentbox_model_calls_total", provider="scripted", outcome="ok") == 1
+    assert moved("agentbox_model_calls_total", provider="scripted", outcome="model_unavailable") == 1
+    assert moved("agentbox_model_tokens_total", direction="input") == 7
+    assert moved("agentbox_model_tokens_total", direction="output") == 5
+
+
+def test_a_websocket_gets_a_request_id_and_an_access_line(server: Server, client: httpx.Client) -> None:
+    assert server.log is not None and server.api_key is not None
+    url = server.url.replace("http://", "ws://") + "/v1/nowhere?token=" + SECRET
+    headers = {"X-Request-ID": "ws-refused", "X-AIO-API-Key": server.api_key}
+    with pytest.raises(InvalidStatus) as refused:
+        ws_client.connect(url, additional_headers=headers, open_timeout=DEADLINE).close()
+    assert refused.value.response.status_code == 403
+    line = wait_for_line(server.log, "ws-refused")
+    assert (line["method"], line["status"]) == ("WS", 403)
+    assert line["path"] == "/v1/nowhere?token=[redacted]"
+    assert (
+        value(samples(client), "agentbox_http_requests_total", method="WS", route="unmatched", status="403")
+        >= 1
+    )
+
+
+def test_an_accepted_websocket_carries_its_id_and_is_reported_when_it_ends() -> None:
+    """The middleware over a real Starlette app with a WebSocket route (agentbox serves none yet)."""
+
+    async def echo(socket: WebSocket) -> None:
+        await socket.accept()
+        await socket.send_text(await socket.receive_text())
+        await socket.close()
+
+    finished: list[Finished] = []
+    app = RequestIdMiddleware(Starlette(routes=[WebSocketRoute("/echo", echo)]), on_finished=finished.append)
+    with TestClient(app) as test, test.websocket_connect("/echo", headers={"X-Request-ID": "ws-1"}) as socket:
+        socket.send_text("hi")
+        assert socket.receive_text() == "hi"
+        assert (b"x-request-id", b"ws-1") in (socket.extra_headers or [])
+    assert [(f.method, f.route, f.status) for f in finished] == [("WS", "/echo", WEBSOCKET_ACCEPTED)]

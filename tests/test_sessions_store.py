@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentbox.agent.events import MAX_PENDING_DELTAS, Delta, EventBus
-from agentbox.store.db import Database, timestamp
+from agentbox.store.db import Database
 from agentbox.store.files import FileStore
 from agentbox.store.sessions import (
     MAX_EVENTS_PAGE,
@@ -22,6 +22,7 @@ from agentbox.store.sessions import (
     UnknownFiles,
     UnsupportedUpdate,
 )
+from agentbox.timestamps import timestamp
 
 DEADLINE = 20.0
 

@@ -26,11 +26,10 @@ from agentbox.store.db import (
     MigrationError,
     SchemaTooNew,
     load_migrations,
-    parse_timestamp,
     split_statements,
-    timestamp,
 )
 from agentbox.store.markers import Marker, MarkersRepo
+from agentbox.timestamps import epoch_timestamp, parse_timestamp, timestamp
 
 
 @pytest.fixture
@@ -351,6 +350,7 @@ def test_timestamps_are_utc_text_that_sorts() -> None:
     assert text == "2024-05-01T12:30:45.123Z"
     assert parse_timestamp(text) == moment.replace(microsecond=123000)
     assert timestamp(datetime(2024, 5, 1, 9, 0, tzinfo=UTC)) < text
+    assert epoch_timestamp(moment.timestamp()) == text
 
 
 # ---------------------------------------------------------------- markers

@@ -43,6 +43,7 @@ class Ctx:
     reads: dict[str, str] = field(default_factory=dict)
     todos: TodoStore = field(default_factory=MemoryTodos)
     deliveries: int = 0
+    tool_use_id: str | None = "toolu_deliver"
     services: Any = None  # no machine services: tools make what they need
     refusal: str | None = None
     asked: list[tuple[Action, str, dict[str, Any]]] = field(default_factory=list)

@@ -21,7 +21,7 @@ import pytest
 from fpdf import FPDF
 from pydantic import ValidationError
 
-from agentbox.machines.base import ExecRequest
+from agentbox.machines.base import TRASH_DIR, ExecRequest
 from agentbox.machines.local import LocalMachine
 from agentbox.tools import knowledge as kn
 from agentbox.tools.base import Action, FileStore, Operation, TodoStore, ToolConfig, ToolResult
@@ -754,7 +754,8 @@ async def test_search_in_a_real_sandbox(make_sandbox: Any) -> None:
     db = index_path(sandbox)
     assert db == sandbox.workspace.parent / "knowledge.sqlite" and db.is_file()
     listing = await sandbox.exec(ExecRequest(command="ls -A /workspace"))
-    assert listing.stdout.decode().split() == ["notes"]  # the index is not in the model's files
+    # the index is not in the model's files (the trash's empty cover is all it sees of the server's)
+    assert listing.stdout.decode().split() == [TRASH_DIR, "notes"]
 
     await sandbox.exec(ExecRequest(command="printf 'rocket fuel\\n' > /workspace/notes/fuel.txt"))
 

@@ -267,6 +267,7 @@ class TurnLoop:
     async def record_result(self, call: ToolCall, result: ToolResult) -> None:
         await self.publish(self.store.add_tool_result(
             self.turn.id, call.id, call.name, result.as_text(), result.is_error, side_events(result),
+            delivered_files(result),
         ))  # fmt: skip
 
     async def publish(self, write: Awaitable[list[Event]]) -> list[Event]:
@@ -300,12 +301,21 @@ def side_events(result: ToolResult) -> list[NewEvent]:
             "change_set_id": result.data["change_set_id"],
             "operations": result.data.get("operations", []),
         }))  # fmt: skip
-    for record in result.data.get("files") or []:
-        if isinstance(record, dict) and {"id", "filename", "bytes"} <= record.keys():
-            events.append(NewEvent("file.delivered", {
-                "file_id": record["id"], "filename": record["filename"], "bytes": record["bytes"],
-            }))  # fmt: skip
+    for record in delivered_files(result):
+        events.append(NewEvent("file.delivered", {
+            "file_id": record["id"], "filename": record["filename"], "bytes": record["bytes"],
+        }))  # fmt: skip
     return events
+
+
+def delivered_files(result: ToolResult) -> list[dict[str, Any]]:
+    """The files a call delivered (`id`, `filename`, `bytes`), as `deliver_file` lists them in
+    its data: the `files` of its `agent.tool_result` (seed 000); [] for every other tool."""
+    return [
+        {"id": r["id"], "filename": r["filename"], "bytes": r["bytes"]}
+        for r in result.data.get("files") or []
+        if isinstance(r, dict) and {"id", "filename", "bytes"} <= r.keys()
+    ]
 
 
 def conversation_rows(transcript: Sequence[Message]) -> list[tuple[Message, ChatMessage]]:

@@ -152,6 +152,51 @@ class Model(Protocol):
         ...
 
 
+#: `ModelCall.outcome` of a call that returned a reply; a failed one has its `error_type`.
+CALL_OK = "ok"
+#: `ModelCall.outcome` of a call cancelled before it answered (an aborted turn).
+CALL_CANCELLED = "cancelled"
+#: `ModelCall.outcome` of a call that raised something other than a `ModelError` (a bug).
+CALL_CRASHED = "internal_error"
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One model call as it ended, for the metrics (`agentbox_model_calls_total` and tokens)."""
+
+    provider: str
+    """The model name's provider part: `anthropic` of `anthropic:claude-x`; `scripted`."""
+    outcome: str
+    """`CALL_OK`, `CALL_CANCELLED`, `CALL_CRASHED`, or the `ModelError`'s `error_type`."""
+    usage: Usage = field(default_factory=Usage)
+    """What the reply reports (zero for a call without a reply)."""
+
+
+class ReportingModel:
+    """A `Model` that tells `report` how each of its calls ended; every model a turn, its
+    compaction or a subagent calls is wrapped in one (`Worker`), so each attempt is seen once."""
+
+    def __init__(self, model: Model, provider: str, report: Callable[[ModelCall], None]) -> None:
+        self.model, self.provider, self.report = model, provider, report
+        self.name = model.name
+
+    async def query(self, request: ModelRequest) -> Reply:
+        provider = self.provider
+        try:
+            reply = await self.model.query(request)
+        except ModelError as exc:
+            self.report(ModelCall(provider, exc.error_type))
+            raise
+        except asyncio.CancelledError:
+            self.report(ModelCall(provider, CALL_CANCELLED))
+            raise
+        except Exception:
+            self.report(ModelCall(provider, CALL_CRASHED))
+            raise
+        self.report(ModelCall(provider, CALL_OK, reply.usage))
+        return reply
+
+
 class ScriptedModel:
     """Replies from a fixed list of steps (see the module docstring)."""
 

@@ -293,4 +293,4 @@ class ChildRun:
         if problem is not None:
             return ToolResult.error(problem)
         with calling(call.id):
-            return await self.tools.call(call.name, call.input)
+            return await self.tools.call(call.name, call.input, tool_use_id=call.id)

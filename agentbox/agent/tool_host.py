@@ -53,4 +53,4 @@ class SessionToolHost:
         self.tools.machine = services.machine if services is not None else None
         self.tools.services = services
         with calling(call.id):
-            return await self.tools.call(call.name, call.input, preapproved=preapproved)
+            return await self.tools.call(call.name, call.input, preapproved=preapproved, tool_use_id=call.id)

@@ -51,7 +51,16 @@ from agentbox.agent.inputs import PlacementError, place_inputs
 from agentbox.agent.limits import check_limit_options, model_limits
 from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop, model_error_event
 from agentbox.agent.mcp_tools import McpTools, check_servers
-from agentbox.agent.models import SCRIPTED, Model, ModelError, ScriptedModel, ToolCall, check_script
+from agentbox.agent.models import (
+    SCRIPTED,
+    Model,
+    ModelCall,
+    ModelError,
+    ReportingModel,
+    ScriptedModel,
+    ToolCall,
+    check_script,
+)
 from agentbox.agent.prompt import facts
 from agentbox.agent.providers import check_endpoint, provider_model
 from agentbox.agent.providers.retry import RetryingModel
@@ -158,7 +167,9 @@ class Worker:
         """The machines' services, shared with the HTTP API and MCP (`agentbox.system`)."""
         self._own_services = services is None
         self.approvals, self.changes, self.todos = approvals, changes, todos
-        self.models = models or self._model
+        self._models = models or self._model
+        self.on_model_call: list[Callable[[ModelCall], None]] = []
+        """Told of every model call as it ends: the turn's, its compaction's, subagents' (metrics)."""
         self.config = config or LoopConfig()
         self.baselines = BaselineStore(store.db)
         self._drains: dict[str, asyncio.Task[None]] = {}
@@ -491,6 +502,14 @@ class Worker:
             return self._reach(self._machine_config(session.machine))
         except MachineNotFound:
             return Reach(network=False, allowed=tuple(self.registry.settings.model_endpoints))
+
+    def models(self, session: Session) -> Model:
+        """The session's model, reporting each call to `on_model_call`."""
+        return ReportingModel(self._models(session), session.model.partition(":")[0], self._model_called)
+
+    def _model_called(self, call: ModelCall) -> None:
+        for listener in self.on_model_call:
+            listener(call)
 
     def _model(self, session: Session) -> Model:
         """The default model factory, with the session's reach for its own `base_url`."""

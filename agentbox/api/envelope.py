@@ -30,10 +30,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from datetime import datetime
 from http import HTTPStatus
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData
@@ -41,6 +43,7 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from agentbox.api.observe import current_request, note_error
+from agentbox.timestamps import timestamp
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.files import limit_exceeded
 
@@ -116,6 +119,12 @@ class BodyTooLarge(BodyRefused):
 
 def ok(data: Any = None, message: str = "Operation successful", **extra: Any) -> JSONResponse:
     return JSONResponse({"success": True, "message": message, "data": data, "hint": None, **extra})
+
+
+def wire(value: Any) -> Any:
+    """`value` (dataclasses, models, datetimes) as JSON data, each datetime in the one format of
+    `agentbox.timestamps` (FastAPI's encoder alone would write `.350000+00:00`)."""
+    return jsonable_encoder(value, custom_encoder={datetime: timestamp})
 
 
 def failure(error: WorkspaceError, *, v1: bool = False) -> JSONResponse:

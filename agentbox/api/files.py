@@ -87,8 +87,10 @@ class FileRecord(BaseModel):
     filename: str
     bytes: int
     sha256: str
-    created_at: str = Field(description="UTC, ISO 8601.")
-    session_id: str | None = Field(description="The session it was uploaded for or delivered in.")
+    created_at: str = Field(description="UTC, RFC 3339 with milliseconds: `2026-12-01T15:51:35.350Z`.")
+    session_id: str | None = Field(
+        description="The session it was uploaded for, attached to (by a message) or delivered in."
+    )
     source: str = Field(description="`upload` (given to an agent) or `delivery` (`deliver_file`).")
     turn_id: str | None = Field(None, description="For a delivery: the turn that delivered it.")
     tool_use_id: str | None = Field(None, description="For a delivery: the `deliver_file` call.")

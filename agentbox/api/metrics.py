@@ -11,6 +11,11 @@ process runs several apps). What is counted, and where:
                                                          launched (HTTP, MCP, agent tools alike)
     agentbox_events_published_total{type}                session events the event bus published
     agentbox_turns_total{outcome}                        turns ended: completed, failed, aborted
+    agentbox_model_calls_total{provider,outcome}         model calls ended (each retry is one):
+                                                         outcome `ok`, `cancelled` or the error's
+                                                         `error_type` (`Worker.on_model_call`)
+    agentbox_model_tokens_total{direction}               tokens the replies report, `input` and
+                                                         `output`
     agentbox_live_machines{machine}                      machines running now, read at scrape
                                                          time from the registry
 """
@@ -24,6 +29,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from agentbox.agent.events import Event
+from agentbox.agent.models import ModelCall
 from agentbox.api.observe import Finished
 from agentbox.system import System
 
@@ -80,6 +86,13 @@ class Metrics:
         self.turns = Counter(
             "agentbox_turns", "Turns ended, by outcome.", ["outcome"], registry=self.registry
         )
+        self.model_calls = Counter(
+            "agentbox_model_calls", "Model calls ended, by outcome.", ["provider", "outcome"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.model_tokens = Counter(
+            "agentbox_model_tokens", "Tokens model replies reported.", ["direction"], registry=self.registry
+        )
         self.registry.register(LiveMachines(system))
 
     def finished(self, request: Finished) -> None:
@@ -98,7 +111,13 @@ class Metrics:
             if outcome is not None:
                 self.turns.labels(outcome).inc()
 
+    def model_called(self, call: ModelCall) -> None:
+        self.model_calls.labels(call.provider, call.outcome).inc()
+        self.model_tokens.labels("input").inc(call.usage.input_tokens)
+        self.model_tokens.labels("output").inc(call.usage.output_tokens)
+
     def wire(self, system: System) -> None:
         """Hook the counters into a system that just opened."""
         system.services.on_command.append(self.command_started)
         system.bus.listeners.append(self.published)
+        system.worker.on_model_call.append(self.model_called)

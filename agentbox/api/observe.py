@@ -8,6 +8,11 @@ one access line is logged at info on `agentbox.access`: method, path with secret
 values redacted (`redacted_query`), status, duration in ms and the id. Headers are never
 logged (keys travel in them).
 
+A WebSocket gets the same: an id (the client's `X-Request-ID` when sane), sent back as a header
+of the accept (or of a refusal's HTTP response), and one access line when the connection ends,
+with method `WS`, status 101 for an accepted connection (403 for one closed before it was
+accepted, the status uvicorn sends then) and the connection's whole duration.
+
 A pure ASGI middleware, so streamed responses (SSE, downloads) pass through chunk by chunk:
 it only looks at `http.response.start` and the last body message. It sits outside the guard,
 so refused requests are counted, logged and carry an id too. The per-request state lives in a
@@ -49,6 +54,11 @@ SESSION_PARAM = "session_id"
 SESSION_MOUNT = SESSION_PREFIX.split("{", 1)[0]
 #: Route label of requests that matched no route (so unknown paths cannot grow the metrics).
 UNMATCHED_ROUTE = "unmatched"
+
+#: The method an access line and the metrics give a WebSocket connection.
+WEBSOCKET_METHOD = "WS"
+#: The status of an accepted WebSocket (Switching Protocols), and of one closed before accept.
+WEBSOCKET_ACCEPTED, WEBSOCKET_REFUSED = 101, 403
 
 #: `error_type` counted for a request the application failed with an exception.
 INTERNAL_ERROR = "internal_error"
@@ -126,6 +136,11 @@ def route_template(scope: Scope) -> str:
     return path
 
 
+def given_request_id(scope: Scope) -> str | None:
+    """The `X-Request-ID` the client sent, if any."""
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
+
+
 @dataclass(frozen=True)
 class Finished:
     """One served request, as the access log and the metrics see it."""
@@ -145,12 +160,14 @@ class RequestIdMiddleware:
         self.on_finished = on_finished
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         began = time.perf_counter()
-        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
-        state = RequestState(accepted_request_id(given))
+        state = RequestState(accepted_request_id(given_request_id(scope)))
         token = _current.set(state)
         status = 500  # what the client sees if the app fails before starting a response
         started = reported = False
@@ -197,8 +214,34 @@ class RequestIdMiddleware:
             _current.reset(token)
             report()
 
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket connection: its id in the accept's (or refusal's) headers, and one access
+        line when it ends, however it ends."""
+        began = time.perf_counter()
+        state = RequestState(accepted_request_id(given_request_id(scope)))
+        token = _current.set(state)
+        status = WEBSOCKET_REFUSED
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] in ("websocket.accept", "websocket.http.response.start"):
+                status = message.get("status", WEBSOCKET_ACCEPTED)
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", state.request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("unhandled error serving websocket %s", scope.get("path"))
+            state.error_type = state.error_type or INTERNAL_ERROR
+            raise
+        finally:
+            _current.reset(token)
+            self._finished(scope, state, status, time.perf_counter() - began)
+
     def _finished(self, scope: Scope, state: RequestState, status: int, seconds: float) -> None:
-        method = scope.get("method", "")
+        method = scope.get("method", WEBSOCKET_METHOD if scope["type"] == "websocket" else "")
         query = redacted_query(scope.get("query_string", b"").decode("latin-1"))
         path = scope.get("path", "") + (f"?{query}" if query else "")
         ms = round(seconds * 1000, 2)

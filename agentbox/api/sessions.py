@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentbox.agent.events import Delta
 from agentbox.agent.models import SCRIPTED, ModelError
 from agentbox.agent.worker import NO_MACHINE
-from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error
+from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error, wire
 from agentbox.machines.errors import MachineNotFound
 from agentbox.store.approvals import ApprovalNotFound, ApprovalNotPending
 from agentbox.store.changes import (
@@ -495,7 +494,7 @@ async def list_approvals(
     await p.store.get_session(session_id)
     repo = p.approvals.repo
     rows = await (repo.pending(session_id) if status == "pending" else repo.of_session(session_id))
-    return {"items": jsonable_encoder(rows)}
+    return {"items": wire(rows)}
 
 
 @router.post("/{session_id}/approvals/{approval_id}", openapi_extra=json_body(Answer))
@@ -507,7 +506,7 @@ async def answer_approval(request: Request, session_id: str, approval_id: str) -
     if approval.session_id != session_id:
         raise NotInSession(f"no approval {approval_id} in session {session_id}")
     answered = await p.approvals.resolve(approval_id, body.decision, body.scope, body.message)
-    return jsonable_encoder(answered)
+    return wire(answered)
 
 
 # ---------------------------------------------------------------- change sets
@@ -599,8 +598,8 @@ _HIDDEN: tuple[str, ...] = ("before", "after", "expect")
 def change_set_view(change_set: ChangeSet, *, diffs: bool) -> dict[str, Any]:
     hidden = _HIDDEN if diffs else (*_HIDDEN, "diff")
     operations: list[Mapping[str, Any]] = [
-        {k: v for k, v in jsonable_encoder(op).items() if k not in hidden} for op in change_set.operations
+        {k: v for k, v in wire(op).items() if k not in hidden} for op in change_set.operations
     ]
-    data = jsonable_encoder(change_set)
+    data = wire(change_set)
     data["operations"] = operations
     return cast(dict[str, Any], data)

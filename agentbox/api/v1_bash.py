@@ -24,7 +24,6 @@ Choices where upstream is silent:
 from __future__ import annotations
 
 import errno
-from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -34,6 +33,7 @@ from pydantic import BaseModel
 from agentbox.api.envelope import json_body, ok, parse_body
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
 from agentbox.machines.base import Machine
+from agentbox.timestamps import timestamp
 from agentbox.workspace.commands import (
     BASH_STATUS,
     KILL_SIGNALS,
@@ -118,10 +118,6 @@ def check_wait(seconds: float | None, name: str) -> None:
         )
 
 
-def iso(moment: datetime) -> str:
-    return moment.isoformat()
-
-
 # ---------------------------------------------------------------- bodies
 
 
@@ -192,8 +188,8 @@ def session_info(session: ShellSession) -> dict[str, Any]:
         "session_id": session.session_id,
         "status": session.status,
         "working_dir": session.working_dir,
-        "created_at": iso(session.created_at),
-        "last_used_at": iso(session.last_used_at),
+        "created_at": timestamp(session.created_at),
+        "last_used_at": timestamp(session.last_used_at),
         "current_command": session.current_command,
         "command_count": session.command_count,
     }

@@ -36,10 +36,10 @@ from agentbox.api.v1_bash import (
     SYNC_WAIT_CAP,
     check_wait,
     directory,
-    iso,
     middle_truncate,
     session_for,
 )
+from agentbox.timestamps import timestamp
 from agentbox.workspace.commands import MAX_SESSIONS, SHELL_STATUS, Command, ShellSession
 from agentbox.workspace.errors import WorkspaceError, bad_request
 
@@ -137,8 +137,8 @@ def command_result(session_id: str, cmd: Command, status: str, truncate: bool) -
 def session_info(session: ShellSession) -> dict[str, Any]:
     return {
         "working_dir": session.working_dir,
-        "created_at": iso(session.created_at),
-        "last_used_at": iso(session.last_used_at),
+        "created_at": timestamp(session.created_at),
+        "last_used_at": timestamp(session.last_used_at),
         "age_seconds": session.age_seconds,
         "status": "busy" if session.current_command_id else session.status,
         "current_command": session.current_command.removeprefix(JOIN_STDERR)

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from agentbox.api.envelope import json_body, ok, parse_body
 from agentbox.api.sandboxes import CurrentSandbox
+from agentbox.timestamps import timestamp
 from agentbox.workspace.commands import (
     DEFAULT_TIMEOUT_SECONDS,
     DRAIN_GRACE_SECONDS,
@@ -65,8 +66,8 @@ def summary(cmd: Command) -> dict[str, Any]:
         "cwd": cmd.cwd,
         "status": cmd.status,
         "exit_code": cmd.exit_code,
-        "started_at": cmd.started_at.isoformat(),
-        "finished_at": cmd.finished_at.isoformat() if cmd.finished_at else None,
+        "started_at": timestamp(cmd.started_at),
+        "finished_at": timestamp(cmd.finished_at) if cmd.finished_at else None,
         "duration": cmd.duration,
         "error": cmd.error,
     }

@@ -27,6 +27,14 @@ OS = Literal["linux", "darwin", "windows"]
 DEFAULT_OUTPUT_LIMIT = 1024 * 1024
 #: Seconds a finished (or killed) command's pipes may stay open before they are abandoned.
 DRAIN_GRACE_SECONDS = 2.0
+#: The folder, directly under a machine's root, that a governed delete moves files into
+#: (`agentbox.tools.changes`). It must be on the root's own file system (a delete is a rename),
+#: so it is inside the workspace; isolating kinds hide it from their processes (an empty,
+#: read-only folder mounted over it), and the file tools neither list nor change what is in it.
+TRASH_DIR = ".agentbox-trash"
+#: Size of the empty tmpfs that covers the trash for a machine's processes (read-only: nothing
+#: is ever written to it).
+TRASH_COVER_BYTES = 4096
 #: Largest rest of a file `Machine.read` returns when the caller names no `length`.
 MAX_MACHINE_READ_BYTES = 64 * 1024 * 1024
 

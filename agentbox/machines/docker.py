@@ -59,7 +59,7 @@ from typing import Any
 
 from agentbox.machines import exec_agent
 from agentbox.machines.agent_channel import AgentChannel, AgentProcess
-from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
+from agentbox.machines.base import OS, TRASH_COVER_BYTES, TRASH_DIR, ExecRequest, ExecResult, collect
 from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.docker_engine import DEFAULT_DOCKER_HOST, Engine
 from agentbox.machines.errors import ContainerGone, ImageError, MachineError, MachineUnavailable
@@ -532,6 +532,8 @@ class DockerMachine(HostFiles):
         tmpfs = {
             "/tmp": f"size={o.tmp_mb}m,mode=1777,nosuid,nodev",
             CONTAINER_HOME: f"size={o.home_mb}m,mode=0700,uid={uid},gid={gid},nosuid,nodev",
+            # an empty read-only cover: the trash (in the workspace) is out of the container's reach
+            f"/workspace/{TRASH_DIR}": f"ro,size={TRASH_COVER_BYTES},mode=0555,nosuid,nodev,noexec",
         }
         binds = [
             {"Type": "bind", "Source": str(self.workspace), "Target": "/workspace"},

@@ -68,6 +68,12 @@ class HostFiles:
             return self.users[user]
         raise OwnerUnsupported(f"this machine cannot give files to user {user!r}", path=None)
 
+    def inside_ids(self, uid: int, gid: int) -> Owner:
+        """The (uid, gid) the machine's processes see for a file the host sees owned by (uid, gid):
+        the same where the machine shares the host's ids (local, docker); kinds with their own
+        user namespace map them."""
+        return uid, gid
+
     async def find_program(self, name: str) -> str | None:
         return self.ripgrep if name == "rg" else None
 

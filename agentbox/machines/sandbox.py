@@ -54,6 +54,7 @@ import ctypes
 import json
 import marshal
 import os
+import posixpath
 import shutil
 import socket
 import stat as stat_mod
@@ -68,11 +69,11 @@ from typing import Any
 from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines import seccomp
 from agentbox.machines.agent_channel import PIPE_CHUNK, AgentChannel, AgentProcess
-from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
+from agentbox.machines.base import OS, TRASH_COVER_BYTES, TRASH_DIR, ExecRequest, ExecResult, collect
 from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
 from agentbox.machines.errors import ImageError, MachineUnavailable
-from agentbox.machines.hostfs import HostFiles
+from agentbox.machines.hostfs import HostFiles, Owner
 from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
 from agentbox.machines.shared_run import SharedRun
@@ -83,6 +84,9 @@ START_TIMEOUT = 20.0
 #: Host uid/gid sandbox processes run as when the server is root.
 DEFAULT_SANDBOX_UID = 64999
 SANDBOX_HOME = "/root"
+#: The id a sandbox's processes see for any host id its user namespace does not map (the
+#: kernel's overflow uid and gid): every owner but the sandbox's own host uid and gid.
+OVERFLOW_ID = 65534
 #: Directories that live only as long as a sandbox, as size-limited tmpfs (charged to the memory
 #: cgroup of whoever writes): never on the host disk, never reachable by another host user. A
 #: root server mounts them itself under its root-only runtime directory (in the host's user
@@ -461,6 +465,10 @@ class SandboxMachine(HostFiles):
         self._stops = SharedRun(self._stop)
         self._buffer = b""
 
+    def inside_ids(self, uid: int, gid: int) -> Owner:
+        """The namespace maps the sandbox's host uid and gid to root (0) and nothing else."""
+        return (0 if uid == self.host.uid else OVERFLOW_ID), (0 if gid == self.host.gid else OVERFLOW_ID)
+
     def _view(self) -> HostView:
         """The server's view of this sandbox's files.
 
@@ -636,6 +644,7 @@ class SandboxMachine(HostFiles):
             "--ro-bind-data", str(data_fd(hosts_file(self.hostname))), "/etc/hosts",
             "--ro-bind-data", str(data_fd(self.hostname + "\n")), "/etc/hostname",
             "--bind-fd", str(fd_of(self.workspace)), "/workspace",
+            *self._trash_cover(),
             *self._private_args(private, fd_of),
             "--ro-bind", host.rg, SANDBOX_RG,
             "--chdir", "/workspace",
@@ -750,6 +759,13 @@ class SandboxMachine(HostFiles):
         fd = os.open(self.run / "launcher.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self._log_fds.append(fd)
         return fd
+
+    def _trash_cover(self) -> list[str]:
+        """bwrap arguments that hide the trash from the sandbox's processes: an empty read-only
+        tmpfs over it, which they can neither read through nor remove (the server reaches the
+        trash through the host's workspace folder, below the cover)."""
+        trash = posixpath.join(self.root, TRASH_DIR)
+        return ["--size", str(TRASH_COVER_BYTES), "--perms", "0555", "--tmpfs", trash, "--remount-ro", trash]
 
     def _private_args(self, private: dict[str, Path] | None, fd_of: Any) -> list[str]:
         """bwrap arguments for /tmp and $HOME: bind the host tmpfs (root) or mount one inside."""

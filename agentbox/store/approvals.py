@@ -23,7 +23,8 @@ from datetime import datetime
 from typing import Any, Literal
 
 from agentbox import ids
-from agentbox.store.db import Database, parse_timestamp, timestamp
+from agentbox.store.db import Database
+from agentbox.timestamps import parse_timestamp, timestamp
 
 ApprovalStatus = Literal["pending", "allowed", "denied", "cancelled"]
 Decision = Literal["allow", "deny"]

@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentbox.store.db import Database, timestamp
+from agentbox.store.db import Database
 from agentbox.store.sessions import Event, NewEvent, insert_event, insert_message, open_turn
+from agentbox.timestamps import timestamp
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from datetime import datetime
 from typing import Literal
 
 from agentbox import ids
-from agentbox.store.db import Database, parse_timestamp, timestamp
+from agentbox.store.db import Database
+from agentbox.timestamps import parse_timestamp, timestamp
 
 OperationStatus = Literal["pending", "applied", "rejected", "failed"]
 SetStatus = Literal["open", "partially_applied", "applied", "rejected"]

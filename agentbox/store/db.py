@@ -41,11 +41,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, TypeVar
+
+from agentbox.timestamps import timestamp
 
 T = TypeVar("T")
 
@@ -120,17 +121,6 @@ def load_migrations(directory: Traversable | None = None) -> list[Migration]:
     if versions != list(range(1, len(found) + 1)):
         raise MigrationError(f"migration versions must be 1..{len(found)} without gaps, found {versions}")
     return found
-
-
-def timestamp(moment: datetime | None = None) -> str:
-    """How the store writes a time: UTC ISO 8601 with milliseconds and `Z`; sorts as text."""
-    moment = (moment or datetime.now(UTC)).astimezone(UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def parse_timestamp(text: str) -> datetime:
-    """The aware UTC datetime of a `timestamp()` string."""
-    return datetime.fromisoformat(text)
 
 
 class Database:

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from agentbox.ids import FILE, new_id
-from agentbox.store.db import Database, timestamp
+from agentbox.store.db import Database
+from agentbox.timestamps import timestamp
 
 #: Largest file the store keeps (seed 000: 100 MiB a file); one byte more is `FileTooLarge`.
 MAX_FILE_BYTES = 100 * 1024 * 1024

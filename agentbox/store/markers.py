@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from agentbox.store.db import Database, parse_timestamp, timestamp
+from agentbox.store.db import Database
+from agentbox.timestamps import parse_timestamp, timestamp
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ place that uses it (the worker, when it builds the provider and the MCP clients)
 `Session.to_dict` (the API, `session.created`) shows `REDACTED` instead.
 
 Records are frozen dataclasses; timestamps stay the store's UTC ISO strings (the wire form).
+A session's `updated_at` is the time of its last event: every event is inserted by
+`insert_event`, which moves it in the same transaction (a message, a tool result, a turn's end,
+an update), so a client sorting sessions by activity needs no second source.
 
 Every way this repository refuses:
 
@@ -47,7 +50,8 @@ from typing import Any, Literal
 
 from agentbox import ids
 from agentbox.secrets import SecretBox, is_encrypted
-from agentbox.store.db import Database, timestamp
+from agentbox.store.db import Database
+from agentbox.timestamps import timestamp
 
 TurnStatus = Literal["queued", "running", "awaiting_approval", "completed", "failed", "aborted"]
 Outcome = Literal["completed", "failed", "aborted"]
@@ -384,11 +388,10 @@ class SessionStore:
             if values:
                 assignments = ", ".join(f"{name} = ?" for name in values)
                 conn.execute(
-                    f"UPDATE sessions SET {assignments}, updated_at = ? WHERE id = ?",
-                    (*values.values(), timestamp(), session_id),
+                    f"UPDATE sessions SET {assignments} WHERE id = ?", (*values.values(), session_id)
                 )
-            session = _session_row(conn, session_id)
-            return session, [insert_event(conn, session_id, None, "session.updated", dict(changes))]
+            event = insert_event(conn, session_id, None, "session.updated", dict(changes))
+            return _session_row(conn, session_id), [event]
 
         return await self.db.transaction(write)
 
@@ -437,6 +440,7 @@ class SessionStore:
                         raise IdempotencyConflict(idempotency_key, turn.id)
                     return Submission(turn, [])
             named = _resolve_files(conn, session_id, file_ids)
+            _claim_files(conn, session_id, file_ids)
             turn_id, now = ids.new_id(ids.TURN), timestamp()
             seq = _next(conn, "turns", session_id)
             conn.execute(
@@ -612,15 +616,19 @@ class SessionStore:
         text: str,
         is_error: bool,
         events: Sequence[NewEvent] = (),
+        files: Sequence[Mapping[str, Any]] = (),
     ) -> list[Event]:
         """Record a tool call's result with `agent.tool_result` (and `events` after it).
 
+        `files`: what the call delivered (`id`, `filename`, `bytes` each), the event's `files`.
         First write wins: if the call already has a result, nothing is written and [] returned.
         """
 
         def write(conn: sqlite3.Connection) -> list[Event]:
             turn = open_turn(conn, turn_id)
-            return _record_result(conn, turn.session_id, turn_id, tool_use_id, name, text, is_error, events)
+            return _record_result(
+                conn, turn.session_id, turn_id, tool_use_id, name, text, is_error, events, files
+            )
 
         return await self.db.transaction(write)
 
@@ -720,13 +728,15 @@ def _redact_created_event(conn: sqlite3.Connection, session_id: str) -> None:
 def insert_event(
     conn: sqlite3.Connection, session_id: str, turn_id: str | None, type_: str, data: Mapping[str, Any]
 ) -> Event:
-    """Append one event with the session's next seq (call inside a write transaction)."""
+    """Append one event with the session's next seq and move the session's `updated_at` to its
+    time (call inside a write transaction)."""
     seq = _next(conn, "events", session_id)
     event = Event(ids.new_id(ids.EVENT), session_id, seq, type_, turn_id, dict(data), timestamp())
     conn.execute(
         "INSERT INTO events (id, session_id, seq, type, turn_id, data, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
         (event.id, session_id, seq, type_, turn_id, _json(event.data), event.created_at),
     )
+    conn.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", (event.created_at, session_id))
     return event
 
 
@@ -775,6 +785,7 @@ def _record_result(
     text: str,
     is_error: bool,
     events: Sequence[NewEvent] = (),
+    files: Sequence[Mapping[str, Any]] = (),
 ) -> list[Event]:
     exists = conn.execute(
         "SELECT 1 FROM messages WHERE session_id = ? AND tool_use_id = ? AND role = 'tool'",
@@ -786,7 +797,8 @@ def _record_result(
     insert_message(conn, session_id, turn_id, "tool", content, tool_use_id=tool_use_id)
     result = insert_event(
         conn, session_id, turn_id, "agent.tool_result",
-        {"tool_use_id": tool_use_id, "content": [{"type": "text", "text": text}], "is_error": is_error},
+        {"tool_use_id": tool_use_id, "content": [{"type": "text", "text": text}], "is_error": is_error,
+         "files": [dict(f) for f in files]},
     )  # fmt: skip
     return [result, *(insert_event(conn, session_id, turn_id, e.type, e.data) for e in events)]
 
@@ -826,6 +838,15 @@ def _resolve_files(
     if unknown:
         raise UnknownFiles(unknown)
     return named
+
+
+def _claim_files(conn: sqlite3.Connection, session_id: str, file_ids: Sequence[str]) -> None:
+    """Make the uploads a message names (those of no session yet) the session's: they are listed
+    under it (`GET /v1/files?session_id=`), and another session can no longer name them."""
+    conn.executemany(
+        "UPDATE files SET session_id = ? WHERE id = ? AND session_id IS NULL",
+        [(session_id, file_id) for file_id in file_ids],
+    )
 
 
 def open_turn(conn: sqlite3.Connection, turn_id: str) -> Turn:

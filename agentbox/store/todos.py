@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agentbox.store.db import Database, timestamp
+from agentbox.store.db import Database
+from agentbox.timestamps import timestamp
 
 
 class TodoRepo:

@@ -163,6 +163,12 @@ class ToolContext(Protocol):
     files: FileStore | None
     deliveries: int
     """Files delivered in this turn so far (seed 000: at most 10 a turn)."""
+
+    @property
+    def tool_use_id(self) -> str | None:
+        """The id of the call running now (None outside a model's call, e.g. a direct MCP call)."""
+        ...
+
     services: MachineServices | None
     """The machine's command manager, watch hub and knowledge index (None without a machine)."""
 

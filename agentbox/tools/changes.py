@@ -15,13 +15,17 @@ that puts them on disk, for `full-auto` (at once) and for an approved change set
   a check then the rename through the protocol); across devices it fails and the source
   stays (no copy-then-delete).
 - delete: moves the path into the trash, never removes it. The trash is a folder inside
-  the machine, `<root>/.agentbox-trash/<UTC time>-<random>/<path relative to root>`, so it
-  lives as long as the workspace, the model and the user can both see and restore it (move
-  it back), and it is on the workspace's own device, so the rename is cheap. A delete whose
-  move into the trash fails is a failed delete: it never falls back to removing for good.
+  the machine, `<root>/.agentbox-trash/<UTC time>-<random>/<path relative to root>`
+  (`TRASH_DIR`): on the workspace's own file system, so the rename is cheap and lasts as long
+  as the workspace. It is out of the agent's reach: a sandbox or container mounts an empty
+  read-only folder over it for its processes, and the file tools do not list it; the one
+  operation on what is in it is a move back out (a restore, with the path the delete gave).
+  A delete whose move into the trash fails is a failed delete: it never falls back to
+  removing for good.
 - Refused for every kind: the machine's root (and `/`), a path inside the workspace that
   reaches outside it through a link, overlapping source and target (a folder into itself),
-  moving or deleting a mount point (a sandbox's `/tmp`) or the trash folder itself, and any
+  moving or deleting a mount point (a sandbox's `/tmp`) or the trash folder itself, any
+  operation inside the trash but a move out of it, a move into it, and any
   operation that is stale: `expect` (the fingerprint the
   file had when planned) differs from the file now, or, without one, its text differs from
   `before`. A refused or failed operation changes nothing.
@@ -51,7 +55,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
-from agentbox.machines.base import Machine
+from agentbox.machines.base import TRASH_DIR, Machine
 from agentbox.machines.errors import MachineError
 from agentbox.store.changes import (
     ChangeSet,
@@ -64,10 +68,8 @@ from agentbox.tools.base import Operation
 from agentbox.tools.fingerprint import ABSENT, fingerprint
 from agentbox.workspace.editor import MAX_EDIT_BYTES
 from agentbox.workspace.errors import WorkspaceError, translate
-from agentbox.workspace.fileops import file_ops
+from agentbox.workspace.fileops import below, file_ops, within
 
-#: The trash folder, directly under the machine's root.
-TRASH_DIR = ".agentbox-trash"
 #: Files counted inside a folder that is moved or deleted; past it the count says "more than".
 MAX_COUNTED_FILES = 10_000
 #: Entries (files and folders) walked to count them; a folder with more is counted in part.
@@ -176,9 +178,9 @@ def check(machine: GovernedMachine, op: Operation) -> None:
             f"refused: {source} is where the machine mounts a folder; it cannot be {_past(op.kind)}"
         )
     if op.kind in ("move", "rename", "delete") and real == _trash_root(machine):
-        raise Refused(
-            f"refused: {source} is the trash; what is in it can be moved back or deleted one by one"
-        )
+        raise Refused(f"refused: {source} is the trash; what is in it can only be moved back out")
+    if within(_trash_root(machine), real) and op.kind not in ("move", "rename"):
+        raise Refused(f"refused: {source} is in the trash; what is in it can only be moved back out")
     if op.kind in ("move", "rename"):
         if op.dest is None:
             raise Refused(f"refused: {op.kind} of {source} names no destination")
@@ -187,6 +189,8 @@ def check(machine: GovernedMachine, op: Operation) -> None:
         real_dest = _real(machine, dest, follow=False)
         if ops.within_root(dest) and not ops.within_root(real_dest):
             raise Refused(f"refused: {dest} leads outside the workspace through a link ({real_dest})")
+        if within(_trash_root(machine), real_dest):
+            raise Refused(f"refused: {dest} is in the trash; only a delete puts things there")
         if _overlaps(real, real_dest):
             raise Refused(
                 f"refused: {source} and {dest} overlap (a folder cannot move into itself or onto its parent)"
@@ -376,15 +380,25 @@ async def _remove_empty_dirs(machine: GovernedMachine, folder: str) -> None:
 # ---------------------------------------------------------------- review records
 
 
-def unified_diff(path: str, before: str | None, after: str | None) -> str:
-    """A unified diff from `before` (None: no file) to `after`, marking a missing final newline."""
+def diff_name(root: str, inside: str) -> str:
+    """How a diff names `inside`: relative to the machine's root when within it (`notes.md`, so
+    `git apply` run in the workspace changes that file), else absolute (`/etc/hosts`)."""
+    if below(root, inside) and root.rstrip("/"):
+        return inside[len(root.rstrip("/")) + 1 :]
+    return inside
+
+
+def unified_diff(name: str, before: str | None, after: str | None) -> str:
+    """A unified diff of the file `name` (`diff_name`) from `before` (None: no file) to `after`,
+    with git's `a/` and `b/` prefixes, marking a missing final newline."""
     old = (before or "").splitlines(keepends=True)
     new = (after or "").splitlines(keepends=True)
+    name = name.lstrip("/")  # an absolute name keeps its one slash after the prefix: `a/etc/hosts`
     lines = difflib.unified_diff(
         old,
         new,
-        fromfile="/dev/null" if before is None else f"a{path}",
-        tofile=f"b{path}",
+        fromfile="/dev/null" if before is None else f"a/{name}",
+        tofile=f"b/{name}",
         n=DIFF_CONTEXT_LINES,
     )
     out = []
@@ -447,7 +461,11 @@ async def review(
             warnings.append(
                 f"operation {earlier.id} also changes {inside}: applying one may make the other stale"
             )
-    diff = unified_diff(inside, op.before, op.after) if op.kind in ("write", "edit") else ""
+    diff = (
+        unified_diff(diff_name(machine.root, inside), op.before, op.after)
+        if op.kind in ("write", "edit")
+        else ""
+    )
     return PlannedOperation(
         tool=tool,
         kind=op.kind,

@@ -118,6 +118,7 @@ async def deliver_one(ctx: ToolContext, path: str) -> dict[str, Any]:
             session_id=ctx.session_id,
             source="delivery",
             turn_id=ctx.turn_id,
+            tool_use_id=ctx.tool_use_id,
             max_bytes=MAX_DELIVERY_BYTES,
         )
     except WorkspaceError as exc:  # the machine's side: replaced, gone or unreadable while copied

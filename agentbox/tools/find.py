@@ -28,14 +28,14 @@ from pydantic import BaseModel, Field
 from wcmatch import fnmatch as wc_fnmatch
 from wcmatch import glob as wc_glob
 
-from agentbox.machines.base import ExecRequest, Machine
+from agentbox.machines.base import TRASH_DIR, ExecRequest, Machine
 from agentbox.machines.errors import MachineError
 from agentbox.tools.base import Action, Tool, ToolContext, ToolResult
 from agentbox.tools.documents import IMAGE_EXTENSIONS
 from agentbox.tools.read import FAILURES, MAX_TEXT_BYTES, external_refusal, problem, resolve, stat_of
 from agentbox.workspace import grep as workspace_grep
 from agentbox.workspace.errors import WorkspaceError, bad_request
-from agentbox.workspace.fileops import Resolved, file_ops
+from agentbox.workspace.fileops import Resolved, file_ops, within
 from agentbox.workspace.patterns import check_pattern
 
 #: Entries one `list` shows (seed 001: "list 默认最多 120 项").
@@ -101,7 +101,18 @@ async def looked_up(ctx: ToolContext, tool: str, path: str) -> Resolved | ToolRe
         return ToolResult.error(problem(exc, path))
     if refusal is not None:
         return ToolResult.error(refusal)
+    if within(trash_root(ctx.machine), target.inside):
+        return ToolResult.error(f"{path} is in the trash, which the file tools do not show")
     return target
+
+
+def trash_root(machine: Machine) -> str:
+    return posixpath.join(machine.root, TRASH_DIR)
+
+
+def trash_globs(machine: Machine, folder: str) -> list[str]:
+    """rg globs (relative to `folder`) that leave the trash out of a walk of `folder`."""
+    return [f"/{TRASH_DIR}"] if folder.rstrip("/") == machine.root.rstrip("/") else []
 
 
 # --- rg --files -------------------------------------------------------------------------------
@@ -144,6 +155,7 @@ async def rg_files(
     args += ["--sort", "path", "--one-file-system"]
     if hidden:
         args.append("--hidden")
+    args += [f"--glob=!{g}" for g in trash_globs(machine, folder)]
     rg = await machine.find_program("rg")
     if rg is None:
         raise bad_request("search", f"machine {machine.name!r} has no ripgrep (rg) to search with", folder)
@@ -224,10 +236,12 @@ async def folder_lines(
 ) -> tuple[list[str], int, bool]:
     """The folder's lines; a link's size is what it leads to (`unreadable` when it dangles)."""
     listing = await file_ops(ctx.machine).list_dir(target.requested, show_hidden=True)
+    trash = trash_root(ctx.machine)
     entries = [
         e
         for e in listing.files
-        if exts is None or (not e.is_directory and (e.extension or "").lower() in exts)
+        if (exts is None or (not e.is_directory and (e.extension or "").lower() in exts))
+        and posixpath.join(target.inside, e.name) != trash
     ]
     entries.sort(key=lambda e: (not e.is_directory, e.name))
     lines = []
@@ -351,6 +365,7 @@ async def run_grep(ctx: ToolContext, p: GrepParams) -> ToolResult:
             found.requested,
             p.pattern,
             include=p.include or None,
+            exclude=trash_globs(ctx.machine, found.inside) or None,
             case_insensitive=p.caseInsensitive,
             fixed_strings=p.literal,
             max_results=MAX_GREP_COUNTED,

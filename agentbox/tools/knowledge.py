@@ -66,7 +66,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from agentbox.config import default_home
-from agentbox.machines.base import Machine
+from agentbox.machines.base import TRASH_DIR, Machine
 from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import Node
@@ -876,8 +876,12 @@ class KnowledgeIndex:
         inner = top_real.startswith(root_real.rstrip("/") + "/")
         base = tuple(top_real[len(root_real.rstrip("/")) + 1 :].split("/")) if inner else ()
 
+        under_root = inner or top_real == root_real
+
         def descend(node: Node) -> bool:
-            return not is_excluded((*base, *node.rel.split("/")), DEFAULT_EXCLUDES)
+            parts = (*base, *node.rel.split("/"))
+            in_trash = under_root and parts[0] == TRASH_DIR  # what a delete moved away is not indexed
+            return not in_trash and not is_excluded(parts, DEFAULT_EXCLUDES)
 
         try:
             for node in view.walk(top_real, descend=descend):

@@ -70,6 +70,10 @@ _authorized: contextvars.ContextVar[frozenset[Action]] = contextvars.ContextVar(
 #: The name the model called the running tool by (`bash`, not the canonical `exec`): what
 #: approvals and change sets record, since it is what the user sees in the tool-use events.
 _calling: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentbox_tools_calling", default=None)
+#: The id the model gave the running call (`toolu_…`): what a delivered file's record names.
+_tool_use: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "agentbox_tools_tool_use", default=None
+)
 #: Actions the user already allowed for the running call (an approval answered before a restart).
 _preapproved: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "agentbox_tools_preapproved", default=frozenset()
@@ -141,17 +145,27 @@ class SessionTools:
         """The tools the model may see: those whose action this tier (and plan) does not forbid."""
         return [tool for tool in self.toolset.values() if self._decision(tool.action) != Decision.FORBID]
 
-    async def call(self, name: str, args: Any, *, preapproved: str | None = None) -> ToolResult:
+    async def call(
+        self, name: str, args: Any, *, preapproved: str | None = None, tool_use_id: str | None = None
+    ) -> ToolResult:
         """Run one tool call; every outcome but cancellation is a `ToolResult`.
 
         `preapproved`: the action of an approval the user allowed for this very call; a
         question about it is not asked again. What the tier forbids stays refused.
+        `tool_use_id`: the call's id, which the tool sees as `tool_use_id`.
         """
         token = _preapproved.set(frozenset({preapproved}) if preapproved else frozenset())
+        use = _tool_use.set(tool_use_id)
         try:
             return await self._call(name, args)
         finally:
+            _tool_use.reset(use)
             _preapproved.reset(token)
+
+    @property
+    def tool_use_id(self) -> str | None:
+        """The running call's id (parallel calls each see their own: a context variable)."""
+        return _tool_use.get()
 
     async def _call(self, name: str, args: Any) -> ToolResult:
         tool = self.toolset.get(name)

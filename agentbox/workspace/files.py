@@ -33,7 +33,6 @@ import uuid
 from collections.abc import AsyncIterable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from functools import partial
 from typing import Literal
 
@@ -44,6 +43,7 @@ from agentbox.machines.base import FileStat
 from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles, to_stat
 from agentbox.machines.hostview import Node
+from agentbox.timestamps import epoch_timestamp
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
 from agentbox.workspace.patterns import check_patterns
 
@@ -114,7 +114,7 @@ class Entry:
     is_directory: bool
     size: int | None
     modified_time: str | None
-    """ISO-8601 in UTC."""
+    """RFC 3339 in UTC (`agentbox.timestamps`)."""
     permissions: str | None
     """`ls -l` style without the type letter: `rw-r--r--`."""
     extension: str | None
@@ -238,10 +238,6 @@ def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def iso_time(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, UTC).isoformat()
 
 
 def unlink_quietly(dirfd: int, name: str) -> None:
@@ -527,7 +523,7 @@ def entry_of(name: str, inside: str, st: FileStat, *, size: bool, permissions: b
         path=inside,
         is_directory=st.is_dir,
         size=st.size if size else None,
-        modified_time=iso_time(st.mtime),
+        modified_time=epoch_timestamp(st.mtime),
         permissions=stat_mod.filemode(st.mode)[1:] if permissions else None,
         extension=None if st.is_dir else (posixpath.splitext(name)[1] or None),
         is_symlink=st.is_symlink,
@@ -776,7 +772,7 @@ def glob_files(
                     name=hit.node.name,
                     is_directory=hit.is_directory,
                     size=st.st_size if st is not None else None,
-                    modified_time=iso_time(st.st_mtime) if st is not None else None,
+                    modified_time=epoch_timestamp(st.st_mtime) if st is not None else None,
                 )
             )
         files.sort(key=GLOB_SORT_KEYS[sort_by], reverse=sort_desc)

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from agentbox.machines.base import FileStat, Machine, inside_path
+from agentbox.timestamps import epoch_timestamp
 from agentbox.workspace import files
 from agentbox.workspace.errors import WorkspaceError, failed, operation
 
@@ -282,7 +283,7 @@ async def glob_files(
                 name=hit.name,
                 is_directory=hit.stat.is_dir,
                 size=hit.stat.size if include_metadata else None,
-                modified_time=files.iso_time(hit.stat.mtime) if include_metadata else None,
+                modified_time=epoch_timestamp(hit.stat.mtime) if include_metadata else None,
             )
             for hit in hits
         ]

@@ -132,6 +132,9 @@ class TreeResult:
 class _Member:
     rel: str
     st: os.stat_result
+    uid: int
+    """The owner as the machine's processes see it (`HostFiles.inside_ids`), not the host's."""
+    gid: int
 
 
 def tar_stream(machine: HostMachine, path: str) -> Iterator[bytes]:
@@ -144,7 +147,7 @@ def tar_stream(machine: HostMachine, path: str) -> Iterator[bytes]:
                 continue
             if len(members) == MAX_TREE_MEMBERS:
                 raise limit_exceeded("tree", path, f"the tree has more than {MAX_TREE_MEMBERS} members")
-            members.append(_Member(node.rel, node.st))
+            members.append(_Member(node.rel, node.st, *machine.inside_ids(node.st.st_uid, node.st.st_gid)))
         root_fd = machine.view.open(path, os.O_RDONLY | os.O_DIRECTORY)
     return _tar_chunks(root_fd, members, path)
 
@@ -174,7 +177,7 @@ def _member_bytes(root_fd: int, member: _Member, path: str) -> Iterator[bytes]:
     info = tarfile.TarInfo(member.rel)
     st = member.st
     info.mode = stat_mod.S_IMODE(st.st_mode)
-    info.uid, info.gid, info.mtime = st.st_uid, st.st_gid, int(st.st_mtime)
+    info.uid, info.gid, info.mtime = member.uid, member.gid, int(st.st_mtime)
     parts = member.rel.split("/")
     fd = None
     with operation("tree", path):

@@ -284,7 +284,7 @@ async def test_an_unstarted_session_reads_its_image_and_a_legacy_workspace_is_ad
     machine = await kit.registry.open("legacy")
     assert isinstance(machine, SandboxMachine) and os.path.ismount(legacy)
     listing = await machine.exec(ExecRequest(command="ls -A /workspace; readlink /workspace/src/link"))
-    assert listing.stdout == b"AGENTS.md\nsrc\n/etc/shadow\n", listing
+    assert listing.stdout == b".agentbox-trash\nAGENTS.md\nsrc\n/etc/shadow\n", listing  # the trash's cover
     await kit.close()
     assert not os.path.ismount(legacy) and list(legacy.iterdir()) == []  # the files are in the image
     # a new server's view of the unstarted session reads its AGENTS.md without starting it
