@@ -711,15 +711,28 @@ class Sshd:
         return log_tail(self.log)
 
 
+#: Where SSH_USER's password is kept (root only, 0600), so that every process of a run (the
+#: tests, and the bench scripts the smoke tests start) sets and expects the same one.
+SSH_PASSWORD_FILE = Path("/var/tmp/agentbox-test-ssh-password")
+
+
 @functools.cache
 def ssh_user() -> tuple[str, str | None]:
-    """The login user and its password: SSH_USER with a fresh password as root (once a run:
-    every sshd of the run logs it in), else oneself."""
+    """The login user and its password: SSH_USER with a password of its own as root (the same
+    for every process and sshd: a second process setting a new one would lock the first one's
+    logins out), else oneself."""
     if os.geteuid() != 0:
         return pwd.getpwuid(os.geteuid()).pw_name, None
     if subprocess.run(["id", SSH_USER], capture_output=True).returncode != 0:
         subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", SSH_USER], check=True)
-    password = secrets.token_urlsafe(16)
+    try:
+        fd = os.open(SSH_PASSWORD_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        password = SSH_PASSWORD_FILE.read_text().strip()
+    else:
+        password = secrets.token_urlsafe(16)
+        with os.fdopen(fd, "w") as f:
+            f.write(password)
     subprocess.run(["chpasswd"], input=f"{SSH_USER}:{password}\n", text=True, check=True)
     return SSH_USER, password
 

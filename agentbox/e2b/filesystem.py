@@ -21,7 +21,7 @@ from agentbox.e2b.envd_gen.filesystem import filesystem_pb as fs
 from agentbox.e2b.envd_gen.filesystem.filesystem_connect import Filesystem
 from agentbox.e2b.rpc import inside_path, keepalive_of, oneof, rpc_errors, sandbox_id_of
 from agentbox.e2b.sandboxes import SandboxTable
-from agentbox.machines.base import FileStat
+from agentbox.machines.base import TRASH_DIR, FileStat
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.fileops import file_ops
 from agentbox.workspace.files import STAGING_PREFIX, STAGING_SUFFIX, is_staging_name
@@ -104,8 +104,10 @@ class FilesystemService(Filesystem):
         with rpc_errors("list", path):
             if not (await ops.stat(path)).is_dir:
                 raise ConnectError(Code.INVALID_ARGUMENT, f"{path} is not a directory")
-            nodes = await ops.walk(path, max_depth=depth)
-        return fs.ListDirResponse(entries=[entry_info(posixpath.join(path, n.rel), n.stat) for n in nodes])
+            trash = posixpath.join(root, TRASH_DIR)  # the edit tool's trash: not the sandbox's own files
+            nodes = await ops.walk(path, max_depth=depth, descend=lambda n: n.inside != trash)
+        kept = [n for n in nodes if n.inside != trash]
+        return fs.ListDirResponse(entries=[entry_info(posixpath.join(path, n.rel), n.stat) for n in kept])
 
     async def remove(self, request: fs.RemoveRequest, ctx: RequestContext[Any, Any]) -> fs.RemoveResponse:
         root, ops = await self._ops(ctx)

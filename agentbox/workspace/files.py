@@ -39,7 +39,7 @@ from typing import Literal
 from wcmatch import fnmatch as wc_fnmatch
 from wcmatch import glob as wc_glob
 
-from agentbox.machines.base import FileStat
+from agentbox.machines.base import TRASH_DIR, FileStat
 from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles, to_stat
 from agentbox.machines.hostview import Node
@@ -586,8 +586,10 @@ def list_dir(
         base = shown_path(machine, path)
         wanted = type_filter(file_types)
 
+        trash = posixpath.join(machine.root, TRASH_DIR)
+
         def visible(node: Node) -> bool:
-            return show_hidden or not node.name.startswith(".")
+            return (show_hidden or not node.name.startswith(".")) and node.inside != trash
 
         entries: list[Entry] = []
         truncated = False

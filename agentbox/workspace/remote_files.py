@@ -26,7 +26,7 @@ import posixpath
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 
-from agentbox.machines.base import FileStat, Machine, inside_path
+from agentbox.machines.base import TRASH_DIR, FileStat, Machine, inside_path
 from agentbox.timestamps import epoch_timestamp
 from agentbox.workspace import files
 from agentbox.workspace.errors import WorkspaceError, failed, operation
@@ -182,8 +182,10 @@ async def list_dir(
         base = shown_path(machine, path)
         wanted = files.type_filter(file_types)
 
+        trash = posixpath.join(machine.root, TRASH_DIR)
+
         def visible(node: RemoteNode) -> bool:
-            return show_hidden or not node.name.startswith(".")
+            return (show_hidden or not node.name.startswith(".")) and node.inside != trash
 
         entries: list[files.Entry] = []
         truncated = False
