@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -406,3 +406,20 @@ async def test_the_async_client(e2b_env: Server) -> None:
     finally:
         await sandbox.kill()
     assert not await sandbox.is_running()
+
+
+async def test_a_gzip_upload_is_inflated_a_bounded_piece_at_a_time() -> None:
+    """One small compressed chunk that stands for 16 MiB never becomes one 16 MiB buffer."""
+    import gzip
+
+    from agentbox.e2b.files import GUNZIP_PIECE_BYTES, gunzipped
+
+    whole = 16 * GUNZIP_PIECE_BYTES
+    body = gzip.compress(bytes(whole))
+    assert len(body) < GUNZIP_PIECE_BYTES
+
+    async def one_chunk() -> AsyncIterator[bytes]:
+        yield body
+
+    pieces = [piece async for piece in gunzipped(one_chunk())]
+    assert max(map(len, pieces)) == GUNZIP_PIECE_BYTES and sum(map(len, pieces)) == whole

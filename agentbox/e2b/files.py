@@ -45,11 +45,19 @@ def failure(exc: Exception, op: str, path: str | None) -> JSONResponse:
     return http_error(ERROR_CODES.get(err.error_type, DEFAULT_ERROR)[1], err.message)
 
 
+#: Most bytes one step of a gzip upload's inflation yields: a small compressed chunk can stand
+#: for gigabytes, so it is inflated a piece at a time (the upload's size limit stops the whole).
+GUNZIP_PIECE_BYTES = 1024 * 1024
+
+
 async def gunzipped(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
     async for chunk in chunks:
-        if out := inflate.decompress(chunk):
-            yield out
+        data = chunk
+        while data:
+            if out := inflate.decompress(data, GUNZIP_PIECE_BYTES):
+                yield out
+            data = inflate.unconsumed_tail
     if tail := inflate.flush():
         yield tail
 
