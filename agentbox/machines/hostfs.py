@@ -104,16 +104,8 @@ class HostFiles:
         target = self.view.resolve(path, missing_ok=True, write=True)
         part = posixpath.join(posixpath.dirname(target), f".agentbox-{uuid.uuid4().hex}.part")
         fd = self.view.open(part, _PART_FLAGS, follow=False)
-        size = 0
         try:
-            owner = self.default_owner()
-            if owner is not None:
-                os.fchown(fd, *owner)
-            async for chunk in chunks:
-                size += len(chunk)
-                if size > limit:
-                    raise OSError(errno.EFBIG, f"{path} would be larger than {limit} bytes", path)
-                await asyncio.to_thread(_write_all, fd, chunk)
+            size = await self._fill(fd, chunks, limit, path)
             await asyncio.to_thread(os.fsync, fd)
             os.close(fd)
             fd = -1
@@ -128,18 +120,23 @@ class HostFiles:
             raise
         return size
 
+    async def _fill(self, fd: int, chunks: AsyncIterable[bytes], limit: int, path: str) -> int:
+        """Give the new file `fd` to the default owner and write `chunks` to it; EFBIG past `limit`."""
+        owner = self.default_owner()
+        if owner is not None:
+            os.fchown(fd, *owner)
+        size = 0
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise OSError(errno.EFBIG, f"{path} would be larger than {limit} bytes", path)
+            await asyncio.to_thread(_write_all, fd, chunk)
+        return size
+
     async def create(self, path: str, chunks: AsyncIterable[bytes], *, limit: int) -> int:
         fd = self.view.open(path, _NEW_FLAGS, 0o644, follow=False)
-        size = 0
         try:
-            owner = self.default_owner()
-            if owner is not None:
-                os.fchown(fd, *owner)
-            async for chunk in chunks:
-                size += len(chunk)
-                if size > limit:
-                    raise OSError(errno.EFBIG, f"{path} would be larger than {limit} bytes", path)
-                await asyncio.to_thread(_write_all, fd, chunk)
+            size = await self._fill(fd, chunks, limit, path)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError, MachineError):
