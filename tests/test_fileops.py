@@ -97,3 +97,14 @@ async def test_read_head_reads_a_prefix_of_regular_files_only(ops: FileOps, remo
     (remote_root / "dir").mkdir()
     with pytest.raises(IsADirectoryError):
         await ops.read_head(str(remote_root / "dir"), 4)
+
+
+async def test_write_stream_replaces_whole_or_not_at_all(machine: Machine, remote_root: Path) -> None:
+    """Both kinds' atomic streamed write, at its limit and one byte past it (target kept)."""
+    target = str(remote_root / "streamed.bin")
+    assert await machine.write_stream(target, chunks(b"12345"), limit=5) == 5
+    with pytest.raises(OSError) as err:
+        await machine.write_stream(target, chunks(b"abc", b"def"), limit=5)
+    assert err.value.errno == errno.EFBIG
+    assert Path(target).read_bytes() == b"12345"
+    assert sorted(p.name for p in remote_root.iterdir()) == ["streamed.bin"]  # no part left behind
