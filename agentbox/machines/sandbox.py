@@ -132,6 +132,8 @@ LAYER_DIR_MODE = 0o710
 MNT_DETACH = 2
 #: File in a system layer's mount directory naming the server that owns it (`owner_token`).
 OWNER_FILE = "owner"
+#: Mount points a layer directory may hold (the death watch's list is the same).
+LAYER_POINTS = ("usr", "sys", "root", "tmp", "home")
 #: Bytes of bwrap's and the agent's own stderr kept for the "exited during start" error.
 DIAGNOSTICS_TAIL = 4096
 #: Reads of the diagnostics pipe when a start error is reported (each up to PIPE_CHUNK).
@@ -782,12 +784,21 @@ class SandboxMachine(HostFiles):
         """This lifetime's directory under the root-only mount root, named with its owner."""
         assert self.host.merged_root is not None
         merged = self.host.merged_root / self.sandbox_id
-        merged.mkdir(parents=True, exist_ok=True)
+        if merged.is_dir():  # this lifetime's first mount made it
+            (merged / OWNER_FILE).write_text(owner_token())
+            return merged
+        # Made under a dot name and renamed into place with its owner file inside, so a sweep
+        # of another server never sees the directory without an owner (and may take any
+        # ownerless one for a leftover).
+        fresh = self.host.merged_root / f".{self.sandbox_id}.new"
+        release_layer(fresh, self.host.libc)  # one a start cut short left
+        fresh.mkdir(parents=True)
         # The layer holds the host's setuid programs (squashed to the sandbox uid): only the
         # sandbox group may pass (bwrap binds by path as that uid), and the mounts are nosuid.
-        os.chown(merged, 0, self.host.gid)
-        os.chmod(merged, LAYER_DIR_MODE)
-        (merged / OWNER_FILE).write_text(owner_token())
+        os.chown(fresh, 0, self.host.gid)
+        os.chmod(fresh, LAYER_DIR_MODE)
+        (fresh / OWNER_FILE).write_text(owner_token())
+        fresh.rename(merged)
         return merged
 
     def _mount_private(self) -> dict[str, Path]:
@@ -913,9 +924,7 @@ class SandboxMachine(HostFiles):
             with contextlib.suppress(OSError):
                 point.rmdir()
         if self._mounts:
-            with contextlib.suppress(OSError):
-                (self._mounts[0].parent / OWNER_FILE).unlink()
-                self._mounts[0].parent.rmdir()
+            remove_layer_dir(self._mounts[0].parent)
         self._mounts.clear()
         self._fuse.clear()
         if self._group is not None:  # after reaping: a zombie still holds its cgroup
@@ -1109,17 +1118,33 @@ def release_orphaned_layers(root: Path, libc: Any) -> None:
     for d in root.iterdir():
         try:
             owner = (d / OWNER_FILE).read_text()
+        except FileNotFoundError:
+            owner = ""  # a teardown cut short after its owner file went: nobody's
         except OSError:
             continue
-        if owner_alive(owner):
-            continue
-        for point in (d / "usr", d / "sys", d / "root", d / "tmp", d / "home"):
-            libc.umount2(bytes(point), MNT_DETACH)
-            with contextlib.suppress(OSError):
-                point.rmdir()
+        if not owner_alive(owner):
+            release_layer(d, libc)
+
+
+def release_layer(d: Path, libc: Any) -> None:
+    """Detach and remove one layer directory's mounts, then the directory if it is empty."""
+    for point in (d / name for name in LAYER_POINTS):
+        libc.umount2(bytes(point), MNT_DETACH)
         with contextlib.suppress(OSError):
-            (d / OWNER_FILE).unlink()
-            d.rmdir()
+            point.rmdir()
+    remove_layer_dir(d)
+
+
+def remove_layer_dir(d: Path) -> None:
+    """The owner file, then the directory; never recursive (a mount point may still be live).
+
+    Another cleaner (the death watch, a sweep) may be removing the same directory at once:
+    either one's removal counts.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        (d / OWNER_FILE).unlink()
+    with contextlib.suppress(OSError):
+        d.rmdir()
 
 
 def agent_loader(python: str) -> tuple[str, str, str] | None:

@@ -144,14 +144,15 @@ def test_a_killed_server_leaves_no_process_or_mount(
     assert [d.name for d in (runtime / "mnt").iterdir() if any(s in d.name for s in sessions)] == []
     assert not [g for g in groups if g.exists()], "cgroups of the killed server left"
     stop_server(again)
-    assert not mounts_under(runtime)
-    assert list((runtime / "mnt").iterdir()) == []
+    gone(lambda: mounts_under(runtime), "mounts of the stopped server")
+    gone(lambda: list((runtime / "mnt").iterdir()), "layer directories of the stopped server")
 
 
 def test_a_stale_layer_is_released_by_a_server_of_another_home(
     serve: Callable[[Path], Server], sandbox_tmp: Path, runtime: Path
 ) -> None:
-    """A fuse mount whose owner is gone, or whose owner pid now names another process."""
+    """A fuse mount whose owner is gone or whose owner pid now names another process; an
+    emptied directory without its owner file; one of a start cut short."""
     (runtime / "mnt").mkdir(mode=0o711)
     stale = []
     for name, owner in (("gone", "999999999"), ("reused", f"{os.getpid()}-1")):
@@ -171,6 +172,15 @@ def test_a_stale_layer_is_released_by_a_server_of_another_home(
             check=True,
         )
         stale.append(d)
+    # A teardown cut short between removing the owner file and the directory.
+    ownerless = runtime / "mnt" / "sbx_ownerless"
+    (ownerless / "tmp").mkdir(parents=True)
+    stale.append(ownerless)
+    # A start cut short before its directory was renamed into place.
+    unborn = runtime / "mnt" / ".sbx_unborn.new"
+    (unborn / "home").mkdir(parents=True)
+    (unborn / OWNER_FILE).write_text("999999999")
+    stale.append(unborn)
     assert len(mounts_under(runtime)) == 2
     try:
         server = serve(sandbox_tmp / "other-home")
