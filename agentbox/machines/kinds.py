@@ -6,6 +6,10 @@ it; otherwise each session gets its own machine, counted against the server's ca
 suspended when idle and recorded in the session's marker through the `Lifetime` protocol.
 A kind that needs something shared by all its machines (the sandbox kind's `SandboxHost`:
 bwrap, the sandbox uid, cgroups) names a `shared` factory, made once per registry.
+
+A kind whose module pulls in a heavy client (docker's, asyncssh: most of a second) is
+imported by its row's functions when a machine of it is first made, so a CLI call or a
+server that never uses the kind does not pay for it.
 """
 
 from __future__ import annotations
@@ -13,12 +17,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentbox.config import MachineConfig, Settings
 from agentbox.machines.base import Machine
 from agentbox.machines.cgroups import Limits
-from agentbox.machines.docker import DockerHost, DockerMachine, DockerOptions
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.images import DEFAULT_IMAGE
 from agentbox.machines.local import LocalMachine
@@ -29,7 +32,10 @@ from agentbox.machines.sandbox import (
     SandboxHost,
     SandboxMachine,
 )
-from agentbox.machines.ssh import SshMachine, SshOptions
+
+if TYPE_CHECKING:
+    from agentbox.machines.docker import DockerHost, DockerMachine
+    from agentbox.machines.ssh import SshMachine
 
 #: A sandbox's memory limit when its entry names none, in MiB.
 DEFAULT_MEMORY_MB = 2048
@@ -116,6 +122,8 @@ def sandbox_host(settings: Settings) -> SandboxHost:
 
 
 def make_docker(build: Build) -> DockerMachine:
+    from agentbox.machines.docker import DockerMachine, DockerOptions
+
     assert build.session_dir is not None
     try:
         options = DockerOptions.from_options(build.config.options)
@@ -129,10 +137,14 @@ def make_docker(build: Build) -> DockerMachine:
 
 
 def docker_host(settings: Settings) -> DockerHost:
+    from agentbox.machines.docker import DockerHost
+
     return DockerHost(settings.home, images=settings.images)
 
 
 async def sweep_docker(host: DockerHost, configs: list[MachineConfig], keep: set[str]) -> list[str]:
+    from agentbox.machines.docker import DockerOptions
+
     hosts = []
     for config in configs:
         try:
@@ -143,6 +155,8 @@ async def sweep_docker(host: DockerHost, configs: list[MachineConfig], keep: set
 
 
 def make_ssh(build: Build) -> SshMachine:
+    from agentbox.machines.ssh import SshMachine, SshOptions
+
     try:
         options = SshOptions.from_options(build.config.options)
     except ValueError as exc:
