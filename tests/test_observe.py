@@ -150,6 +150,15 @@ def test_metrics_count_requests_commands_machines_and_turns(client: httpx.Client
         time.sleep(0.05)
     final = samples(client)
     assert value(final, "agentbox_events_published_total", type="turn.completed") >= 1
+    assert value(final, "agentbox_turn_duration_seconds_count", outcome="completed") >= (
+        value(before, "agentbox_turn_duration_seconds_count", outcome="completed") + 1
+    )
+    assert value(after, "agentbox_command_duration_seconds_count", status="completed") >= (
+        value(before, "agentbox_command_duration_seconds_count", status="completed") + 1
+    )
+    assert value(after, "agentbox_command_duration_seconds_sum", status="completed") > value(
+        before, "agentbox_command_duration_seconds_sum", status="completed"
+    )
     messages = "/v1/sessions/{session_id}/messages"  # a root route with the same parameter name
     assert value(final, "agentbox_http_requests_total", method="POST", route=messages, status="202") >= 1
 
@@ -267,3 +276,31 @@ def test_an_accepted_websocket_carries_its_id_and_is_reported_when_it_ends() -> 
         assert socket.receive_text() == "hi"
         assert (b"x-request-id", b"ws-1") in (socket.extra_headers or [])
     assert [(f.method, f.route, f.status) for f in finished] == [("WS", "/echo", WEBSOCKET_ACCEPTED)]
+
+
+def test_event_streams_are_timed_apart_from_request_latency(client: httpx.Client) -> None:
+    """A stream is open for as long as its client listens: its duration is no latency."""
+    session = client.post("/v1/sessions", json={"model": "scripted", "script": [{"text": "Done."}]}).json()[
+        "id"
+    ]
+    before = samples(client)
+    with client.stream("GET", f"/v1/sessions/{session}/events/stream") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+    client.get(f"/v1/sessions/{session}/events")
+    route = "/v1/sessions/{session_id}/events/stream"
+    deadline = time.monotonic() + DEADLINE
+    while value(samples(client), "agentbox_http_stream_duration_seconds_count", method="GET", route=route) < (
+        value(before, "agentbox_http_stream_duration_seconds_count", method="GET", route=route) + 1
+    ):
+        assert time.monotonic() < deadline, "the stream was never timed"
+        time.sleep(0.05)
+    after = samples(client)
+    latency = "agentbox_http_request_duration_seconds_count"
+    assert value(after, latency, method="GET", route=route) == value(
+        before, latency, method="GET", route=route
+    )
+    listed = "/v1/sessions/{session_id}/events"
+    assert (
+        value(after, latency, method="GET", route=listed)
+        == value(before, latency, method="GET", route=listed) + 1
+    )

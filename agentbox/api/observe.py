@@ -150,6 +150,17 @@ class Finished:
     status: int
     seconds: float
     error_type: str | None
+    streamed: bool = False
+    """An event stream or a WebSocket: open for as long as the client listens, so its
+    duration is no latency."""
+
+
+#: Response media types that stream for as long as the client listens.
+STREAM_MEDIA_TYPES = (b"text/event-stream", b"application/x-ndjson")
+
+
+def is_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k.lower() == b"content-type" and v.lower().startswith(STREAM_MEDIA_TYPES) for k, v in headers)
 
 
 class RequestIdMiddleware:
@@ -170,18 +181,19 @@ class RequestIdMiddleware:
         state = RequestState(accepted_request_id(given_request_id(scope)))
         token = _current.set(state)
         status = 500  # what the client sees if the app fails before starting a response
-        started = reported = False
+        started = reported = streamed = False
 
         def report() -> None:
             nonlocal reported
             if not reported:
                 reported = True
-                self._finished(scope, state, status, time.perf_counter() - began)
+                self._finished(scope, state, status, time.perf_counter() - began, streamed)
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, started
+            nonlocal status, started, streamed
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
+                streamed = is_stream(message.get("headers", []))
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = state.request_id
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 report()  # before the client can see the end: its next request sees this counted
@@ -238,9 +250,11 @@ class RequestIdMiddleware:
             raise
         finally:
             _current.reset(token)
-            self._finished(scope, state, status, time.perf_counter() - began)
+            self._finished(scope, state, status, time.perf_counter() - began, streamed=True)
 
-    def _finished(self, scope: Scope, state: RequestState, status: int, seconds: float) -> None:
+    def _finished(
+        self, scope: Scope, state: RequestState, status: int, seconds: float, streamed: bool
+    ) -> None:
         method = scope.get("method", WEBSOCKET_METHOD if scope["type"] == "websocket" else "")
         query = redacted_query(scope.get("query_string", b"").decode("latin-1"))
         path = scope.get("path", "") + (f"?{query}" if query else "")
@@ -255,4 +269,6 @@ class RequestIdMiddleware:
                    "duration_ms": ms},
         )  # fmt: skip
         if self.on_finished is not None:
-            self.on_finished(Finished(method, route_template(scope), status, seconds, state.error_type))
+            self.on_finished(
+                Finished(method, route_template(scope), status, seconds, state.error_type, streamed)
+            )

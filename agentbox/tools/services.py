@@ -19,7 +19,7 @@ from pathlib import Path
 from agentbox.machines.base import Machine
 from agentbox.machines.registry import DEFAULT_SESSION, Registry
 from agentbox.tools.knowledge import KnowledgeIndex, open_index
-from agentbox.workspace.commands import CommandManager
+from agentbox.workspace.commands import Command, CommandManager
 from agentbox.workspace.editor import Editor
 from agentbox.workspace.watch import WatchHub
 
@@ -48,8 +48,9 @@ class MachineServices:
         session_id: str = DEFAULT_SESSION,
         index_path: Path | None = None,
         on_command: Callable[[], None] | None = None,
+        on_command_end: Callable[[Command], None] | None = None,
     ) -> MachineServices:
-        commands = CommandManager(machine, on_command)
+        commands = CommandManager(machine, on_command, on_command_end)
         # The hub picks its source: inotify on host files, else the machine's own watch.
         return cls(session_id, machine, WatchHub(machine), commands, Editor(), index_path)
 
@@ -78,6 +79,8 @@ class Services:
         """Session id -> the machine its requests act on ("" = the default), as looked up once."""
         self.on_command: list[Callable[[], None]] = []
         """Called once per command any machine's CommandManager launches."""
+        self.on_command_end: list[Callable[[Command], None]] = []
+        """Called once per command any machine's CommandManager saw end, with its record."""
 
     def remember(self, session_id: str, machine: str) -> None:
         if len(self.routes) >= MAX_ROUTES:
@@ -94,13 +97,19 @@ class Services:
         """The services of a machine that is already open."""
         services = self._by_machine.get(id(machine))
         if services is None or services.machine is not machine:
-            services = MachineServices.of(machine, session_id, on_command=self._command_started)
+            services = MachineServices.of(
+                machine, session_id, on_command=self._command_started, on_command_end=self._command_ended
+            )
             self._by_machine[id(machine)] = services
         return services
 
     def _command_started(self) -> None:
         for hook in self.on_command:
             hook()
+
+    def _command_ended(self, command: Command) -> None:
+        for hook in self.on_command_end:
+            hook(command)
 
     async def forget(self, session_id: str) -> None:
         self.routes.pop(session_id, None)

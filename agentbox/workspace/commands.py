@@ -339,10 +339,17 @@ class ShellSession:
 class CommandManager:
     """Runs and remembers the commands of one machine; bounded in every count."""
 
-    def __init__(self, machine: Machine, on_start: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        machine: Machine,
+        on_start: Callable[[], None] | None = None,
+        on_end: Callable[[Command], None] | None = None,
+    ) -> None:
         self.machine = machine
         self.on_start = on_start
         """Called once per command launched (the server counts them for its metrics)."""
+        self.on_end = on_end
+        """Called once per command with its final record (status, start and end times)."""
         self._commands: dict[str, Command] = {}
         self._finished: deque[str] = deque()
         self._sessions: dict[str, ShellSession] = {}
@@ -513,6 +520,8 @@ class CommandManager:
         while len(self._finished) > MAX_COMMANDS_KEPT:
             del self._commands[self._finished.popleft()]
         cmd._notify()
+        if self.on_end is not None:
+            self.on_end(cmd)
 
     # -- looking and waiting ---------------------------------------------------------
 
