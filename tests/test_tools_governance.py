@@ -1071,6 +1071,24 @@ async def test_bad_arguments_unknown_tools_and_crashes_become_error_results(
     assert "tool crash failed" in caplog.text
 
 
+async def test_an_argument_no_tool_takes_is_refused_naming_the_real_ones(
+    machine: LocalMachine, db: Database
+) -> None:
+    """Dropped silently, `target: "web"` would run another search than the model asked for."""
+    tools = tools_for(machine, db, Tier.FULL_AUTO, real("exec", "todo_write"))
+    requests = Requests(tools.approvals)
+    wrong = await tools.call("exec", {"command": "touch ran", "target": "web"})
+    assert wrong.is_error, wrong.as_text()
+    assert "target: no such parameter" in wrong.as_text() and "command" in wrong.as_text()
+    assert requests.seen == [] and not (Path(machine.root) / "ran").exists()  # nothing ran
+    nested = await tools.call(
+        "todo_write", {"todos": [{"content": "a", "status": "pending", "colour": "red"}]}
+    )
+    assert nested.is_error and "colour" in nested.as_text(), nested.as_text()
+    for tool in real("exec", "todo_write").values():
+        assert tool.schema()["additionalProperties"] is False  # and the model is told so
+
+
 async def test_a_tool_asking_for_another_action_is_asked_separately(
     machine: LocalMachine, db: Database, tmp_path: Path
 ) -> None:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from agentbox.tools.services import MachineServices
@@ -182,6 +182,13 @@ class ToolContext(Protocol):
 
 
 Run = Callable[[ToolContext, Any], Awaitable[ToolResult]]
+
+
+class ToolParams(BaseModel):
+    """A tool's arguments. A name the tool does not take is refused, not dropped: a model that
+    passes `target: "web"` to a tool without one must hear so rather than get another search."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,14 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from agentbox.machines.base import Machine
 from agentbox.store.files import MAX_FILE_BYTES, FileStoreError
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.fileops import file_ops, within
 
-from .base import Action, Tool, ToolContext, ToolResult
+from .base import Action, Tool, ToolContext, ToolParams, ToolResult
 
 #: Files delivered per turn (seed 000: at most 10 deliveries a turn).
 MAX_DELIVERIES_PER_TURN = 10
@@ -51,7 +51,7 @@ DESCRIPTION = (
 )
 
 
-class DeliverParams(BaseModel):
+class DeliverParams(ToolParams):
     paths: list[str] | None = Field(
         default=None,
         description="Files to deliver: absolute paths in the machine, or relative to the workspace root.",

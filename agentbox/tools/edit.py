@@ -29,10 +29,10 @@ import errno
 import posixpath
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from agentbox.machines.base import FileStat, Machine
-from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolResult
+from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolParams, ToolResult
 from agentbox.tools.fingerprint import fingerprint
 from agentbox.tools.read import FAILURES, escape_message, escapes, is_dir, problem, remember, resolve
 from agentbox.workspace.editor import MAX_EDIT_BYTES, TextFile, checked_encode, occurrence_lines, too_large
@@ -45,7 +45,7 @@ class Refused(Exception):
     """An edit that cannot be planned; the message is for the model."""
 
 
-class EditSpec(BaseModel):
+class EditSpec(ToolParams):
     oldText: str = Field(description="Exact text to find (whitespace and indentation included).")
     newText: str = Field(description="Text to put in its place.")
     occurrence: int | None = Field(
@@ -53,7 +53,7 @@ class EditSpec(BaseModel):
     )
 
 
-class EditParams(BaseModel):
+class EditParams(ToolParams):
     path: str = Field(description="The file (or, for move/rename/delete, file or folder) to change.")
     mode: Mode = Field(
         default="replace",

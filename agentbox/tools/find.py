@@ -24,13 +24,13 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 from wcmatch import fnmatch as wc_fnmatch
 from wcmatch import glob as wc_glob
 
 from agentbox.machines.base import TRASH_DIR, ExecRequest, Machine
 from agentbox.machines.errors import MachineError
-from agentbox.tools.base import Action, Tool, ToolContext, ToolResult
+from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult
 from agentbox.tools.documents import IMAGE_EXTENSIONS
 from agentbox.tools.read import FAILURES, MAX_TEXT_BYTES, external_refusal, problem, resolve, stat_of
 from agentbox.workspace import grep as workspace_grep
@@ -214,7 +214,7 @@ def file_line(name: str, size: int | None) -> str:
 # --- list -----------------------------------------------------------------------------------------
 
 
-class ListParams(BaseModel):
+class ListParams(ToolParams):
     path: str = Field(
         default=".", description="Folder to list: relative to the workspace root (default `.`), or absolute."
     )
@@ -300,7 +300,7 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
 # --- glob -----------------------------------------------------------------------------------------
 
 
-class GlobParams(BaseModel):
+class GlobParams(ToolParams):
     pattern: str = Field(
         description="Glob such as `*.py` (any depth), `src/**/*.ts` or `docs/*.md`, relative to path."
     )
@@ -341,7 +341,7 @@ async def run_glob(ctx: ToolContext, p: GlobParams) -> ToolResult:
 # --- grep -----------------------------------------------------------------------------------------
 
 
-class GrepParams(BaseModel):
+class GrepParams(ToolParams):
     pattern: str = Field(
         description="Regular expression (Rust/ripgrep syntax), or exact text with literal=true."
     )

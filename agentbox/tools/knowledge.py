@@ -63,14 +63,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from agentbox.config import default_home
 from agentbox.machines.base import TRASH_DIR, Machine
 from agentbox.machines.errors import MachineError
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import Node
-from agentbox.tools.base import Action, Tool, ToolContext, ToolResult
+from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.watch import (
     DEFAULT_EXCLUDES,
@@ -1110,7 +1110,7 @@ async def open_index(machine: Machine, hub: WatchHub, db_path: Path | None = Non
 SearchFileType = Literal["markdown", "txt", "docx", "pdf", "image"]
 
 
-class SearchParams(BaseModel):
+class SearchParams(ToolParams):
     query: str = Field(
         min_length=1,
         max_length=MAX_QUERY_CHARS,

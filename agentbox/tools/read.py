@@ -29,11 +29,20 @@ import posixpath
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from agentbox.machines.base import FileStat, Machine
 from agentbox.machines.errors import MachineError, PathEscape
-from agentbox.tools.base import Action, ImageBlock, Operation, TextBlock, Tool, ToolContext, ToolResult
+from agentbox.tools.base import (
+    Action,
+    ImageBlock,
+    Operation,
+    TextBlock,
+    Tool,
+    ToolContext,
+    ToolParams,
+    ToolResult,
+)
 from agentbox.tools.documents import (
     IMAGE_EXTENSIONS,
     MAX_DOCUMENT_BYTES,
@@ -171,7 +180,7 @@ async def sniff(machine: Machine, inside: str) -> bytes:
 # --- parameters ----------------------------------------------------------------------------
 
 
-class ReadParams(BaseModel):
+class ReadParams(ToolParams):
     path: str = Field(description="File to read: relative to the workspace root, or absolute.")
     offset: int | None = Field(
         default=None,
@@ -204,7 +213,7 @@ class ReadParams(BaseModel):
     )
 
 
-class ReadImageParams(BaseModel):
+class ReadImageParams(ToolParams):
     path: str = Field(description="Image to view (png, jpg, jpeg, webp or gif), inside the workspace.")
 
 

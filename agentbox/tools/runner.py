@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from agentbox.machines.base import Machine
 from agentbox.machines.errors import MachineError
@@ -99,11 +99,15 @@ def denied(tool: str, message: str | None) -> str:
     return f"{text} Their message: {message}" if message else text
 
 
-def validation_problems(exc: ValidationError) -> str:
+def validation_problems(exc: ValidationError, params: type[BaseModel]) -> str:
     lines = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"]) or "(arguments)"
-        lines.append(f"- {where}: {error['msg']}")
+        if error["type"] == "extra_forbidden" and len(error["loc"]) == 1:
+            takes = ", ".join(params.model_fields)
+            lines.append(f"- {where}: no such parameter (the parameters are: {takes})")
+        else:
+            lines.append(f"- {where}: {error['msg']}")
     return "\n".join(lines)
 
 
@@ -178,7 +182,7 @@ class SessionTools:
         try:
             params = tool.params.model_validate(args)
         except ValidationError as exc:
-            return ToolResult.error(f"Invalid arguments for {name}:\n{validation_problems(exc)}")
+            return ToolResult.error(f"Invalid arguments for {name}:\n{validation_problems(exc, tool.params)}")
         if decision == Decision.ASK:
             refusal = await self.authorize(tool.action, name, {"arguments": args})
             if refusal is not None:

@@ -38,13 +38,13 @@ import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from agentbox.machines.base import ExecRequest, Machine
 from agentbox.workspace.commands import MAX_BUFFERED_OUTPUT, Command, CommandManager, OutputBuffer
 from agentbox.workspace.errors import WorkspaceError
 
-from .base import Action, Tool, ToolContext, ToolResult
+from .base import Action, Tool, ToolContext, ToolParams, ToolResult
 
 #: Deadline when the model gives none (seed 001: 120 s).
 DEFAULT_TIMEOUT_SECONDS = 120
@@ -83,7 +83,7 @@ DESCRIPTION = (
 )
 
 
-class ExecParams(BaseModel):
+class ExecParams(ToolParams):
     command: str = Field(description="The shell command line to run with /bin/sh -c.")
     cwd: str | None = Field(
         default=None,

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from agentbox.machines.base import FileStat, Machine
 from agentbox.machines.errors import MachineError
@@ -53,7 +53,7 @@ from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import HostView, Mount
 from agentbox.workspace.fileops import FileOps, HostOps, file_ops
 
-from .base import Action, Tool, ToolConfig, ToolContext, ToolResult
+from .base import Action, Tool, ToolConfig, ToolContext, ToolParams, ToolResult
 
 log = logging.getLogger(__name__)
 
@@ -343,11 +343,11 @@ READ_DESCRIPTION = (
 )
 
 
-class UseSkillParams(BaseModel):
+class UseSkillParams(ToolParams):
     name: str = Field(description="The skill's name, as the catalog lists it.")
 
 
-class ReadResourceParams(BaseModel):
+class ReadResourceParams(ToolParams):
     name: str = Field(description="The skill's name.")
     path: str = Field(description="The file's path relative to the skill's folder, e.g. `scripts/run.py`.")
     offset: int = Field(

@@ -8,9 +8,9 @@ permissions live there). A session without one says so instead of failing.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from agentbox.tools.base import Action, Tool, ToolContext, ToolResult
+from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult
 
 DESCRIPTION = (
     "Delegate a task to a subagent from the Available Agents list in the system prompt. The subagent "
@@ -23,7 +23,7 @@ DESCRIPTION = (
 )
 
 
-class TaskParams(BaseModel):
+class TaskParams(ToolParams):
     agent: str = Field(
         description="The subagent's name, as the Available Agents list in the system prompt gives it."
     )

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from .base import Action, Tool, ToolContext, ToolResult
+from .base import Action, Tool, ToolContext, ToolParams, ToolResult
 
 #: Items a list may hold.
 MAX_TODOS = 100
@@ -43,13 +43,13 @@ DESCRIPTION = (
 )
 
 
-class TodoItem(BaseModel):
+class TodoItem(ToolParams):
     id: str | None = Field(default=None, description="The item's id from the last list; omit for a new item.")
     content: str = Field(description="What to do, as a short imperative sentence.")
     status: Status = Field(description="pending, in_progress (at most one item) or completed.")
 
 
-class TodoParams(BaseModel):
+class TodoParams(ToolParams):
     todos: list[TodoItem] = Field(description="The whole task list, in order; an empty list clears it.")
 
 

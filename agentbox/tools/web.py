@@ -38,9 +38,9 @@ from typing import Any
 
 import html2text
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from .base import Action, Tool, ToolContext, ToolResult
+from .base import Action, Tool, ToolContext, ToolParams, ToolResult
 
 #: Body bytes read from one page (after content decoding); reading stops there and the result says so.
 MAX_FETCH_BYTES = 5 * 1024 * 1024
@@ -91,7 +91,7 @@ SEARCH_DESCRIPTION = (
 )
 
 
-class FetchParams(BaseModel):
+class FetchParams(ToolParams):
     url: str = Field(description="The http:// or https:// URL to fetch.")
     offset: int = Field(
         default=0,
@@ -100,7 +100,7 @@ class FetchParams(BaseModel):
     )
 
 
-class SearchParams(BaseModel):
+class SearchParams(ToolParams):
     query: str = Field(description="What to search for.")
     n: int = Field(
         default=DEFAULT_SEARCH_RESULTS,

@@ -18,10 +18,10 @@ from __future__ import annotations
 import posixpath
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from agentbox.machines.base import Machine
-from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolResult
+from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolParams, ToolResult
 from agentbox.tools.fingerprint import ABSENT, fingerprint
 from agentbox.tools.read import FAILURES, escape_message, escapes, problem, read_capped, remember, resolve
 from agentbox.workspace.editor import MAX_EDIT_BYTES
@@ -31,7 +31,7 @@ from agentbox.workspace.fileops import Resolved, file_ops
 MAX_WRITE_BYTES = MAX_EDIT_BYTES
 
 
-class WriteParams(BaseModel):
+class WriteParams(ToolParams):
     path: str = Field(
         description="Where to create the file or folder: relative to the workspace root, or absolute."
     )
