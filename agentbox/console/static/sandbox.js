@@ -52,7 +52,7 @@ class SandboxPage {
     this.rootList = h("ul", { class: "tree", id: "tree" });
     this.viewer = h("div", { class: "viewer", id: "viewer" }, h("p", { class: "dim" }, "Choose a file."));
     this.events = h("ol", { class: "watch", id: "watch" });
-    this.watchState = h("span", { class: "dim" }, "starting…");
+    this.watchState = h("span", { class: "dim", id: "watch-state" }, "starting…");
     this.target = h("code", { id: "upload-target" }, ROOT_DIR);
     const input = h("input", { type: "file", name: "upload", multiple: true });
     const upload = h(
@@ -72,7 +72,7 @@ class SandboxPage {
       h(
         "div",
         { class: "sandbox-body" },
-        h("section", { class: "card files-pane" }, h("h2", {}, "Files"), h("div", { class: "tree-root" }, h("button", { type: "button", class: "link dir", onclick: () => this.choose(ROOT_DIR) }, ROOT_DIR)), this.rootList, upload),
+        h("section", { class: "card files-pane" }, h("h2", {}, "Files"), h("div", { class: "tree-root" }, h("button", { type: "button", class: "link dir", id: "tree-root", onclick: () => this.choose(ROOT_DIR) }, ROOT_DIR)), this.rootList, upload),
         h("section", { class: "card view-pane" }, this.viewer),
         h("section", { class: "card watch-pane" }, h("h2", {}, "Changes (live) ", this.watchState), this.events),
       ),

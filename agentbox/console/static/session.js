@@ -34,6 +34,7 @@ class SessionPage {
     this.tools = new Map(); // tool_use_id → {card, approval, subagents, result}
     this.replies = new Map(); // turn_id → the reply being streamed (text element)
     this.changeSets = new Map(); // change set id → its card
+    this.announced = new Set(); // change set ids the conversation has mentioned
     this.running = false;
     this.build(main);
     this.refreshSession();
@@ -198,7 +199,7 @@ class SessionPage {
   }
 
   userMessage(event) {
-    const files = (event.files || []).map((f) => h("li", {}, `📎 ${f.filename}`));
+    const files = (event.files || []).map((f) => h("li", {}, `attached: ${f.filename}`));
     this.add(
       h("li", { class: "message user", "data-type": event.type }, h("div", { class: "who" }, "You"), h("div", { class: "text" }, String(event.content || "")), files.length ? h("ul", { class: "attached" }, files) : null),
       event,
@@ -343,7 +344,8 @@ class SessionPage {
 
   changeSet(event) {
     const id = event.change_set_id;
-    if (!this.changeSets.has(id)) this.note(event, `Changes staged for review in ${id}.`);
+    if (!this.announced.has(id)) this.note(event, `Changes staged for review in ${id}.`);
+    this.announced.add(id);
     this.loadChangeSet(id);
   }
 
