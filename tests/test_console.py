@@ -70,7 +70,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def playwright() -> Iterator[Playwright]:
     if not Path(CHROMIUM).exists():
-        pytest.fail("Debian's chromium is not installed (scripts/test.sh installs it: apt-get install chromium)")
+        pytest.fail(
+            "Debian's chromium is not installed (scripts/test.sh installs it: apt-get install chromium)"
+        )
     with sync_playwright() as p:
         yield p
 
@@ -143,7 +145,12 @@ def png(width: int, height: int) -> bytes:
 
     rows = b"".join(b"\x00" + b"\x2f\x6f\xde" * width for _ in range(height))
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
 
 
 def workspace_names(api: httpx.Client, sid: str) -> set[str]:
@@ -436,7 +443,9 @@ def test_only_a_cookie_made_with_the_key_and_not_expired_counts(server: Server) 
 def test_login_sets_a_strict_httponly_cookie_and_logout_clears_it(server: Server) -> None:
     wrong = httpx.post(server.url + "/console/login", json={"api_key": "nope"})
     assert wrong.status_code == 401 and "set-cookie" not in wrong.headers
-    assert httpx.post(server.url + "/console/login", data={"api_key": KEY}).status_code == 415  # no form posts
+    assert (
+        httpx.post(server.url + "/console/login", data={"api_key": KEY}).status_code == 415
+    )  # no form posts
     r = httpx.post(server.url + "/console/login", json={"api_key": KEY})
     set_cookie = r.headers["set-cookie"]
     assert r.status_code == 204 and set_cookie.startswith(f"{COOKIE}=")

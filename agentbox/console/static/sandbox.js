@@ -139,7 +139,7 @@ class SandboxPage {
     try {
       const file = await data("GET", `${this.prefix}/v2/fs/read`, { params: { path: entry.path, end_line: VIEW_LINES } });
       const cut = file.line_count > VIEW_LINES ? h("p", { class: "dim" }, `The first ${VIEW_LINES} of ${file.line_count} lines.`) : null;
-      this.viewer.replaceChildren(head, h("pre", { class: "file-text" }, file.content), cut);
+      this.viewer.replaceChildren(...[head, h("pre", { class: "file-text" }, file.content), cut].filter(Boolean));
     } catch (error) {
       this.viewer.replaceChildren(head, h("p", { class: "dim" }, `Not shown as text (${error.message}). Download it instead.`));
     }

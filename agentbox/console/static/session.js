@@ -12,8 +12,8 @@ import { machineOf } from "./sessions.js";
 const RESULT_PREVIEW_CHARS = 160;
 //: Milliseconds between two reads of the session's record (status, usage) while the view is open.
 const STATUS_POLL_MS = 3000;
-//: Turn events after which no turn runs.
-const TURN_ENDS = new Set(["turn.completed", "turn.aborted", "turn.failed"]);
+//: Milliseconds after an event that changes the session's status before its record is read again.
+const STATUS_SETTLE_MS = 150;
 
 export function sessionView(main, sessionId) {
   const base = `/v1/sessions/${encodeURIComponent(sessionId)}`;
@@ -39,12 +39,21 @@ class SessionPage {
     this.build(main);
     this.refreshSession();
     this.timer = setInterval(() => this.refreshSession(), STATUS_POLL_MS);
-    this.source = stream(`${base}/events/stream`, { deltas: true }, this.handlers(), (state) => this.connection(state));
+    const handlers = this.handlers();
+    for (const type of ["turn.queued", "turn.started", "turn.completed", "turn.aborted", "turn.failed", "approval.requested", "approval.resolved"]) {
+      const handle = handlers[type];
+      handlers[type] = (event) => {
+        handle(event);
+        this.refreshSoon();
+      };
+    }
+    this.source = stream(`${base}/events/stream`, { deltas: true }, handlers, (state) => this.connection(state));
   }
 
   close() {
     this.source.close();
     clearInterval(this.timer);
+    clearTimeout(this.soon);
   }
 
   // ------------------------------------------------------------------ layout
@@ -139,6 +148,11 @@ class SessionPage {
         clearInterval(this.timer);
       }
     }
+  }
+
+  refreshSoon() {
+    clearTimeout(this.soon);
+    this.soon = setTimeout(() => this.refreshSession(), STATUS_SETTLE_MS);
   }
 
   setRunning(running) {
@@ -277,7 +291,7 @@ class SessionPage {
     const card = h(
       "div",
       { class: "approval pending", "data-approval": event.approval_id },
-      h("div", {}, h("strong", {}, "Approval needed: "), `${event.tool} wants to ${event.action}`),
+      h("div", {}, h("strong", { class: "asked" }, "Approval needed: "), `${event.tool} wants to ${event.action}`),
       tool ? null : h("pre", {}, pretty((event.detail || {}).arguments || event.detail)),
       buttons,
       outcome,
@@ -304,6 +318,7 @@ class SessionPage {
     card.classList.remove("pending");
     card.classList.add(event.decision === "allow" ? "allowed" : "denied");
     card.querySelector(".choices")?.remove();
+    card.querySelector(".asked").textContent = "Asked: ";
     const scope = event.decision === "allow" && event.scope === "session" ? " for the session" : "";
     const why = event.message ? `: ${event.message}` : "";
     card.querySelector(".outcome").textContent = `${event.decision === "allow" ? "Allowed" : "Denied"}${scope}${why}`;
