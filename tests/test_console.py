@@ -167,6 +167,7 @@ def test_a_session_from_login_to_review_in_the_browser(
     page = browsing.page()
     page.goto(server.url + "/")
     expect(page).to_have_url(server.url + "/console/")
+    expect(page.get_by_role("button", name="Log out")).to_be_hidden()
     # a wrong key is refused, the right one signs in
     page.get_by_label("API key").fill("not-the-key")
     page.get_by_role("button", name="Sign in").click()
@@ -309,6 +310,24 @@ def test_abort_and_deny_from_the_page(server: Server, browsing: Browsing, api: h
     expect(page.locator("#conversation .turn-end.aborted")).to_be_visible()
     turns = api.get(f"/v1/sessions/{sid}/turns").json()["items"]
     assert [t["status"] for t in turns] == ["completed", "aborted"]
+
+
+def test_a_subagent_shows_in_the_call_that_started_it(
+    server: Server, browsing: Browsing, api: httpx.Client
+) -> None:
+    task = {"name": "task", "input": {"agent": "explore", "prompt": "look", "description": "a look"}}
+    script = [{"tool_calls": [{**task, "script": [{"text": "found it"}]}]}, {"text": "Thanks."}]
+    sid = api.post("/v1/sessions", json={"model": "scripted", "script": script}).json()["id"]
+    api.post(f"/v1/sessions/{sid}/messages", json={"content": "delegate"})
+    page = browsing.page()
+    log_in(page, server)
+    page.goto(f"{server.url}/console/#/sessions/{sid}")
+    card = page.locator('[data-tool-use="toolu_s0_0"]')
+    expect(card.locator(".subagent")).to_have_text(
+        ["↳ explore started: a look", "↳ explore completed after 1 model calls"]
+    )
+    expect(card.locator(".result summary")).to_contain_text("found it")
+    expect(page.locator(".message.agent .text")).to_have_text("Thanks.")
 
 
 # ---------------------------------------------------------------- /docs without a network

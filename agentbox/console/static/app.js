@@ -30,7 +30,7 @@ async function show() {
     main.append(h("p", { class: "error" }, `The server does not answer: ${error.message}`));
     return;
   }
-  logout.hidden = !state.key_required;
+  logout.hidden = !(state.key_required && state.signed_in);
   if (!state.signed_in) {
     loginForm();
     return;

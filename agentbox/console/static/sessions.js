@@ -13,6 +13,7 @@ const MODES = ["", "read-only", "workspace-write", "full-ask", "full-auto", "pla
 export function sessionsView(main) {
   const rows = h("tbody");
   const problem = h("p", { class: "error", hidden: true });
+  const more = h("p", { class: "dim", hidden: true }, `Showing the first ${PAGE} sessions the API lists.`);
   main.append(
     h(
       "section",
@@ -24,6 +25,7 @@ export function sessionsView(main) {
         h("thead", {}, h("tr", {}, ["Session", "Status", "Model", "Machine", "Mode", "Tokens", "Last activity"].map((t) => h("th", {}, t)))),
         rows,
       ),
+      more,
       problem,
     ),
     createForm(),
@@ -35,6 +37,7 @@ export function sessionsView(main) {
       const page = await get("/v1/sessions", { limit: PAGE });
       const items = [...page.items].sort((a, b) => (b.updated_at || "").localeCompare(a.updated_at || ""));
       rows.replaceChildren(...(items.length ? items.map(row) : [h("tr", {}, h("td", { colspan: 7, class: "dim" }, "No sessions yet."))]));
+      more.hidden = !page.has_more;
       problem.hidden = true;
     } catch (error) {
       problem.hidden = false;
