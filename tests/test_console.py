@@ -330,6 +330,19 @@ def test_a_subagent_shows_in_the_call_that_started_it(
     expect(page.locator(".message.agent .text")).to_have_text("Thanks.")
 
 
+def test_a_failed_turn_shows_its_error(server: Server, browsing: Browsing, api: httpx.Client) -> None:
+    script = [{"expect": {"tool_result_contains": "nope"}}]  # the model's first call fails
+    sid = api.post("/v1/sessions", json={"model": "scripted", "script": script}).json()["id"]
+    api.post(f"/v1/sessions/{sid}/messages", json={"content": "x"})
+    page = browsing.page()
+    log_in(page, server)
+    page.goto(f"{server.url}/console/#/sessions/{sid}")
+    why = "expected a tool result containing 'nope', but there is none"
+    expect(page.locator('#conversation [data-type="session.error"]')).to_contain_text("Error (script_error)")
+    expect(page.locator("#conversation .turn-end.failed")).to_contain_text(why)
+    expect(page.locator("#abort")).to_be_disabled()
+
+
 # ---------------------------------------------------------------- /docs without a network
 
 
