@@ -14,6 +14,12 @@ if ! command -v dockerd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &&
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io >/dev/null
 fi
+# Debian's chromium: tests/test_console.py drives it headless through Playwright (never
+# `playwright install`, which would download a browser of its own).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+fi
 # A real sshd, inotifywait and ripgrep on the "remote" host for the ssh machine kind's tests
 # (tests/test_ssh_machine.py, tests/test_remote_files.py): searches run the remote host's rg.
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

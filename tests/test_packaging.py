@@ -104,6 +104,14 @@ def test_pip_install_without_flags_in_a_fresh_venv(tmp_path: Path) -> None:
     )
     assert version.returncode == 0, version.stderr
     assert version.stdout.strip() == f"agentbox {__version__}"
+    # the console's page and modules are package data: a plain install delivers them
+    listed = subprocess.run(
+        [str(env_dir / "bin" / "python"), "-c",
+         "from agentbox.console.pages import STATIC; print(*sorted(p.name for p in STATIC.iterdir()))"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert {"index.html", "app.js", "session.js", "style.css"} <= set(listed.stdout.split())
 
 
 def readme_sdk_install() -> str:

@@ -16,13 +16,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.middleware.base import RequestResponseEndpoint
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from agentbox import __version__
+from agentbox import __version__, console
 from agentbox.api import files as files_api
 from agentbox.api import sandboxes as sandboxes_api
 from agentbox.api import sessions as sessions_api
@@ -35,11 +36,11 @@ from agentbox.api.envelope import (
     http_refusal,
     query_error,
     refused,
-    request_fields,
+    unauthorized,
 )
 from agentbox.api.guard import Guard, GuardMiddleware
 from agentbox.api.metrics import Metrics
-from agentbox.api.observe import RequestIdMiddleware, note_error
+from agentbox.api.observe import RequestIdMiddleware
 from agentbox.api.routing import add_sandbox_routes
 from agentbox.config import Settings
 from agentbox.e2b import E2B, E2BDispatch, SandboxTable
@@ -52,7 +53,12 @@ from agentbox.workspace.errors import WorkspaceError, translate
 ROUTERS = [v2_fs, v2_watch, v2_commands, v2_sandbox, v1_file, v1_shell, v1_bash, v1_sandbox]
 #: Paths served without an API key. `/metrics` is not one: it needs the key when one is set
 #: (route and machine names, counts). `/ready` is, like `/health`: probes carry no key.
-OPEN_PATHS = {"/health", "/ready", "/docs", "/openapi.json", "/docs/oauth2-redirect"}
+#: The console's page, assets and login routes are open too (they carry no data, see
+#: `agentbox.console`), and so are the docs page's assets.
+OPEN_PATHS = {"/health", "/ready", "/docs", "/openapi.json", "/docs/oauth2-redirect", *console.OPEN_PATHS}
+#: Where the docs page's Swagger UI assets are served (from the `fastapi-offline` package, no CDN).
+DOCS_ASSETS = "/docs/assets"
+OPEN_PREFIXES = (DOCS_ASSETS + "/", *console.OPEN_PREFIXES)
 
 
 def presented_key(request: Request) -> str | None:
@@ -65,19 +71,9 @@ def presented_key(request: Request) -> str | None:
     return request.query_params.get("api_key")
 
 
-def unauthorized() -> JSONResponse:
-    note_error("unauthorized")
-    return JSONResponse(
-        {
-            "success": False,
-            "message": "missing or invalid API key",
-            "data": None,
-            "hint": None,
-            **request_fields(),
-        },
-        status_code=401,
-        headers={"WWW-Authenticate": "Bearer"},
-    )
+def open_path(path: str) -> bool:
+    """Whether `path` is served without an API key."""
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
@@ -98,19 +94,23 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
                 await e2b.close()
                 app.state.system = None  # `/ready` answers 503 from here on
 
-    app = FastAPI(title="agentbox", version=__version__, lifespan=lifespan)
+    # Swagger UI and ReDoc from the package's own copies: `/docs` works without internet.
+    app = FastAPIOffline(title="agentbox", version=__version__, lifespan=lifespan, static_url=DOCS_ASSETS)
     app.state.settings = settings
     if settings.api_key:
-        key = settings.api_key.encode()
+        secret = settings.api_key
+        key = secret.encode()
 
         @app.middleware("http")
         async def require_api_key(request: Request, call_next: RequestResponseEndpoint) -> Response:
             given = presented_key(request)
-            if request.url.path not in OPEN_PATHS and (
-                given is None or not hmac.compare_digest(given.encode(), key)
+            if (
+                open_path(request.url.path)
+                or (given is not None and hmac.compare_digest(given.encode(), key))
+                or console.signed_in(request, secret)  # the console's cookie
             ):
-                return unauthorized()
-            return await call_next(request)
+                return await call_next(request)
+            return unauthorized()
 
     @app.exception_handler(WorkspaceError)
     async def workspace_error(request: Request, exc: WorkspaceError) -> Response:
@@ -181,6 +181,8 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     app.include_router(sessions_api.router)
     # `/v1/sandboxes`: once, at the root; the lifecycle of the sandboxes the routes above reach.
     app.include_router(sandboxes_api.router)
+
+    console.add_console(app)  # `/console` and `/` (see agentbox.console)
 
     # MCP over streamable HTTP: an ASGI app on the exact path `/mcp` (as the SDK routes it).
     app.router.routes.append(Route("/mcp", endpoint=mcp_http, include_in_schema=False))

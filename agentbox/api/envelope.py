@@ -192,6 +192,22 @@ def body_errors(errors: Sequence[Any], location_prefix: str = "body") -> JSONRes
     )  # fmt: skip
 
 
+def unauthorized() -> JSONResponse:
+    """401: no API key, a wrong one, or no login cookie that counts (see `agentbox.console.login`)."""
+    note_error("unauthorized")
+    return JSONResponse(
+        {
+            "success": False,
+            "message": "missing or invalid API key",
+            "data": None,
+            "hint": None,
+            **request_fields(),
+        },
+        status_code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
 def request_fields() -> dict[str, str]:
     """`{"request_id": ...}` while serving a request (what every failure body carries), else {}."""
     state = current_request()
