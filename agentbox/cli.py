@@ -69,7 +69,6 @@ def serve(
     The server owns its home (`agentbox.home`): a second one on the same home is refused
     before anything starts, and once listening it records its URL for `exec`, `mcp`, `run`.
     """
-    from agentbox.api.app import create_app
     from agentbox.home import HomeError, claim_home
 
     try:
@@ -88,6 +87,8 @@ def serve(
     except HomeError as exc:
         typer.echo(f"agentbox serve: {exc}", err=True)
         raise typer.Exit(2) from None
+    from agentbox.api.app import create_app  # the whole server: after every refusal
+
     with claim:
         typer.echo(f"agentbox serving on http://{host}:{port} (home {settings.home})", err=True)
         url = f"http://{reachable_host(host)}:{port}"
