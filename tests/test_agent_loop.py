@@ -140,6 +140,7 @@ async def test_a_scripted_turn_runs_tools_and_records_every_event(kit: Kit) -> N
     result = next(e for e in events if e.type == "agent.tool_result")
     assert use.data["permission"] == "allow" and use.data["name"] == "bash"
     assert result.data["tool_use_id"] == use.data["tool_use_id"] and not result.data["is_error"]
+    assert result.data["name"] == "bash"  # a reader of results alone knows which tool spoke
     assert "hello" in result.data["content"][0]["text"]
     ready = next(e for e in events if e.type == "sandbox.ready")
     assert ready.data["state"] == "created"

@@ -797,8 +797,8 @@ def _record_result(
     insert_message(conn, session_id, turn_id, "tool", content, tool_use_id=tool_use_id)
     result = insert_event(
         conn, session_id, turn_id, "agent.tool_result",
-        {"tool_use_id": tool_use_id, "content": [{"type": "text", "text": text}], "is_error": is_error,
-         "files": [dict(f) for f in files]},
+        {"tool_use_id": tool_use_id, "name": name, "content": [{"type": "text", "text": text}],
+         "is_error": is_error, "files": [dict(f) for f in files]},
     )  # fmt: skip
     return [result, *(insert_event(conn, session_id, turn_id, e.type, e.data) for e in events)]
 
