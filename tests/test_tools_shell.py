@@ -13,13 +13,16 @@ import pytest
 import pytest_asyncio
 from conftest import SANDBOX_DEADLINE, host_pid_of, traversable
 
+from agentbox.agent.prompt import assemble
 from agentbox.ids import SANDBOX, new_id
+from agentbox.machines.base import TRASH_DIR
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
 from agentbox.tools.base import Action, FileStore, Operation, TextBlock, TodoStore, ToolConfig, ToolResult
 from agentbox.tools.services import MachineServices
 from agentbox.tools.shell import (
     DEFAULT_TIMEOUT_SECONDS,
     EXEC,
+    FALLBACK_SHELL,
     MAX_CAPTURE_BYTES,
     MAX_TIMEOUT_SECONDS,
     MIN_TIMEOUT_SECONDS,
@@ -29,7 +32,7 @@ from agentbox.tools.shell import (
     TIMEOUT_EXIT_CODE,
     ExecParams,
     secret_names,
-    without_env,
+    shell_command,
 )
 from agentbox.workspace.commands import KEPT_HEAD_BYTES
 
@@ -342,8 +345,44 @@ async def test_secret_name_pattern() -> None:
         ["AWS_SECRET_ACCESS_KEY", "api_key", "SSH_AUTH_SOCK", "MYSQL_PWD_PASSWORD", "GPG_PASSPHRASE",
          "GOOGLE_APPLICATION_CREDENTIALS", "SESSION_COOKIE", "PRIVATE_URL"]
     )  # fmt: skip
-    assert without_env("echo hi", []) == "echo hi"
-    assert without_env("echo 'hi'", ["A_KEY"]) == "exec env -u A_KEY /bin/sh -c 'echo '\"'\"'hi'\"'\"''"
+    assert shell_command("echo hi", FALLBACK_SHELL) == "echo hi"
+    assert shell_command("echo 'hi'", FALLBACK_SHELL, ["A_KEY"]) == (
+        "exec env -u A_KEY /bin/sh -c 'echo '\"'\"'hi'\"'\"''"
+    )
+    assert shell_command("echo hi", "/usr/bin/bash") == "exec /usr/bin/bash -c 'echo hi'"
+
+
+# -- the shell ---------------------------------------------------------------------------
+
+
+async def test_commands_run_with_bash_where_the_machine_has_it(machine: SandboxMachine) -> None:
+    """Models write bash: `[[ ]]`, arrays and brace expansion work, and BASH_VERSION is set."""
+    result = await run(machine, 'a=(x y); [[ ${#a[@]} -eq 2 ]] && echo {1..3} "$BASH_VERSION"')
+    assert not result.is_error, text(result)
+    assert "1 2 3 5." in text(result)  # Debian's bash 5
+
+
+class NoBash:
+    """The sandbox as a machine without bash: `find_program` finds none."""
+
+    def __init__(self, machine: SandboxMachine) -> None:
+        self._machine = machine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._machine, name)
+
+    async def find_program(self, name: str) -> str | None:
+        return None if name == "bash" else await self._machine.find_program(name)
+
+
+async def test_a_machine_without_bash_runs_sh_and_the_prompt_says_so(machine: SandboxMachine) -> None:
+    plain = NoBash(machine)
+    result = await EXEC.run(Ctx(plain), ExecParams(command='echo "[${BASH_VERSION:-none}]"'))
+    assert "[none]" in text(result)
+    assert "Shell: /bin/sh " in await assemble("", plain)  # type: ignore[arg-type]
+    prompt = await assemble("", machine)
+    assert "Shell: /usr/bin/bash (" in prompt
+    assert TRASH_DIR not in prompt  # the listing beside it leaves the trash out
 
 
 # -- permission --------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import date
 
-from agentbox.machines.base import Machine, environment_line
+from agentbox.machines.base import TRASH_DIR, Machine, environment_line
+from agentbox.tools.shell import exec_shell
 from agentbox.tools.skills import Skill, catalog_text
 from agentbox.workspace.fileops import file_ops
 
@@ -128,6 +129,7 @@ async def facts(machine: Machine | None, today: date) -> str:
     if machine is not None:
         lines.append(environment_line(machine))
         lines.append(f"Working directory: {machine.root}")
+        lines.append(f"Shell: {await exec_shell(machine)} (the exec tool runs each command with it, -c)")
         listing = await directory_listing(machine)
         if listing:
             lines.append(f"Directory structure:\n{listing}")
@@ -140,9 +142,10 @@ async def directory_listing(machine: Machine) -> str:
         entries = await file_ops(machine).listdir(machine.root)
     except Exception:  # an unreadable root leaves the listing out rather than failing the prompt
         return ""
-    names = [  # a link is listed as itself, wherever it leads
+    names = [  # a link is listed as itself, wherever it leads; the trash is no entry of the agent's
         e.name + ("/" if e.stat.is_dir and not e.stat.is_symlink else "")
         for e in sorted(entries, key=lambda e: e.name)
+        if e.name != TRASH_DIR
     ]
     shown = names[:MAX_LISTING_ENTRIES]
     lines = [f"- {name}" for name in shown]

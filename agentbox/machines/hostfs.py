@@ -25,6 +25,8 @@ from agentbox.machines.hostview import HostView
 Owner = tuple[int, int]
 #: Flags of the part `write_stream` stages beside its target.
 _PART_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Where `find_program` looks, in order: the directories of a machine's default PATH.
+PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin")
 #: Flags of a file `create` makes (the view adds no-follow and close-on-exec).
 _NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 
@@ -75,7 +77,21 @@ class HostFiles:
         return uid, gid
 
     async def find_program(self, name: str) -> str | None:
-        return self.ripgrep if name == "rg" else None
+        """`rg` is the one the kind names; anything else is looked up in `PROGRAM_DIRS` as the
+        machine sees them (a directory outside the view finds nothing)."""
+        if name == "rg":
+            return self.ripgrep
+        if not name or "/" in name or "\0" in name:
+            return None
+        for directory in PROGRAM_DIRS:
+            path = f"{directory}/{name}"
+            try:
+                found = await self.stat(path)
+            except (MachineError, OSError):
+                continue
+            if found is not None and found.is_file and found.mode & 0o111:
+                return path
+        return None
 
     async def user_ids(self, user: str) -> Owner:
         return self.owner_of(user)

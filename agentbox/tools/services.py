@@ -19,6 +19,7 @@ from pathlib import Path
 from agentbox.machines.base import Machine
 from agentbox.machines.registry import DEFAULT_SESSION, Registry
 from agentbox.tools.knowledge import KnowledgeIndex, open_index
+from agentbox.tools.shell import exec_shell
 from agentbox.workspace.commands import Command, CommandManager
 from agentbox.workspace.editor import Editor
 from agentbox.workspace.watch import WatchHub
@@ -40,6 +41,7 @@ class MachineServices:
     """Where the knowledge index lives; None: beside the machine's workspace or in the home."""
     _index: KnowledgeIndex | None = field(default=None, repr=False)
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    _shell: str | None = field(default=None, repr=False)
 
     @classmethod
     def of(
@@ -53,6 +55,12 @@ class MachineServices:
         commands = CommandManager(machine, on_command, on_command_end)
         # The hub picks its source: inotify on host files, else the machine's own watch.
         return cls(session_id, machine, WatchHub(machine), commands, Editor(), index_path)
+
+    async def shell(self) -> str:
+        """The shell the `exec` tool runs commands with here, looked up once (`exec_shell`)."""
+        if self._shell is None:
+            self._shell = await exec_shell(self.machine)
+        return self._shell
 
     async def knowledge(self) -> KnowledgeIndex:
         """The machine's knowledge index, opened (attached to this watch hub, refreshed) on first use."""

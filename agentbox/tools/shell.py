@@ -1,6 +1,8 @@
 """The `exec` tool (seed 000's `bash`, seed 001's `exec`, Flue's `bash`): one command, one result.
 
-Each call is a fresh non-interactive `/bin/sh -c` in its own process group, run by the
+Each call is a fresh non-interactive shell, `bash -c` where the machine has bash (what models
+write for: `[[ ]]`, arrays, `source`) and `/bin/sh -c` where it does not, so the system prompt
+names the one in use (`Shell:`). It runs in its own process group, run by the
 layer-2 command engine (`workspace.commands.CommandManager`): it drains both pipes to the
 end whatever it keeps, kills the whole group on timeout or cancellation, and reaps what the
 command left behind when it ends. No shell state carries over between calls. The engine is
@@ -27,7 +29,7 @@ Secrets: a sandbox's environment is already clean (nothing of the server's leaks
 a machine injects its configured variables (env providers) into every command. Variables
 whose names look secret (`SECRET_ENV_PATTERN`) are removed for tool commands unless the
 session allows them by name (`ToolConfig.exec_env_allow`). `Machine` has no way to drop a
-variable it injects, so the command is started as `exec env -u NAME ... /bin/sh -c <command>`.
+variable it injects, so the command is started as `exec env -u NAME ... <shell> -c <command>`.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ TIMEOUT_EXIT_CODE = 124
 #: Folder inside the machine where the full captured output of a cut result is saved; it is
 #: per sandbox lifetime (/tmp resets when a sandbox is rebuilt, seed 000).
 OUTPUT_DIR = "/tmp/agentbox-output"
+#: The shell `exec` prefers, looked up in the machine (`Machine.find_program`).
+PREFERRED_SHELL = "bash"
+#: The shell of a machine without the preferred one (POSIX: every machine has it).
+FALLBACK_SHELL = "/bin/sh"
 #: Variable names treated as secrets (case-insensitive, anywhere in the name); `AUTHOR`
 #: (GIT_AUTHOR_NAME) is not a secret.
 SECRET_ENV_PATTERN = re.compile(
@@ -71,7 +77,8 @@ SECRET_ENV_PATTERN = re.compile(
 )
 
 DESCRIPTION = (
-    "Run a shell command (`/bin/sh -c`) in the machine, non-interactively, in a fresh process each time "
+    "Run a shell command in the machine (`bash -c`, or `/bin/sh -c` where the machine has no bash: the "
+    "system prompt's Shell line says which), non-interactively, in a fresh process each time "
     "(no shell state, `cd` or `export` carries over; use `cwd` for the working directory, default the "
     f"workspace root). `timeoutSeconds` is the deadline ({MIN_TIMEOUT_SECONDS}-{MAX_TIMEOUT_SECONDS}, "
     f"default {DEFAULT_TIMEOUT_SECONDS}); on timeout the command and everything it started is killed and "
@@ -84,7 +91,9 @@ DESCRIPTION = (
 
 
 class ExecParams(ToolParams):
-    command: str = Field(description="The shell command line to run with /bin/sh -c.")
+    command: str = Field(
+        description="The command line, run with the machine's shell (`bash -c` or `/bin/sh -c`)."
+    )
     cwd: str | None = Field(
         default=None,
         description="Working directory inside the machine (absolute, or relative to the workspace root). "
@@ -131,8 +140,9 @@ async def run_exec(ctx: ToolContext, params: ExecParams) -> ToolResult:
             return ToolResult.error(problem)
     hidden = secret_names(machine_env(machine), ctx.config.exec_env_allow)
     manager = ctx.services.commands if ctx.services is not None else CommandManager(machine)
+    shell = await ctx.services.shell() if ctx.services is not None else await exec_shell(machine)
     try:
-        cmd = await manager.run(without_env(params.command, hidden), cwd=params.cwd, timeout=timeout)
+        cmd = await manager.run(shell_command(params.command, shell, hidden), cwd=params.cwd, timeout=timeout)
     except WorkspaceError as exc:
         return ToolResult.error(f"Could not run the command: {exc.message}")
     return await _result(machine, cmd, timeout)
@@ -165,15 +175,20 @@ def secret_names(env: Mapping[str, str], allow: Iterable[str] = ()) -> list[str]
     return sorted(name for name in env if SECRET_ENV_PATTERN.search(name) and name not in allowed)
 
 
-def without_env(command: str, names: Iterable[str]) -> str:
-    """`command` run with the variables `names` removed from its environment.
+async def exec_shell(machine: Machine) -> str:
+    """The shell `exec` runs commands with on `machine`: bash where it has one, else /bin/sh."""
+    return await machine.find_program(PREFERRED_SHELL) or FALLBACK_SHELL
+
+
+def shell_command(command: str, shell: str, hidden: Iterable[str] = ()) -> str:
+    """What the engine's `/bin/sh -c` runs: `command` under `shell`, without the variables `hidden`.
 
     `exec` keeps the process (and its group) the same: the engine still kills and reaps it.
     """
-    unset = " ".join(f"-u {shlex.quote(name)}" for name in names)
-    if not unset:
+    unset = " ".join(f"-u {shlex.quote(name)}" for name in hidden)
+    if shell == FALLBACK_SHELL and not unset:
         return command
-    return f"exec env {unset} /bin/sh -c {shlex.quote(command)}"
+    return f"exec {f'env {unset} ' if unset else ''}{shlex.quote(shell)} -c {shlex.quote(command)}"
 
 
 # -- the result -------------------------------------------------------------------------
