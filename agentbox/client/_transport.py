@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -38,9 +38,9 @@ HEARTBEAT_S = 15.0
 STREAM_SILENCE_S = 3 * HEARTBEAT_S
 #: Times in a row a broken stream is opened again without receiving anything new, then `StreamLost`:
 #: with the waits below, about 15 s, long enough for a server to restart and recover its turns.
-RECONNECTS = 6
-#: Seconds before the first reconnect in a row; doubled for each further one, up to the most below
-#: (0.5 + 1 + 2 + 4 + 4 + 4 = 15.5 s in all).
+RECONNECTS = 7
+#: Seconds before the second reconnect in a row (the first is at once); doubled for each further
+#: one, up to the most below (0.5 + 1 + 2 + 4 + 4 + 4 = 15.5 s in all).
 RECONNECT_DELAY_S = 0.5
 RECONNECT_MAX_DELAY_S = 4.0
 #: Bytes read per piece of a download that is streamed to a file.
@@ -133,7 +133,6 @@ class Resume:
     failures: int = 0
     """Connections in a row that ended without a new event."""
     progressed: bool = False
-    reason: str = field(default="")
 
     def seen(self, seq: int) -> bool:
         """Record an event; False if it is one already seen (skip it)."""
@@ -145,8 +144,8 @@ class Resume:
     def broke(self, reason: str) -> float:
         """A connection ended: the seconds to wait before the next, or `StreamLost`."""
         self.failures = 0 if self.progressed else self.failures + 1
-        self.progressed, self.reason = False, reason
-        if self.failures > RECONNECTS:
+        self.progressed = False
+        if self.failures >= RECONNECTS:
             raise StreamLost(f"{reason}; gave up on {self.what} after {RECONNECTS} reconnects", self.cursor)
         if self.failures == 0:
             return 0.0
