@@ -158,7 +158,7 @@ class FileChange(Record):
 
     seq: int = 0
     type: str = ""
-    """`created`, `modified`, `deleted`, `moved`..."""
+    """`create`, `write`, `remove`, `rename` or `chmod`; `overflow`: changes were lost (rescan)."""
     path: str = ""
     relative_path: str = ""
     is_dir: bool = False
