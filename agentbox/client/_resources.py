@@ -3,24 +3,20 @@
 Each group exists twice, sync and async, with the same methods; both send the calls of
 `_calls` and read the answers into the records of `_models`, so the two differ only in
 `await`. The event stream's rules (`EventFeed`: which frames to yield, when the stream is
-over) and the reconnect policy (`_transport.Resume`) are shared the same way.
+over) are shared the same way, and its connections are `_streams.follow`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal, overload
 
-import httpx
 from typing_extensions import Unpack
 
 from agentbox.client import _calls as calls
 from agentbox.client._calls import SessionFields
-from agentbox.client._errors import APIError, NotFound
 from agentbox.client._events import Event, MessageDelta, TurnEnded, event_of, frame_item
 from agentbox.client._models import (
     Approval,
@@ -31,8 +27,9 @@ from agentbox.client._models import (
     Turn,
     TurnResult,
 )
-from agentbox.client._transport import AsyncTransport, Resume, SyncTransport, stream_broke
-from agentbox.sse import ServerSentEvent, iter_sse, sse_events
+from agentbox.client._streams import afollow, follow
+from agentbox.client._transport import AsyncTransport, Resume, SyncTransport
+from agentbox.sse import ServerSentEvent
 
 #: What an upload takes: bytes, a path on this machine, or an open binary file.
 Uploadable = bytes | str | Path | IO[bytes]
@@ -51,18 +48,31 @@ def upload_bytes(source: Uploadable, filename: str | None) -> tuple[bytes, str]:
 
 @dataclass
 class EventFeed:
-    """What one event stream yields, across its connections.
+    """What one session's event stream yields, across its connections (a `_streams.Feed`).
 
     `until_turn`: stop after that turn's terminal event (decided here, whatever the server
     follows). `server_until`: the server closes the stream after the turn that was open
     when it was asked (`until=turn_end`); a clean close then ends the stream.
     """
 
+    session_id: str
     resume: Resume
+    deltas: bool = False
     until_turn: str | None = None
     server_until: bool = False
     done: bool = False
-    seen: list[Event] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, session_id: str, after: int, until_turn: str | None, until_turn_end: bool, deltas: bool
+    ) -> EventFeed:
+        resume = Resume(after, f"the event stream of session {session_id}")
+        return cls(session_id, resume, deltas, until_turn, server_until=until_turn_end and until_turn is None)
+
+    def call(self) -> calls.Call:
+        return calls.event_stream(
+            self.session_id, self.resume.cursor, deltas=self.deltas, until_turn_end=self.server_until
+        )
 
     def accept(self, frame: ServerSentEvent) -> Event | MessageDelta | None:
         """The item a frame stands for, None for one already seen; sets `done` at the end."""
@@ -81,20 +91,6 @@ class EventFeed:
             self.done = True
             return 0.0
         return self.resume.broke("the server closed the stream")
-
-
-def stream_call(session_id: str, feed: EventFeed, deltas: bool) -> calls.Call:
-    return calls.event_stream(session_id, feed.resume.cursor, deltas=deltas, until_turn_end=feed.server_until)
-
-
-def new_feed(session_id: str, after: int, until_turn: str | None, until_turn_end: bool) -> EventFeed:
-    what = f"the event stream of session {session_id}"
-    return EventFeed(Resume(after, what), until_turn, server_until=until_turn_end and until_turn is None)
-
-
-def run_after(session: Session) -> int:
-    """Where `messages.run` follows its turn from: the session's last event before it posts."""
-    return session.last_seq
 
 
 def turn_events(events: Sequence[Event], turn_id: str) -> TurnResult:
@@ -189,29 +185,7 @@ class Events:
         turn open now (else the last one) ends, as the server follows it. Neither: until the
         caller stops or the session is deleted. `deltas`: also the reply's text as it comes.
         """
-        feed = new_feed(session_id, after, until_turn, until_turn_end)
-        connected = False
-        while not feed.done:
-            try:
-                with self._t.stream(stream_call(session_id, feed, deltas)) as response:
-                    connected = True
-                    for frame in iter_sse(response.iter_bytes()):
-                        item = feed.accept(frame)
-                        if item is not None:
-                            yield item
-                        if feed.done:
-                            return
-                delay = feed.closed()
-            except NotFound:
-                if connected:
-                    return  # deleted while it was followed: nothing more will come
-                raise
-            except (httpx.HTTPError, APIError) as exc:
-                reason = stream_broke(exc)
-                if reason is None:
-                    raise
-                delay = feed.resume.broke(reason)
-            time.sleep(delay)
+        return follow(self._t, EventFeed.of(session_id, after, until_turn, until_turn_end, deltas))
 
 
 class Messages:
@@ -231,7 +205,7 @@ class Messages:
     ) -> TurnResult:
         """Send a message and follow its turn to its end (an approval it asks for waits for an
         answer from elsewhere: `approvals`, another client, the console)."""
-        after = run_after(self._sessions.get(session_id))
+        after = self._sessions.get(session_id).last_seq  # before posting: the turn's events come after
         submitted = self.send(session_id, content, files=files, idempotency_key=idempotency_key)
         start = after if submitted.created else 0
         events = list(self._events.stream(session_id, start, until_turn=submitted.turn_id))
@@ -404,31 +378,7 @@ class AsyncEvents:
         deltas: bool = False,
     ) -> AsyncIterator[Event] | AsyncIterator[Event | MessageDelta]:  # fmt: skip
         """`Events.stream`, async."""
-        return self._stream(session_id, new_feed(session_id, after, until_turn, until_turn_end), deltas)
-
-    async def _stream(self, session_id: str, feed: EventFeed, deltas: bool) -> AsyncIterator[Any]:
-        connected = False
-        while not feed.done:
-            try:
-                async with self._t.stream(stream_call(session_id, feed, deltas)) as response:
-                    connected = True
-                    async for frame in sse_events(response.aiter_bytes()):
-                        item = feed.accept(frame)
-                        if item is not None:
-                            yield item
-                        if feed.done:
-                            return
-                delay = feed.closed()
-            except NotFound:
-                if connected:
-                    return
-                raise
-            except (httpx.HTTPError, APIError) as exc:
-                reason = stream_broke(exc)
-                if reason is None:
-                    raise
-                delay = feed.resume.broke(reason)
-            await asyncio.sleep(delay)
+        return afollow(self._t, EventFeed.of(session_id, after, until_turn, until_turn_end, deltas))
 
 
 class AsyncMessages:
@@ -446,7 +396,7 @@ class AsyncMessages:
     async def run(
         self, session_id: str, content: str, *, files: Sequence[str] = (), idempotency_key: str | None = None
     ) -> TurnResult:
-        after = run_after(await self._sessions.get(session_id))
+        after = (await self._sessions.get(session_id)).last_seq
         submitted = await self.send(session_id, content, files=files, idempotency_key=idempotency_key)
         start = after if submitted.created else 0
         events = [e async for e in self._events.stream(session_id, start, until_turn=submitted.turn_id)]

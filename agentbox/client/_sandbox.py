@@ -10,27 +10,25 @@ happen, resumed after the last one seen when the connection drops.
 
 from __future__ import annotations
 
-import asyncio
-import time
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import httpx
-
 from agentbox.client import _calls as calls
-from agentbox.client._errors import APIError, NotFound, ProtocolError
+from agentbox.client._errors import NotFound, ProtocolError
 from agentbox.client._models import Command, FileChange
 from agentbox.client._resources import Uploadable, upload_bytes
+from agentbox.client._streams import afollow, follow
 from agentbox.client._transport import (
     DOWNLOAD_CHUNK_BYTES,
     AsyncTransport,
     Resume,
     SyncTransport,
-    stream_broke,
 )
-from agentbox.sse import ServerSentEvent, iter_sse, sse_events
+from agentbox.sse import ServerSentEvent
 
 #: The frames of a watch stream that carry a change; `watch_started` and heartbeats carry none.
 CHANGE_FRAME, OVERFLOW_FRAME = "file_change", "overflow"
@@ -40,8 +38,6 @@ def change_of(frame: ServerSentEvent) -> FileChange | None:
     """The change a watch frame carries (an overflow is a change of type `overflow`), else None."""
     if frame.event not in (CHANGE_FRAME, OVERFLOW_FRAME):
         return None
-    import json
-
     try:
         data = json.loads(frame.data)
     except ValueError:
@@ -53,6 +49,33 @@ def change_of(frame: ServerSentEvent) -> FileChange | None:
 
 def data_of(answer: Any) -> Any:
     return answer["data"]
+
+
+@dataclass
+class WatchFeed:
+    """A watcher's change stream across its connections (a `_streams.Feed`); it never ends
+    by itself: the caller stops iterating, or the watcher is deleted."""
+
+    session_id: str
+    watcher_id: str
+    resume: Resume
+    done: bool = False
+
+    @classmethod
+    def of(cls, session_id: str, watcher_id: str) -> WatchFeed:
+        return cls(session_id, watcher_id, Resume(0, f"the watch stream of {watcher_id}"))
+
+    def call(self) -> calls.Call:
+        return calls.watch_stream(self.session_id, self.watcher_id, self.resume.cursor)
+
+    def accept(self, frame: ServerSentEvent) -> FileChange | None:
+        change = change_of(frame)
+        if change is None or (change.type != OVERFLOW_FRAME and not self.resume.seen(change.seq)):
+            return None
+        return change
+
+    def closed(self) -> float:
+        return self.resume.broke("the server closed the stream")
 
 
 class Sandbox:
@@ -147,33 +170,10 @@ class Watch:
     def __init__(self, transport: SyncTransport, session_id: str, watcher_id: str) -> None:
         self._t = transport
         self.session_id, self.id = session_id, watcher_id
-        self._resume = Resume(0, f"the watch stream of {watcher_id}")
+        self._feed = WatchFeed.of(session_id, watcher_id)
 
     def __iter__(self) -> Iterator[FileChange]:
-        connected = False
-        while True:
-            try:
-                with self._t.stream(
-                    calls.watch_stream(self.session_id, self.id, self._resume.cursor)
-                ) as response:
-                    connected = True
-                    for frame in iter_sse(response.iter_bytes()):
-                        change = change_of(frame)
-                        if change is not None and (
-                            change.type == OVERFLOW_FRAME or self._resume.seen(change.seq)
-                        ):
-                            yield change
-                delay = self._resume.broke("the server closed the stream")
-            except NotFound:
-                if connected:
-                    return  # the watcher was deleted
-                raise
-            except (httpx.HTTPError, APIError) as exc:
-                reason = stream_broke(exc)
-                if reason is None:
-                    raise
-                delay = self._resume.broke(reason)
-            time.sleep(delay)
+        return follow(self._t, self._feed)
 
     def close(self) -> None:
         try:
@@ -271,32 +271,10 @@ class AsyncWatch:
     def __init__(self, transport: AsyncTransport, session_id: str, watcher_id: str) -> None:
         self._t = transport
         self.session_id, self.id = session_id, watcher_id
-        self._resume = Resume(0, f"the watch stream of {watcher_id}")
+        self._feed = WatchFeed.of(session_id, watcher_id)
 
-    async def __aiter__(self) -> AsyncIterator[FileChange]:
-        connected = False
-        while True:
-            try:
-                call = calls.watch_stream(self.session_id, self.id, self._resume.cursor)
-                async with self._t.stream(call) as response:
-                    connected = True
-                    async for frame in sse_events(response.aiter_bytes()):
-                        change = change_of(frame)
-                        if change is not None and (
-                            change.type == OVERFLOW_FRAME or self._resume.seen(change.seq)
-                        ):
-                            yield change
-                delay = self._resume.broke("the server closed the stream")
-            except NotFound:
-                if connected:
-                    return
-                raise
-            except (httpx.HTTPError, APIError) as exc:
-                reason = stream_broke(exc)
-                if reason is None:
-                    raise
-                delay = self._resume.broke(reason)
-            await asyncio.sleep(delay)
+    def __aiter__(self) -> AsyncIterator[FileChange]:
+        return afollow(self._t, self._feed)
 
     async def close(self) -> None:
         try:

@@ -7,8 +7,8 @@ same way: the API key as a bearer token, a failure status turned into its `APIEr
 after a connection failure, `REQUEST_RETRIES` times with a doubling wait.
 
 `Resume` is the state of a stream that survives its connection: the last seq seen, how many
-reconnects in a row have brought nothing new, and how long to wait before the next. Both
-transports' stream loops keep it, so the rule is written once: a stream that breaks is
+reconnects in a row have brought nothing new, and how long to wait before the next. The
+stream loops of `_streams` keep it, so the rule is written once: a stream that breaks is
 opened again after the last event seen (`RECONNECTS` times without progress, then
 `StreamLost`), and a connection that delivered a new event resets the count.
 """
