@@ -178,14 +178,51 @@ def _piped_input() -> bytes | None:
     return data
 
 
-def _exec_remote(argv: list[str], session: str, cwd: str | None, url: str, data: bytes | None) -> int:
-    from agentbox import cli_remote
+#: Seconds each poll of a command run through a server waits for it to end (output is printed between polls).
+EXEC_POLL_WAIT_S = 1.0
 
+
+def _exec_remote(argv: list[str], session: str, cwd: str | None, url: str, data: bytes | None) -> int:
+    """`agentbox exec` through the server that owns the home: the command runs in its sandbox of
+    `session` (started, then polled with `wait` until it ends), its output printed as it grows."""
+    import shlex
+
+    from agentbox.client import AgentboxError, Client
+
+    command = argv[0] if len(argv) == 1 else shlex.join(argv)
     try:
-        return asyncio.run(cli_remote.exec_command(argv, session, cwd, url, config_mod.load().api_key, data))
-    except cli_remote.RemoteError as exc:
+        with Client(url, config_mod.load().api_key) as client:
+            sandbox = client.sandbox(session)
+            done = sandbox.start(command, cwd=cwd, stdin=data)
+            shown = {"stdout": 0, "stderr": 0}
+            while True:
+                _print_new(done.raw, shown)
+                if done.status != "running":
+                    break
+                done = sandbox.command(done.command_id, wait=EXEC_POLL_WAIT_S)
+    except AgentboxError as exc:
         typer.echo(f"agentbox exec: {exc}", err=True)
         raise typer.Exit(2) from None
+    if done.error:
+        typer.echo(f"agentbox exec: the command could not run: {done.error}", err=True)
+        raise typer.Exit(2)
+    return done.exit_code if done.exit_code is not None else 1
+
+
+def _print_new(data: dict[str, Any], shown: dict[str, int]) -> None:
+    """Write the part of each stream not written yet (unless the server cut it meanwhile: then
+    a note on stderr says the rest is not streamed)."""
+    for name, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+        text = str(data.get(name) or "")
+        if data.get(f"{name}_truncated"):
+            if shown[name] >= 0:
+                sys.stderr.write(f"[agentbox: {name} was cut by the server; the rest is not shown]\n")
+            shown[name] = -1
+            continue
+        if shown[name] >= 0 and len(text) > shown[name]:
+            out.buffer.write(text[shown[name] :].encode())
+            out.flush()
+            shown[name] = len(text)
 
 
 async def _exec(
@@ -318,7 +355,7 @@ def run(
     """Run one turn and show it live; exit 0 completed, 1 failed, 2 aborted, 3 refused or unreachable."""
     from rich.console import Console
 
-    from agentbox import cli_remote, cli_run
+    from agentbox import cli_run
 
     opts = cli_run.RunOptions(
         task=task, model=model, mode=mode, session=session, script=script,
@@ -326,7 +363,7 @@ def run(
     )  # fmt: skip
     if url is None:
         raise typer.Exit(_in_process("run", cli_run.run_turn(opts, Console())))
-    raise typer.Exit(asyncio.run(cli_remote.run_turn(opts, Console(), url, api_key)))
+    raise typer.Exit(asyncio.run(cli_run.run_remote(opts, Console(), url, api_key)))
 
 
 @app.command()
@@ -334,11 +371,11 @@ def sessions(url: UrlOption = None, api_key: ApiKeyOption = None) -> None:
     """List sessions: id, model, status, created."""
     from rich.console import Console
 
-    from agentbox import cli_remote, cli_run
+    from agentbox import cli_run
 
     if url is None:
         raise typer.Exit(_in_process("sessions", cli_run.list_sessions(Console())))
-    raise typer.Exit(asyncio.run(cli_remote.list_sessions(Console(), url, api_key)))
+    raise typer.Exit(asyncio.run(cli_run.list_remote_sessions(Console(), url, api_key)))
 
 
 @app.command()
@@ -351,11 +388,11 @@ def events(
     """Print a session's events, one line each."""
     from rich.console import Console
 
-    from agentbox import cli_remote, cli_run
+    from agentbox import cli_run
 
     if url is None:
         raise typer.Exit(_in_process("events", cli_run.print_events(Console(), session_id, after)))
-    raise typer.Exit(asyncio.run(cli_remote.print_events(Console(), session_id, after, url, api_key)))
+    raise typer.Exit(asyncio.run(cli_run.print_remote_events(Console(), session_id, after, url, api_key)))
 
 
 @app.command()

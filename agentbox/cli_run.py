@@ -3,18 +3,20 @@
 In-process (the default), `run` opens the home's database, machine registry and file store
 itself and starts the same `System` the server runs on (no server needed), so the turn, its
 events and its approvals are exactly what the sessions API would show. With `--url` the turn
-runs on a server instead (`agentbox.cli_remote`). Either way ONE loop shows it: `follow`
-reads the session's events (here `EventBus.subscribe(..., until_turn=, deltas=True)`, there the
-SSE stream with `deltas=true`) and acts through a `TurnControl` (answer an approval, abort the
-turn). Text deltas are printed as they come, tool calls with their inputs, results folded to
+runs on a server instead, driven through the SDK (`agentbox.client`); nothing is opened on
+this side's home. Either way ONE loop shows it: `follow` reads the session's events (here
+`EventBus.subscribe(..., until_turn=, deltas=True)`, there the SDK's resumable stream with
+deltas, its items read back as the store's `Event` and the runtime's `Delta`) and acts
+through a `TurnControl` (answer an approval, abort the turn). Text deltas are printed as they come, tool calls with their inputs, results folded to
 `RESULT_LINES` lines, a spinner while a tool runs, and an `approval.requested` is asked at the
 prompt and answered through the control (in-process: the platform's `Approvals`, the same path
 as POST .../approvals/{id}; remote: that route).
 
 The exit status says how the turn ended (`EXIT_CODES`): 0 completed, 1 failed, 2 aborted;
 3 when the run was refused before a turn started (a bad script, an unknown session) or, remote,
-when the server could not be reached or refused, or the stream was lost mid-turn. Ctrl-C aborts the turn (exit 2), also while
-the approval prompt waits.
+when the server could not be reached or refused, or the stream was lost mid-turn (the SDK
+reopens a broken stream from the last event seen, so a restarted server's recovered turn is
+followed to its end). Ctrl-C aborts the turn (exit 2), also while the approval prompt waits.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rich.console import Console
 from rich.markup import escape
@@ -42,6 +44,10 @@ from agentbox.api.sessions import _PROVIDER_MODEL, PROVIDERS
 from agentbox.store.approvals import ApprovalNotPending, Decision, Scope
 from agentbox.store.sessions import MAX_EVENTS_PAGE, Event, Session
 from agentbox.system import System
+
+if TYPE_CHECKING:
+    from agentbox.client import AgentboxError, AsyncClient, MessageDelta
+    from agentbox.client import Event as SdkEvent
 
 #: How each terminal turn event maps to the process's exit status.
 EXIT_CODES: dict[str, int] = {"turn.completed": 0, "turn.failed": 1, "turn.aborted": 2}
@@ -428,4 +434,142 @@ async def print_events(console: Console, session_id: str, after: int) -> int:
             for e in page:
                 console.print(escape(event_line(e)), highlight=False, soft_wrap=True)
             after = page[-1].seq
+    return 0
+
+
+# ---------------------------------------------------------------- against a server (`--url`)
+
+
+def remote_failure(exc: AgentboxError) -> str:
+    """An SDK failure as the one line the terminal shows."""
+    from agentbox.client import APIError, Unauthorized
+
+    if isinstance(exc, Unauthorized):
+        return "401 missing or invalid API key (give --api-key or set AGENTBOX_API_KEY)"
+    if isinstance(exc, APIError):
+        return f"{exc.status} {exc.message}"
+    return exc.message
+
+
+def stored(item: SdkEvent | MessageDelta, after: int) -> Event | Delta:
+    """An SDK item as `follow` reads it: the store's `Event`, or a `Delta` placed after `after`."""
+    from agentbox.client import MessageDelta
+
+    if isinstance(item, MessageDelta):
+        return Delta(item.session_id, item.turn_id, item.text, item.index, after)
+    return as_stored(item)
+
+
+def as_stored(event: SdkEvent) -> Event:
+    return Event(
+        event.id, event.session_id, event.seq, event.type, event.turn_id, event.data, event.created_at
+    )
+
+
+@dataclass(frozen=True)
+class RemoteControl:
+    """Approvals and aborts of one session, through the server's API."""
+
+    client: AsyncClient
+    session_id: str
+
+    async def answer(self, approval_id: str, decision: Decision, scope: Scope, message: str | None) -> bool:
+        from agentbox.client import Conflict
+
+        try:
+            if decision == "allow":
+                await self.client.approvals.allow(
+                    self.session_id, approval_id, for_session=scope == "session"
+                )
+            else:
+                await self.client.approvals.deny(self.session_id, approval_id, message)
+        except Conflict:
+            return False
+        return True
+
+    async def abort(self, turn_id: str) -> None:
+        await self.client.sessions.abort(self.session_id, turn_id)
+
+
+async def open_remote_session(client: AsyncClient, opts: RunOptions) -> tuple[str, int]:
+    """The session to run in on the server (`--session`, its mode updated if `--mode` is given,
+    or a new one) and the seq its turn's events follow."""
+    reused = reused_session(opts)
+    if reused is None:
+        fields = new_session_fields(opts)
+        created = await client.sessions.create(fields.pop("model"), **fields)
+        return created.id, created.last_seq
+    session = await client.sessions.get(reused)
+    if opts.mode is not None and opts.mode != session.permission_mode:
+        await client.sessions.update(reused, permission_mode=opts.mode)
+    return reused, (await client.sessions.get(reused)).last_seq
+
+
+async def remote_items(
+    client: AsyncClient, session_id: str, after: int, turn_id: str
+) -> AsyncGenerator[Item, None]:
+    """The turn's events and deltas from the server; a stream lost for good is a `StreamLost`
+    whose message says how to look again."""
+    from agentbox.client import StreamLost
+
+    try:
+        async for item in client.events.stream(session_id, after, until_turn=turn_id, deltas=True):
+            shown = stored(item, after)
+            after = shown.seq if isinstance(shown, Event) else after
+            yield shown
+    except StreamLost as exc:
+        url = client.base_url
+        raise StreamLost(
+            f"lost the event stream of {url} ({exc.message}) before turn {turn_id} ended; "
+            f"it may still run: agentbox events {session_id} --url {url}",
+            exc.last_seq,
+        ) from None
+
+
+async def run_remote(opts: RunOptions, console: Console, url: str, api_key: str | None) -> int:
+    """Submit the task to the server and render the turn to its end; the exit status (`EXIT_CODES`)."""
+    from agentbox.client import AgentboxError, AsyncClient
+
+    try:
+        async with AsyncClient(url, api_key) as client:
+            try:
+                session_id, after = await open_remote_session(client, opts)
+            except RunRefused as exc:
+                console.print(f"[red]agentbox run: {escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+                return EXIT_REFUSED
+            turn_id = (await client.messages.send(session_id, opts.task)).turn_id
+            items = remote_items(client, session_id, after, turn_id)
+            return await follow(console, RemoteControl(client, session_id), session_id, turn_id, items)
+    except AgentboxError as exc:
+        console.print(f"[red]agentbox run: {escape(remote_failure(exc))}[/]", highlight=False, soft_wrap=True)
+        return EXIT_REFUSED
+
+
+async def list_remote_sessions(console: Console, url: str, api_key: str | None) -> int:
+    """One `session_line` per session of the server."""
+    from agentbox.client import AgentboxError, AsyncClient
+
+    try:
+        async with AsyncClient(url, api_key) as client:
+            async for session in client.sessions.list():
+                console.print(escape(session_line(session.raw)), highlight=False, soft_wrap=True)
+    except AgentboxError as exc:
+        console.print(f"agentbox sessions: {escape(remote_failure(exc))}", highlight=False, soft_wrap=True)
+        return EXIT_REFUSED
+    return 0
+
+
+async def print_remote_events(
+    console: Console, session_id: str, after: int, url: str, api_key: str | None
+) -> int:
+    """One `event_line` per event of the server's session after `after`; 3 if it has no such session."""
+    from agentbox.client import AgentboxError, AsyncClient
+
+    try:
+        async with AsyncClient(url, api_key) as client:
+            async for event in client.events.list(session_id, after):
+                console.print(escape(event_line(as_stored(event))), highlight=False, soft_wrap=True)
+    except AgentboxError as exc:
+        console.print(f"agentbox events: {escape(remote_failure(exc))}", highlight=False, soft_wrap=True)
+        return EXIT_REFUSED
     return 0

@@ -5,22 +5,18 @@ nothing runs in-process."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from agentbox import cli_remote
-from agentbox.cli_remote import ERROR_BODY_CHARS, RemoteError, connected, refusal
 from agentbox.cli_run import EXIT_CODES, EXIT_REFUSED, RESULT_LINES
-from agentbox.store.sessions import MAX_EVENTS_PAGE, Event
+from agentbox.store.sessions import MAX_EVENTS_PAGE
 from tests.conftest import Server, free_port, start_server, stop_server, traversable
 from tests.test_cli_run import (
     _ANSI,
@@ -252,98 +248,3 @@ def test_a_server_restarted_mid_turn_is_followed_to_the_end(sandbox_tmp: Path, c
             process.wait()
         if second is not None:
             stop_server(second)
-
-
-# ------------------------------------------------------------------ the client, in this process
-
-
-async def test_the_stream_carries_text_deltas(server: Server) -> None:
-    async with connected(server.url, None) as remote:
-        created = await remote.call("POST", "/v1/sessions", body={"model": "scripted", "script": [
-            {"text": "one two three four five six"}]})  # fmt: skip
-        sid = str(created["id"])
-        turn_id = (await remote.call("POST", f"/v1/sessions/{sid}/messages", body={"content": "go"}))[
-            "turn_id"
-        ]
-        items = [item async for item in remote.stream(sid, 0, turn_id)]
-    deltas = [i for i in items if i is not None and not isinstance(i, Event)]
-    assert "".join(d.text for d in deltas) == "one two three four five six" and len(deltas) > 1
-    events = [i for i in items if isinstance(i, Event)]
-    assert events[-1].type == "turn.completed" and events[-1].turn_id == turn_id
-    message = next(e for e in events if e.type == "agent.message")
-    assert message.data["content"] and "seq" not in message.data  # the envelope is not payload
-
-
-@pytest.mark.parametrize("turns", [0, 2])
-async def test_last_seq_finds_the_last_event(server: Server, turns: int) -> None:
-    """The session view's `last_seq`, checked against a walk of the whole log."""
-    async with connected(server.url, None) as remote:
-        script = [{"text": f"reply {i}"} for i in range(turns)]
-        sid = str(
-            (await remote.call("POST", "/v1/sessions", body={"model": "scripted", "script": script}))["id"]
-        )
-        for _ in range(turns):
-            turn_id = (await remote.call("POST", f"/v1/sessions/{sid}/messages", body={"content": "x"}))[
-                "turn_id"
-            ]
-            assert [i async for i in remote.stream(sid, 0, turn_id)]
-        walked = [e.seq async for e in remote.events(sid, 0)]
-        assert walked and await remote.last_seq(sid) == walked[-1]
-
-
-async def test_last_seq_of_an_unknown_session_is_a_remote_error(server: Server) -> None:
-    async with connected(server.url, None) as remote:
-        with pytest.raises(RemoteError, match="404"):
-            await remote.last_seq("ses_nope")
-
-
-def respond(status: int, body: Any = None, text: str | None = None) -> httpx.Response:
-    if text is not None:
-        return httpx.Response(status, text=text)
-    return httpx.Response(status, json=body)
-
-
-def test_refusal_reads_the_envelope_the_body_errors_and_plain_text() -> None:
-    envelope = {"success": False, "message": "no session 'x'", "data": {}, "hint": None}
-    assert str(refusal(respond(404, envelope))) == "404 no session 'x'"
-    errors = {"errors": [{"location": ["body", "script", "0"], "message": "bad step"}], "detail": []}
-    assert str(refusal(respond(400, errors))) == "400 script.0: bad step"
-    assert str(refusal(respond(502, text="x" * (ERROR_BODY_CHARS + 1)))) == "502 " + "x" * ERROR_BODY_CHARS
-    assert str(refusal(respond(503, text=""))) == "503 Service Unavailable"
-    assert refusal(respond(401, envelope)).status == 401
-
-
-async def test_an_answer_that_is_not_json_is_one_line(server: Server) -> None:
-    async with connected(server.url, None) as remote:
-        with pytest.raises(RemoteError, match="not a JSON answer"):
-            await remote.call("GET", "/docs")
-
-
-async def test_a_broken_stream_is_opened_again_reconnects_times_then_given_up(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A server that answers each stream request with a 200 and then hangs up: the client opens
-    the stream 1 + RECONNECTS times, always from the last event seen, then raises."""
-    monkeypatch.setattr(cli_remote, "RECONNECT_DELAY_S", 0.001)
-    opened: list[str] = []
-
-    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        opened.append((await reader.readuntil(b"\r\n\r\n")).decode().split()[1])
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 1000\r\n\r\n")
-        writer.write(b'id: 7\nevent: user.message\ndata: {"id": "evt_x", "seq": 7, "type": "user.message", '
-                     b'"session_id": "ses_x", "turn_id": "trn_x", "created_at": "t"}\n\n')  # fmt: skip
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
-        async with connected(url, None) as remote:
-            with pytest.raises(RemoteError, match="before turn trn_x ended"):
-                async for _ in remote.stream("ses_x", 0, "trn_x"):
-                    pass
-    finally:
-        server.close()
-        await server.wait_closed()
-    assert len(opened) == 1 + cli_remote.RECONNECTS
-    assert "after=0" in opened[0] and all("after=7" in path for path in opened[1:])
