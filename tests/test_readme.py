@@ -87,6 +87,12 @@ def aio_sdk(server: Server) -> None:
     assert [line for line in out.splitlines() if line] == ["hi", "print('hi')"], out
 
 
+def agentbox_sdk(server: Server) -> None:
+    printed = python(block("from agentbox import Client").text, server).splitlines()
+    assert printed[-1] == "completed Done." and printed[0].split() == ["2", "user.message"], printed
+    assert printed[-2].split()[1] == "turn.completed", printed
+
+
 def e2b_sdk(server: Server) -> None:
     env = {
         name: on_port(value, server)
@@ -140,6 +146,7 @@ def machine_tables(server: Server) -> None:
 
 RUNS: dict[str, Callable[[Server], None]] = {
     "from agent_sandbox import Sandbox": aio_sdk,
+    "from agentbox import Client": agentbox_sdk,
     "export E2B_API_URL": e2b_sdk,
     "from e2b import Sandbox": e2b_sdk,
     '"model": "scripted"': sessions_and_sandboxes,
