@@ -41,6 +41,7 @@ from agentbox.api.guard import Guard, GuardMiddleware
 from agentbox.api.metrics import Metrics
 from agentbox.api.observe import RequestIdMiddleware, note_error
 from agentbox.api.routing import add_sandbox_routes
+from agentbox.api.schemas import install_document
 from agentbox.config import Settings
 from agentbox.e2b import E2B, E2BDispatch, SandboxTable
 from agentbox.home import HomeClaim
@@ -100,6 +101,7 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
 
     app = FastAPI(title="agentbox", version=__version__, lifespan=lifespan)
     app.state.settings = settings
+    install_document(app)  # every reply and failure in /openapi.json: agentbox.api.schemas
     if settings.api_key:
         key = settings.api_key.encode()
 
