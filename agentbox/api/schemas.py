@@ -123,6 +123,14 @@ def mirrored(model: type[BaseModel]) -> type[BaseModel]:
     return reply
 
 
+def plain_reply(model: Any, status: int = 200) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a route that returns a plain dict (not the envelope): `model` at `status`.
+
+    Not `response_model`, which would make FastAPI validate and filter the returned dict.
+    """
+    return {status: {"model": model, "description": "The reply (plain JSON, not the envelope)"}}
+
+
 def failures(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """`responses=` for a router: the failure envelope at each of `statuses`, each described."""
     return {status: {"model": Failure, "description": describe(status)} for status in statuses}
