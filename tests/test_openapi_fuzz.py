@@ -49,7 +49,7 @@ from conftest import Server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import Case, GenerationMode
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import not_a_server_error, response_schema_conformance
 from schemathesis.core.result import Ok
 from schemathesis.schemas import APIOperation, BaseSchema
 
@@ -470,6 +470,6 @@ def test_no_server_error(label: str, fuzz: Fuzz) -> None:
             if stateful:
                 fuzz.live.reset()
         if not documented_server_error(case, response):
-            case.validate_response(response, checks=[not_a_server_error])
+            case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
 
     check()

@@ -237,6 +237,26 @@ def add_content(responses: dict[str, Any], status: int, media: str, schema: dict
         content[media] = {"schema": {"anyOf": [*present.get("anyOf", [present]), schema]}}
 
 
+def event_stream(description: str, events: Iterable[str] = ()) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a Server-Sent Events route: each event (`event`, `data` as JSON text, `id`).
+
+    `events` lists the event names when they are a closed set.
+    """
+    name: dict[str, Any] = {"type": "string"}
+    if events:
+        name["enum"] = list(events)
+    frame = {
+        "type": "object",
+        "properties": {
+            "event": name,
+            "data": {"type": "string", "contentMediaType": "application/json"},
+            "id": {"type": "string"},
+        },
+        "required": ["event", "data"],
+    }
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": frame}}}}
+
+
 def streamed(media: str, description: str, *statuses: int) -> dict[int | str, dict[str, Any]]:
     """`responses=` for a route that streams bytes in `media` (at 200 and each of `statuses`)."""
     content = {media: {"schema": {"type": "string", "format": "binary"}}}

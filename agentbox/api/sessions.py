@@ -52,7 +52,7 @@ from agentbox.agent.events import Delta
 from agentbox.agent.models import SCRIPTED, ModelError
 from agentbox.agent.worker import NO_MACHINE
 from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error, wire
-from agentbox.api.schemas import failures, plain_reply, streamed
+from agentbox.api.schemas import event_stream, failures, plain_reply
 from agentbox.machines.errors import MachineNotFound
 from agentbox.store.approvals import Approval, ApprovalNotFound, ApprovalNotPending
 from agentbox.store.changes import (
@@ -524,7 +524,7 @@ async def list_events(
 @router.get(
     "/{session_id}/events/stream",
     response_class=StreamingResponse,
-    responses=streamed("text/event-stream", "The events as SSE frames (`id: <seq>`), replayed then live"),
+    responses=event_stream("The events, replayed then live: `event` is the type, `id` the seq"),
 )
 async def stream_events(
     request: Request,

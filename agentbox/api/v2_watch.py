@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from agentbox.api.envelope import json_body, ok, parse_body
 from agentbox.api.sandboxes import CurrentSandbox
-from agentbox.api.schemas import SANDBOX_FAILURES, V2_FAILURES, Envelope, failures, streamed
+from agentbox.api.schemas import SANDBOX_FAILURES, V2_FAILURES, Envelope, event_stream, failures
 from agentbox.workspace.errors import bad_request
 from agentbox.workspace.watch import DEFAULT_POLL_LIMIT, MAX_POLL_TIMEOUT, Event, Overflow, Watcher
 
@@ -96,8 +96,9 @@ class PollPage(BaseModel):
 
 
 #: How the SSE routes answer (v1 and v2): frames, not JSON.
-SSE_RESPONSE = streamed(
-    "text/event-stream", "watch_started, then file_change (id `<watcher_id>:<seq>`) and overflow frames"
+SSE_RESPONSE = event_stream(
+    "watch_started, then file_change (id `<watcher_id>:<seq>`) and overflow events",
+    ("watch_started", "file_change", "overflow"),
 )
 
 
