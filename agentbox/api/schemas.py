@@ -115,6 +115,14 @@ def v1_reply(model: Any) -> Any:
     return (model if is_envelope else Envelope[model]) | Failure
 
 
+def v1_stream(responses: dict[int | str, dict[str, Any]]) -> dict[int | str, dict[str, Any]]:
+    """A v1 stream route's `responses=` with the failure at 200 too, in JSON: a sandbox that
+    cannot be had is AIO's 200 there as everywhere on v1 (`envelope.failure(v1=True)`)."""
+    ok = responses[200]
+    content = {**ok["content"], "application/json": {"schema": ref(Failure)}}
+    return {**responses, 200: {**ok, "content": content}}
+
+
 def mirrored(model: type[BaseModel]) -> type[BaseModel]:
     """`Envelope[model]` with `model`'s fields again at the top level (`v1_file.mirrored`)."""
     fields: dict[str, Any] = {name: (info.annotation, info) for name, info in model.model_fields.items()}

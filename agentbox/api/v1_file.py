@@ -54,7 +54,7 @@ from starlette.datastructures import FormData, UploadFile
 
 from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body, read_form
 from agentbox.api.sandboxes import CurrentSandbox
-from agentbox.api.schemas import failures, streamed, v1_reply
+from agentbox.api.schemas import failures, streamed, v1_reply, v1_stream
 from agentbox.api.schemas import mirrored as mirrored_model
 from agentbox.api.v2_watch import (
     HEARTBEAT_SECONDS,
@@ -297,13 +297,9 @@ class WatchEvent(BaseModel):
 #: What the watch routes answer besides their data: the envelope with their status.
 WATCH_FAILURES = failures(400, 404, 500, 503)
 #: A download's bytes, or (any failure but the sandbox's, which is v1's 200) the envelope.
-DOWNLOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **streamed("application/octet-stream", "The file's bytes; 206 for a Range", 206),
+DOWNLOAD_RESPONSES = {
+    **v1_stream(streamed("application/octet-stream", "The file's bytes; 206 for a Range", 206)),
     **failures(400, 403, 404, 409, 416, 500),
-}
-DOWNLOAD_RESPONSES[200]["content"] = {
-    **DOWNLOAD_RESPONSES[200]["content"],
-    "application/json": {"schema": {"$ref": "#/components/schemas/Failure"}},
 }
 
 
@@ -757,7 +753,7 @@ async def watch_poll(watcher_id: str, request: Request, sb: CurrentSandbox) -> J
 @router.get(
     "/watch/{watcher_id}/events",
     response_class=StreamingResponse,
-    responses={**SSE_RESPONSE, **WATCH_FAILURES},
+    responses={**v1_stream(SSE_RESPONSE), **WATCH_FAILURES},
 )
 async def watch_events(watcher_id: str, request: Request, sb: CurrentSandbox) -> Response:
     """Server-sent events: `watch_started`, then `file_change` / `overflow` as they happen."""
