@@ -220,6 +220,15 @@ def test_refusals_conform(served: dict[str, Any], http: httpx.Client) -> None:
     conforms(served, "/v2/fs/write", bad_body)
 
 
+def test_unknown_routes_answer_the_envelope(served: dict[str, Any], http: httpx.Client) -> None:
+    """No route, or a method the path does not serve: the failure envelope, not `{"detail": ...}`."""
+    failure = {"$ref": "#/components/schemas/Failure", "components": served["components"]}
+    for response, status in ((http.get("/v2/no-such-route"), 404), (http.put("/v2/fs/read"), 405)):
+        assert response.status_code == status, response.text
+        jsonschema.Draft202012Validator(failure).validate(response.json())
+        assert "detail" not in response.json()
+
+
 def test_lifecycle_replies_conform(served: dict[str, Any], http: httpx.Client) -> None:
     conforms(served, "/v1/sessions", http.get("/v1/sessions"))
     conforms(served, "/v1/sandboxes", http.get("/v1/sandboxes"))

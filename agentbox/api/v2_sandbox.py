@@ -21,7 +21,7 @@ from agentbox.api.sandboxes import CurrentSandbox, Sandbox
 from agentbox.api.schemas import SANDBOX_FAILURES, Envelope, failures
 from agentbox.machines.base import Lifetime
 
-router = APIRouter(tags=["sandbox"], responses=failures(*SANDBOX_FAILURES))
+router = APIRouter(tags=["sandbox"])
 
 #: Feature groups this server offers on every sandbox: `/v2/fs/*` and `/v1/file/*`,
 #: `/v2/watch`, `/v2/commands`.
@@ -76,7 +76,7 @@ def isolation(sandbox: Sandbox) -> dict[str, Any] | None:
     return None
 
 
-@router.get("/v2/sandbox", response_model=Envelope[SandboxInfo])
+@router.get("/v2/sandbox", response_model=Envelope[SandboxInfo], responses=failures(*SANDBOX_FAILURES))
 async def describe(sandbox: CurrentSandbox) -> JSONResponse:
     return ok(
         {
