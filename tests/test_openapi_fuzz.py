@@ -1,10 +1,12 @@
-"""Schemathesis (4.x API) over our own OpenAPI document: no generated request gets a 5xx.
+"""Schemathesis (4.x API) over our own OpenAPI document: no generated request gets a 5xx,
+and every reply fits the schema the document gives for its status and media type.
 
 The schema is loaded from a real `agentbox serve` (the session's `server` fixture, real
 bubblewrap sandboxes) and every operation at the root gets its own test: hypothesis draws
 positive cases (fitting the schema) and negative ones (breaking it), and each must be
-answered below 500 (`not_a_server_error`) within REQUEST_TIMEOUT_SECONDS. A request that
-does not answer in time fails like a 5xx does: a hang is a bug too.
+answered below 500 (`not_a_server_error`) within REQUEST_TIMEOUT_SECONDS, with a body that
+conforms to the document (`response_schema_conformance`: JSON bodies, each event of an SSE
+stream). A request that does not answer in time fails like a 5xx does: a hang is a bug too.
 
 What is left out, and why:
 - `/sandboxes/{session_id}/...`: the same routers as the root ones (`app.py` includes each
