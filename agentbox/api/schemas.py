@@ -6,8 +6,10 @@ re-serializes it (nothing is added to a request's path). Each sandbox route decl
 `response_model=Envelope[<its data>]`; a v1 route that reports failures as HTTP 200 (AIO's
 way) declares `v1_reply(<its data>)`, the success envelope or `Failure` at 200.
 
-The statuses a family of routes can fail with are declared on its router (`failures`); what
-holds for every route alike is added here, by `finish`, from what the operation takes:
+The statuses a family of routes can fail with are declared on its router (`failures`), the
+410 of a deleted session on every session twin (`routing.add_copy`), and byte and event
+streams name their media types (`streamed`, `event_stream`). What holds for every route alike
+is added here, by `finish`, from what the operation takes:
 
     a query parameter      400 text/plain (a malformed query string is not the envelope)
     a JSON body            413 and 415 (`BodyRefused`), and 422 `BodyFailure` (`body_errors`)
