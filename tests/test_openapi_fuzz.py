@@ -1,10 +1,12 @@
-"""Schemathesis (4.x API) over our own OpenAPI document: no generated request gets a 5xx.
+"""Schemathesis (4.x API) over our own OpenAPI document: no generated request gets a 5xx,
+and every reply fits the schema the document gives for its status and media type.
 
 The schema is loaded from a real `agentbox serve` (the session's `server` fixture, real
 bubblewrap sandboxes) and every operation at the root gets its own test: hypothesis draws
 positive cases (fitting the schema) and negative ones (breaking it), and each must be
-answered below 500 (`not_a_server_error`) within REQUEST_TIMEOUT_SECONDS. A request that
-does not answer in time fails like a 5xx does: a hang is a bug too.
+answered below 500 (`not_a_server_error`) within REQUEST_TIMEOUT_SECONDS, with a body that
+conforms to the document (`response_schema_conformance`: JSON bodies, each event of an SSE
+stream). A request that does not answer in time fails like a 5xx does: a hang is a bug too.
 
 What is left out, and why:
 - `/sandboxes/{session_id}/...`: the same routers as the root ones (`app.py` includes each
@@ -49,7 +51,7 @@ from conftest import Server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import Case, GenerationMode
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import not_a_server_error, response_schema_conformance
 from schemathesis.core.result import Ok
 from schemathesis.schemas import APIOperation, BaseSchema
 
@@ -470,6 +472,6 @@ def test_no_server_error(label: str, fuzz: Fuzz) -> None:
             if stateful:
                 fuzz.live.reset()
         if not documented_server_error(case, response):
-            case.validate_response(response, checks=[not_a_server_error])
+            case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
 
     check()

@@ -42,6 +42,7 @@ from agentbox.api.guard import Guard, GuardMiddleware
 from agentbox.api.metrics import Metrics
 from agentbox.api.observe import RequestIdMiddleware
 from agentbox.api.routing import add_sandbox_routes
+from agentbox.api.schemas import install_document
 from agentbox.config import Settings
 from agentbox.e2b import E2B, E2BDispatch, SandboxTable
 from agentbox.home import HomeClaim
@@ -97,6 +98,7 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     # Swagger UI and ReDoc from the package's own copies: `/docs` works without internet.
     app = FastAPIOffline(title="agentbox", version=__version__, lifespan=lifespan, static_url=DOCS_ASSETS)
     app.state.settings = settings
+    install_document(app)  # every reply and failure in /openapi.json: agentbox.api.schemas
     if settings.api_key:
         secret = settings.api_key
         key = secret.encode()

@@ -42,6 +42,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from agentbox.api.envelope import BodyTooLarge, body_errors, capped, failure, query_error
+from agentbox.api.schemas import failures, streamed
 from agentbox.api.v2_fs import attachment
 from agentbox.ids import FILE, SESSION_ID_RULE, is_id, is_session_id
 from agentbox.store.files import MAX_FILE_BYTES, FileNotFound, FileStore, FileTooLarge, InvalidFile
@@ -233,7 +234,7 @@ async def list_files(
     return {"items": page, "has_more": has_more, "next_after": page[-1]["id"] if has_more else None}
 
 
-@router.get("/v1/files/{file_id}", response_model=FileRecord)
+@router.get("/v1/files/{file_id}", response_model=FileRecord, responses=failures(404))
 async def get_file(file_id: str, store: Store) -> Any:
     try:
         return await store.get(file_id)
@@ -241,7 +242,7 @@ async def get_file(file_id: str, store: Store) -> Any:
         return not_found("stat", file_id)
 
 
-@router.delete("/v1/files/{file_id}", response_model=FileDeleted)
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=failures(404))
 async def delete_file(file_id: str, store: Store) -> Any:
     try:
         await store.delete(file_id)
@@ -253,7 +254,14 @@ async def delete_file(file_id: str, store: Store) -> Any:
 # ---------------------------------------------------------------- content
 
 
-@router.get("/v1/files/{file_id}/content", response_class=StreamingResponse)
+@router.get(
+    "/v1/files/{file_id}/content",
+    response_class=StreamingResponse,
+    responses={
+        **streamed("*/*", "The bytes (the media type its name suggests); 206 for a Range", 206),
+        **failures(404, 416),
+    },
+)
 async def content(file_id: str, request: Request, store: Store) -> Response:
     """The bytes, streamed; a single `Range` is honoured (206, or 416 outside the file)."""
     try:

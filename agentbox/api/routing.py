@@ -23,6 +23,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute, Match
 
 from agentbox.api.observe import SESSION_PREFIX
+from agentbox.api.schemas import failures
 
 #: The routes an agent calls in a loop (method, path at the root); each goes first, with its
 #: session twin under `SESSION_PREFIX`.
@@ -35,6 +36,8 @@ HOT_ROUTES = (
     ("POST", "/v1/file/read"),
     ("POST", "/v1/file/write"),
 )
+#: What a session twin can answer besides its root route's replies: the session was deleted.
+SESSION_FAILURES = failures(410)
 #: A session id used to check that nothing before a session route could answer its requests.
 PROBE_SESSION = "ses_probe"
 
@@ -63,7 +66,7 @@ def add_copy(app: FastAPI, route: BaseRoute, prefix: str) -> None:
         summary=route.summary,
         description=route.description,
         response_description=route.response_description,
-        responses=dict(route.responses),
+        responses={**route.responses, **(SESSION_FAILURES if prefix else {})},
         deprecated=route.deprecated,
         methods=set(route.methods or ()),
         operation_id=route.operation_id,

@@ -31,9 +31,11 @@ from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, Field
 
 from agentbox.agent.worker import NO_MACHINE
 from agentbox.api.envelope import failure
+from agentbox.api.schemas import failures, plain_reply
 from agentbox.api.sessions import LIST_LIMIT_DEFAULT
 from agentbox.machines.errors import MachineError, MachineNotFound
 from agentbox.machines.registry import SandboxState, deleted
@@ -99,10 +101,45 @@ class LifecycleRoute(APIRoute):
         return guarded
 
 
-router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], route_class=LifecycleRoute)
+router = APIRouter(
+    prefix="/v1/sandboxes",
+    tags=["sandboxes"],
+    route_class=LifecycleRoute,
+    responses=failures(404, 409, 410, 500, 503),
+)
 
 
-@router.get("")
+class SandboxMachine(BaseModel):
+    name: str
+    kind: str
+    state: str
+
+
+class SandboxView(BaseModel):
+    """A sandbox: its id (a session's, or any other id's), the machine its requests act on, its state."""
+
+    session_id: str
+    session: bool = Field(description="Whether a session of the sessions API has this id.")
+    machine: str | None
+    kind: str | None
+    state: str = Field(description="running, or stopped (reclaimed when idle, or only a workspace on disk).")
+    machines: list[SandboxMachine]
+    workspace_bytes: int
+    last_used_at: str | None
+
+
+class SandboxPage(BaseModel):
+    items: list[SandboxView]
+    has_more: bool
+    next_after: str | None
+
+
+class SandboxDeleted(BaseModel):
+    session_id: str
+    deleted: bool
+
+
+@router.get("", responses=plain_reply(SandboxPage))
 async def list_sandboxes(
     request: Request,
     after: Annotated[str | None, Query(description="The `next_after` of the previous page.")] = None,
@@ -118,14 +155,14 @@ async def list_sandboxes(
     return {"items": items, "has_more": has_more, "next_after": page[-1].session_id if has_more else None}
 
 
-@router.get("/{session_id}")
+@router.get("/{session_id}", responses=plain_reply(SandboxView))
 async def get_sandbox(request: Request, session_id: str) -> Any:
     """One sandbox; 404 `not_found` if the id holds none, 410 `session_deleted` if its session was deleted."""
     system = platform(request)
     return await view(system, await held(system, session_id))
 
 
-@router.delete("/{session_id}")
+@router.delete("/{session_id}", responses=plain_reply(SandboxDeleted))
 async def delete_sandbox(request: Request, session_id: str) -> Any:
     """Stop the sandbox's machines and remove its workspace (as a session delete does to its
     sandbox); the session, if any, stays, and its next turn starts an empty sandbox. 409

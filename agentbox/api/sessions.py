@@ -52,13 +52,16 @@ from agentbox.agent.events import Delta
 from agentbox.agent.models import SCRIPTED, ModelError
 from agentbox.agent.worker import NO_MACHINE
 from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error, wire
+from agentbox.api.schemas import event_stream, failures, plain_reply
 from agentbox.machines.errors import MachineNotFound
-from agentbox.store.approvals import ApprovalNotFound, ApprovalNotPending
+from agentbox.store.approvals import Approval, ApprovalNotFound, ApprovalNotPending
 from agentbox.store.changes import (
     ChangeSet,
     ChangeSetNotFound,
     OperationNotFound,
     OperationNotPending,
+    OperationStatus,
+    SetStatus,
 )
 from agentbox.store.sessions import (
     MAX_EVENTS_PAGE,
@@ -71,6 +74,7 @@ from agentbox.store.sessions import (
     Session,
     SessionNotFound,
     SessionStore,
+    Turn,
     TurnNotFound,
     UnknownFiles,
     UnsupportedUpdate,
@@ -146,7 +150,12 @@ class SessionRoute(APIRoute):
         return guarded
 
 
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"], route_class=SessionRoute)
+router = APIRouter(
+    prefix="/v1/sessions",
+    tags=["sessions"],
+    route_class=SessionRoute,
+    responses=failures(*sorted({status for status, _ in ERRORS.values()})),
+)
 
 
 # ---------------------------------------------------------------- the services behind the routes
@@ -219,10 +228,136 @@ class Decide(BaseModel):
     message: str | None = Field(None, description="For a reject: kept as the reason.")
 
 
+# ---------------------------------------------------------------- replies
+# The routes return plain dicts: these document them (`responses=`) and never filter them.
+
+
+class SandboxRef(BaseModel):
+    machine: str
+    state: str
+    generation: int
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    model_calls: int
+
+
+class SessionView(BaseModel):
+    """A session's record (secrets redacted), what it is doing, its sandbox and its usage."""
+
+    id: str
+    model: str
+    instructions: str
+    mcp_servers: list[Any]
+    toolset: str
+    permission_mode: str
+    machine: str | None
+    metadata: dict[str, Any]
+    script: list[Any] | None
+    status: str = Field(description="What it is doing now: idle, or its active turn's state.")
+    created_at: str
+    updated_at: str
+    model_options: dict[str, Any]
+    compaction: Any
+    sandbox: SandboxRef | None
+    usage: Usage
+    last_seq: int
+
+
+class SessionPage(BaseModel):
+    items: list[SessionView]
+    has_more: bool
+    next_after: str | None
+
+
+class SessionDeleted(BaseModel):
+    id: str
+    deleted: bool
+
+
+class Submitted(BaseModel):
+    """An accepted message: its turn, and whether this request created it (an idempotent retry: not)."""
+
+    turn_id: str
+    created: bool
+    turn: Turn
+
+
+class TurnList(BaseModel):
+    items: list[Turn]
+
+
+class AbortedTurn(BaseModel):
+    turn: Turn | None
+
+
+class SessionEvent(BaseModel):
+    """An event: these keys, and its type's payload beside them (flat)."""
+
+    id: str
+    seq: int
+    type: str
+    session_id: str
+    turn_id: str | None
+    created_at: str
+
+
+class EventPage(BaseModel):
+    items: list[SessionEvent]
+    has_more: bool
+    next_after: int
+
+
+class ApprovalList(BaseModel):
+    items: list[Approval]
+
+
+class OperationView(BaseModel):
+    """One staged operation (its full texts left out; `diff` only in a single set's view)."""
+
+    id: str
+    change_set_id: str
+    seq: int
+    tool: str
+    kind: str
+    path: str
+    dest: str | None
+    summary: str
+    diff: str | None = None
+    before_chars: int
+    after_chars: int
+    files: int
+    warnings: list[str]
+    status: OperationStatus
+    reason: str | None
+    trash_path: str | None
+    created_at: str
+    resolved_at: str | None
+
+
+class ChangeSetView(BaseModel):
+    id: str
+    session_id: str
+    turn_id: str | None
+    status: SetStatus
+    created_at: str
+    updated_at: str
+    operations: list[OperationView]
+    machine: str | None
+
+
+class ChangeSetList(BaseModel):
+    items: list[ChangeSetView]
+
+
 # ---------------------------------------------------------------- sessions
 
 
-@router.post("", status_code=201, openapi_extra=json_body(CreateSession))
+@router.post(
+    "", status_code=201, openapi_extra=json_body(CreateSession), responses=plain_reply(SessionView, 201)
+)
 async def create_session(request: Request) -> Any:
     body = await parse_body(request, CreateSession)
     if body.model != SCRIPTED and not _PROVIDER_MODEL.fullmatch(body.model):
@@ -237,7 +372,7 @@ async def create_session(request: Request) -> Any:
     return JSONResponse(await view(p, session), status_code=201)
 
 
-@router.get("")
+@router.get("", responses=plain_reply(SessionPage))
 async def list_sessions(
     request: Request,
     after: Annotated[str | None, Query(description="The `next_after` of the previous page.")] = None,
@@ -251,13 +386,13 @@ async def list_sessions(
     return {"items": items, "has_more": has_more, "next_after": page[-1].id if has_more else None}
 
 
-@router.get("/{session_id}")
+@router.get("/{session_id}", responses=plain_reply(SessionView))
 async def get_session(request: Request, session_id: str) -> Any:
     p = platform(request)
     return await view(p, await p.store.get_session(session_id))
 
 
-@router.patch("/{session_id}", openapi_extra=json_body(UpdateSession))
+@router.patch("/{session_id}", openapi_extra=json_body(UpdateSession), responses=plain_reply(SessionView))
 async def update_session(request: Request, session_id: str) -> Any:
     body = await parse_body(request, UpdateSession)
     changes = body.model_dump(exclude_unset=True)
@@ -268,7 +403,7 @@ async def update_session(request: Request, session_id: str) -> Any:
     return await view(p, await p.worker.update_session(session_id, changes))
 
 
-@router.delete("/{session_id}")
+@router.delete("/{session_id}", responses=plain_reply(SessionDeleted))
 async def delete_session(request: Request, session_id: str) -> Any:
     """Aborts the active turn, removes the session's events and its sandbox (machines stopped,
     workspace removed); its files stay. The id is retired: later requests to its sandbox are
@@ -314,7 +449,12 @@ async def usage(store: SessionStore, session_id: str) -> dict[str, int]:
 # ---------------------------------------------------------------- messages and turns
 
 
-@router.post("/{session_id}/messages", status_code=202, openapi_extra=json_body(PostMessage))
+@router.post(
+    "/{session_id}/messages",
+    status_code=202,
+    openapi_extra=json_body(PostMessage),
+    responses=plain_reply(Submitted, 202),
+)
 async def post_message(
     request: Request,
     session_id: str,
@@ -330,19 +470,19 @@ async def post_message(
     return JSONResponse(data, status_code=202)
 
 
-@router.get("/{session_id}/turns")
+@router.get("/{session_id}/turns", responses=plain_reply(TurnList))
 async def list_turns(request: Request, session_id: str) -> Any:
     p = platform(request)
     await p.store.get_session(session_id)
     return {"items": [t.to_dict() for t in await p.store.list_turns(session_id)]}
 
 
-@router.get("/{session_id}/turns/{turn_id}")
+@router.get("/{session_id}/turns/{turn_id}", responses=plain_reply(Turn))
 async def get_turn(request: Request, session_id: str, turn_id: str) -> Any:
     return (await platform(request).store.get_turn(turn_id, session_id)).to_dict()
 
 
-@router.post("/{session_id}/turns/{turn_id}/abort")
+@router.post("/{session_id}/turns/{turn_id}/abort", responses=plain_reply(Turn))
 async def abort_turn(request: Request, session_id: str, turn_id: str) -> Any:
     """The turn as it stands after: `aborted`, or the terminal state it had reached already."""
     p = platform(request)
@@ -350,7 +490,7 @@ async def abort_turn(request: Request, session_id: str, turn_id: str) -> Any:
     return (await p.worker.abort(turn_id)).to_dict()
 
 
-@router.post("/{session_id}/abort")
+@router.post("/{session_id}/abort", responses=plain_reply(AbortedTurn))
 async def abort_active(request: Request, session_id: str) -> Any:
     """Abort the session's active turn; `turn` is null when nothing was open."""
     p = platform(request)
@@ -362,7 +502,7 @@ async def abort_active(request: Request, session_id: str) -> Any:
 # ---------------------------------------------------------------- events
 
 
-@router.get("/{session_id}/events")
+@router.get("/{session_id}/events", responses=plain_reply(EventPage))
 async def list_events(
     request: Request,
     session_id: str,
@@ -381,7 +521,11 @@ async def list_events(
     }
 
 
-@router.get("/{session_id}/events/stream", response_class=StreamingResponse)
+@router.get(
+    "/{session_id}/events/stream",
+    response_class=StreamingResponse,
+    responses=event_stream("The events, replayed then live: `event` is the type, `id` the seq"),
+)
 async def stream_events(
     request: Request,
     session_id: str,
@@ -484,7 +628,7 @@ async def session_exists(store: SessionStore, session_id: str) -> bool:
 # ---------------------------------------------------------------- approvals
 
 
-@router.get("/{session_id}/approvals")
+@router.get("/{session_id}/approvals", responses=plain_reply(ApprovalList))
 async def list_approvals(
     request: Request,
     session_id: str,
@@ -497,7 +641,9 @@ async def list_approvals(
     return {"items": wire(rows)}
 
 
-@router.post("/{session_id}/approvals/{approval_id}", openapi_extra=json_body(Answer))
+@router.post(
+    "/{session_id}/approvals/{approval_id}", openapi_extra=json_body(Answer), responses=plain_reply(Approval)
+)
 async def answer_approval(request: Request, session_id: str, approval_id: str) -> Any:
     """Answer once (a second answer is 409); an allow with scope `session` covers later calls."""
     body = await parse_body(request, Answer)
@@ -512,7 +658,7 @@ async def answer_approval(request: Request, session_id: str, approval_id: str) -
 # ---------------------------------------------------------------- change sets
 
 
-@router.get("/{session_id}/changes")
+@router.get("/{session_id}/changes", responses=plain_reply(ChangeSetList))
 async def list_changes(request: Request, session_id: str) -> Any:
     """A session's change sets: a sessions-API session's, or those MCP staged under its id."""
     p = platform(request)
@@ -522,12 +668,16 @@ async def list_changes(request: Request, session_id: str) -> Any:
     return {"items": [change_set_view(s, diffs=False) for s in sets]}
 
 
-@router.get("/{session_id}/changes/{change_set_id}")
+@router.get("/{session_id}/changes/{change_set_id}", responses=plain_reply(ChangeSetView))
 async def get_changes(request: Request, session_id: str, change_set_id: str) -> Any:
     return change_set_view(await change_set_of(platform(request), session_id, change_set_id), diffs=True)
 
 
-@router.post("/{session_id}/changes/{change_set_id}/apply", openapi_extra=json_body(Decide))
+@router.post(
+    "/{session_id}/changes/{change_set_id}/apply",
+    openapi_extra=json_body(Decide),
+    responses=plain_reply(ChangeSetView),
+)
 async def apply_changes(request: Request, session_id: str, change_set_id: str) -> Any:
     """Apply the named operations (all pending when none are named); each ends applied or failed."""
     body = await parse_body(request, Decide)
@@ -540,7 +690,11 @@ async def apply_changes(request: Request, session_id: str, change_set_id: str) -
     return change_set_view(await changes_updated(p, change_set_id), diffs=True)
 
 
-@router.post("/{session_id}/changes/{change_set_id}/reject", openapi_extra=json_body(Decide))
+@router.post(
+    "/{session_id}/changes/{change_set_id}/reject",
+    openapi_extra=json_body(Decide),
+    responses=plain_reply(ChangeSetView),
+)
 async def reject_changes(request: Request, session_id: str, change_set_id: str) -> Any:
     """Reject the named operations (all pending when none are named); nothing touches the disk."""
     body = await parse_body(request, Decide)

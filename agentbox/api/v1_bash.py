@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from agentbox.api.envelope import json_body, ok, parse_body
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
+from agentbox.api.schemas import v1_reply
 from agentbox.machines.base import Machine
 from agentbox.timestamps import timestamp
 from agentbox.workspace.commands import (
@@ -158,6 +159,60 @@ class CreateSessionBody(BaseModel):
     snapshot_path: str | None = None
 
 
+# ---------------------------------------------------------------- replies (`data` of each route)
+
+
+class BashCommand(BaseModel):
+    command_id: str
+    command: str
+    status: str
+    exit_code: int | None
+
+
+class BashResult(BashCommand):
+    session_id: str
+    stdout: str
+    stderr: str
+    offset: int
+    stderr_offset: int
+
+
+class BashOutput(BaseModel):
+    """Output past the offsets; `skipped` and `stderr_skipped` once a command has run."""
+
+    session_id: str
+    stdout: str
+    stderr: str
+    offset: int
+    stderr_offset: int
+    skipped: int | None = None
+    stderr_skipped: int | None = None
+    command: BashCommand | None
+
+
+class BashWritten(BaseModel):
+    session_id: str
+    command_id: str
+    bytes_written: int
+
+
+class BashKilled(BaseModel):
+    session_id: str
+    signal: str | None
+    killed: bool
+    command: BashCommand | None
+
+
+class BashSession(BaseModel):
+    session_id: str
+    status: str
+    working_dir: str
+    created_at: str
+    last_used_at: str
+    current_command: str | None
+    command_count: int
+
+
 # ---------------------------------------------------------------- shapes
 
 
@@ -198,7 +253,7 @@ def session_info(session: ShellSession) -> dict[str, Any]:
 # ---------------------------------------------------------------- routes
 
 
-@router.post("/exec", openapi_extra=json_body(ExecBody))
+@router.post("/exec", openapi_extra=json_body(ExecBody), response_model=v1_reply(BashResult))
 async def exec_command(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Run a command; answer when it ends, when `timeout` passes (`running`), or at once (`async_mode`)."""
     body = await parse_body(request, ExecBody)
@@ -217,7 +272,7 @@ async def exec_command(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return ok(exec_result(session.session_id, cmd, limit))
 
 
-@router.post("/output", openapi_extra=json_body(OutputBody))
+@router.post("/output", openapi_extra=json_body(OutputBody), response_model=v1_reply(BashOutput))
 async def output(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Output of a session's command (its newest by default) past byte offsets, optionally long-polled."""
     body = await parse_body(request, OutputBody)
@@ -252,7 +307,7 @@ async def output(request: Request, sb: CurrentSandbox) -> JSONResponse:
     )
 
 
-@router.post("/write", openapi_extra=json_body(WriteBody))
+@router.post("/write", openapi_extra=json_body(WriteBody), response_model=v1_reply(BashWritten))
 async def write(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Write `input` as given (no newline added) to the stdin of a session's running command."""
     body = await parse_body(request, WriteBody)
@@ -262,7 +317,7 @@ async def write(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return ok({"session_id": body.session_id, "command_id": cmd.id, "bytes_written": len(data)})
 
 
-@router.post("/kill", openapi_extra=json_body(KillBody))
+@router.post("/kill", openapi_extra=json_body(KillBody), response_model=v1_reply(BashKilled))
 async def kill(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Signal the process group of the session's running command and say how it ended."""
     body = await parse_body(request, KillBody)
@@ -285,12 +340,14 @@ async def kill(request: Request, sb: CurrentSandbox) -> JSONResponse:
     )
 
 
-@router.get("/sessions")
+@router.get("/sessions", response_model=v1_reply(list[BashSession]))
 async def sessions(sb: CurrentSandbox) -> JSONResponse:
     return ok([session_info(s) for s in sb.commands.sessions()])
 
 
-@router.post("/sessions/create", openapi_extra=json_body(CreateSessionBody))
+@router.post(
+    "/sessions/create", openapi_extra=json_body(CreateSessionBody), response_model=v1_reply(BashSession)
+)
 async def create_session(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, CreateSessionBody)
     if body.snapshot_path is not None:
@@ -299,7 +356,7 @@ async def create_session(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return ok(session_info(await session_for(sb, body.session_id, cwd)))
 
 
-@router.post("/sessions/{bash_session_id}/close")
+@router.post("/sessions/{bash_session_id}/close", response_model=v1_reply(BashSession))
 async def close_session(bash_session_id: str, sb: CurrentSandbox) -> JSONResponse:
     """Kill the session's running commands and forget it (its commands stay readable by id)."""
     return ok(session_info(sb.commands.close_session(bash_session_id)))

@@ -49,18 +49,30 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.datastructures import FormData, UploadFile
 
 from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body, read_form
 from agentbox.api.sandboxes import CurrentSandbox
-from agentbox.api.v2_watch import HEARTBEAT_SECONDS, SSE_HEADERS, resume_position, sse
+from agentbox.api.schemas import failures, streamed, v1_reply, v1_stream
+from agentbox.api.schemas import mirrored as mirrored_model
+from agentbox.api.v2_watch import (
+    HEARTBEAT_SECONDS,
+    SSE_HEADERS,
+    SSE_RESPONSE,
+    PollPage,
+    WatcherDeleted,
+    WatcherInfo,
+    WatcherList,
+    resume_position,
+    sse,
+)
 from agentbox.machines.base import Machine
 from agentbox.workspace import editor as editor_mod
 from agentbox.workspace import files, grep
 from agentbox.workspace.errors import WorkspaceError, bad_request, failed, operation
 from agentbox.workspace.fileops import Download, FileOps, file_ops
-from agentbox.workspace.watch import DEFAULT_POLL_LIMIT, wait_for
+from agentbox.workspace.watch import DEFAULT_POLL_LIMIT, Event, wait_for
 
 router = APIRouter(prefix="/v1/file", tags=["file"])
 
@@ -218,10 +230,106 @@ class WaitBody(BaseModel):
     event_types: list[str] | None = None
 
 
+# ---------------------------------------------------------------- replies (`data` of each route)
+
+
+class FileRead(BaseModel):
+    content: str
+    file: str
+    line_count: int
+
+
+class FileWritten(BaseModel):
+    file: str
+    bytes_written: int
+
+
+class FileReplaced(BaseModel):
+    file: str
+    replaced_count: int
+
+
+class FileSearched(BaseModel):
+    """Matching lines of one file and their 0-based numbers."""
+
+    file: str
+    matches: list[str]
+    line_numbers: list[int]
+
+
+class FilesFound(BaseModel):
+    path: str
+    files: list[str]
+    truncated: bool
+
+
+class EditorMetadata(BaseModel):
+    command: str
+    line_count: int
+
+
+class EditorResult(BaseModel):
+    """v1 `StrReplaceEditorResult`; `metadata` only with `enable_metadata`."""
+
+    output: str
+    error: None
+    path: str
+    prev_exist: bool
+    old_content: str | None
+    new_content: str | None
+    metadata: EditorMetadata | None = None
+
+
+class Uploaded(BaseModel):
+    file_path: str
+    file_size: int
+    success: bool
+
+
+class WatchCreated(WatcherInfo):
+    initial_cursor: int = Field(description="The cursor to poll from: the watcher's last seq.")
+
+
+class WatchEvent(BaseModel):
+    event: Event
+
+
+#: What the watch routes answer besides their data: the envelope with their status.
+WATCH_FAILURES = failures(400, 404, 500, 503)
+#: A download's bytes, or (any failure but the sandbox's, which is v1's 200) the envelope.
+DOWNLOAD_RESPONSES = {
+    **v1_stream(streamed("application/octet-stream", "The file's bytes; 206 for a Range", 206)),
+    **failures(400, 403, 404, 409, 416, 500),
+}
+
+
+#: The multipart body of an upload (v1 and v2), as the route reads it itself.
+UPLOAD_FORM = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary", "description": "The file's bytes."},
+                        "path": {
+                            "type": "string",
+                            "description": "Target path; default: the file's name in /workspace.",
+                        },
+                    },
+                }
+            }
+        },
+    }
+}
+
+
 # ---------------------------------------------------------------- read, write, replace, search
 
 
-@router.post("/read", openapi_extra=json_body(ReadBody))
+@router.post("/read", openapi_extra=json_body(ReadBody), response_model=v1_reply(FileRead))
 async def read(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Text of a file, or lines [start_line, end_line) of it (0-based, end exclusive)."""
     body = await parse_body(request, ReadBody)
@@ -229,7 +337,7 @@ async def read(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return ok({"content": result.content, "file": result.path, "line_count": result.line_count})
 
 
-@router.post("/write", openapi_extra=json_body(WriteBody))
+@router.post("/write", openapi_extra=json_body(WriteBody), response_model=v1_reply(FileWritten))
 async def write(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, WriteBody)
     data = files.decode_content(
@@ -254,7 +362,7 @@ async def ensure_parent(ops: FileOps, path: str, op: str) -> None:
         await ops.mkdir(parent, parents=True)
 
 
-@router.post("/replace", openapi_extra=json_body(ReplaceBody))
+@router.post("/replace", openapi_extra=json_body(ReplaceBody), response_model=v1_reply(FileReplaced))
 async def replace(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Replace every occurrence of `old_str`, literally; zero occurrences is a success with 0."""
     body = await parse_body(request, ReplaceBody)
@@ -262,7 +370,7 @@ async def replace(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return ok({"file": shown(sb.machine, body.file, "replace"), "replaced_count": count})
 
 
-@router.post("/search", openapi_extra=json_body(SearchBody))
+@router.post("/search", openapi_extra=json_body(SearchBody), response_model=v1_reply(FileSearched))
 async def search(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Lines of one file matching a regex, with 0-based line numbers (upstream's older route)."""
     body = await parse_body(request, SearchBody)
@@ -278,14 +386,14 @@ def shown(machine: Machine, path: str, op: str) -> str:
 # ---------------------------------------------------------------- find, grep, glob, list, mkdir
 
 
-@router.post("/find", openapi_extra=json_body(FindBody))
+@router.post("/find", openapi_extra=json_body(FindBody), response_model=v1_reply(FilesFound))
 async def find(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, FindBody)
     result = await file_ops(sb.machine).search(body.path, body.glob)
     return ok({"path": result.path, "files": result.files, "truncated": result.truncated})
 
 
-@router.post("/grep", openapi_extra=json_body(GrepBody))
+@router.post("/grep", openapi_extra=json_body(GrepBody), response_model=v1_reply(grep.GrepResult))
 async def grep_files(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Content search with ripgrep; each match's `line_number` counts from 1."""
     body = await parse_body(request, GrepBody)
@@ -319,7 +427,7 @@ async def grep_files(request: Request, sb: CurrentSandbox) -> JSONResponse:
     )
 
 
-@router.post("/glob", openapi_extra=json_body(GlobBody))
+@router.post("/glob", openapi_extra=json_body(GlobBody), response_model=v1_reply(files.GlobResult))
 async def glob(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, GlobBody)
     result = await file_ops(sb.machine).glob_files(
@@ -344,7 +452,7 @@ async def glob(request: Request, sb: CurrentSandbox) -> JSONResponse:
     )
 
 
-@router.post("/list", openapi_extra=json_body(ListBody))
+@router.post("/list", openapi_extra=json_body(ListBody), response_model=v1_reply(files.ListResult))
 async def list_path(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, ListBody)
     result = await file_ops(sb.machine).list_dir(
@@ -370,7 +478,7 @@ async def list_path(request: Request, sb: CurrentSandbox) -> JSONResponse:
     )
 
 
-@router.post("/mkdir", openapi_extra=json_body(MkdirBody))
+@router.post("/mkdir", openapi_extra=json_body(MkdirBody), response_model=v1_reply(files.MkdirResult))
 async def mkdir(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Not upstream (seed 002 uses it): create a directory, with `parents` like `mkdir -p`."""
     body = await parse_body(request, MkdirBody)
@@ -381,7 +489,9 @@ async def mkdir(request: Request, sb: CurrentSandbox) -> JSONResponse:
 # ---------------------------------------------------------------- the editor
 
 
-@router.post("/str_replace_editor", openapi_extra=json_body(EditorBody))
+@router.post(
+    "/str_replace_editor", openapi_extra=json_body(EditorBody), response_model=v1_reply(EditorResult)
+)
 async def str_replace_editor(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """The Anthropic/OpenHands text-editor tool: view, create, str_replace, insert, undo_edit."""
     body = await parse_body(request, EditorBody)
@@ -434,7 +544,7 @@ async def run_editor(editor: editor_mod.Editor, machine: Machine, body: EditorBo
 # ---------------------------------------------------------------- upload, download
 
 
-@router.post("/upload")
+@router.post("/upload", openapi_extra=UPLOAD_FORM, response_model=v1_reply(Uploaded))
 async def upload(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Multipart `file` (and optional `path`), staged beside the target and renamed over it."""
     ops = file_ops(sb.machine)
@@ -499,7 +609,7 @@ class FileChanged(WorkspaceError):
         )  # fmt: skip
 
 
-@router.get("/download")
+@router.get("/download", response_class=StreamingResponse, responses=DOWNLOAD_RESPONSES)
 async def download(
     request: Request,
     path: Annotated[str, Query()],
@@ -566,12 +676,17 @@ async def aclose(chunks: AsyncIterator[bytes]) -> None:
 # ---------------------------------------------------------------- watchers
 
 
-@router.get("/watch")
+@router.get("/watch", response_model=v1_reply(mirrored_model(WatcherList)))
 async def watch_list(sb: CurrentSandbox) -> JSONResponse:
     return mirrored({"watchers": [w.to_dict() for w in sb.watches.list()]})
 
 
-@router.post("/watch", openapi_extra=json_body(WatchBody))
+@router.post(
+    "/watch",
+    openapi_extra=json_body(WatchBody),
+    response_model=v1_reply(mirrored_model(WatchCreated)),
+    responses=WATCH_FAILURES,
+)
 async def watch_create(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Start recording changes under a path; answers `watcher_id` (top level and in `data`)."""
     body = await parse_body(request, WatchBody)
@@ -588,7 +703,12 @@ async def watch_create(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return mirrored({**watcher.to_dict(), "initial_cursor": watcher.last_seq})
 
 
-@router.post("/watch/wait", openapi_extra=json_body(WaitBody))
+@router.post(
+    "/watch/wait",
+    openapi_extra=json_body(WaitBody),
+    response_model=v1_reply(mirrored_model(WatchEvent)),
+    responses=WATCH_FAILURES,
+)
 async def watch_wait(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """The next change of exactly `path` (an existing path answers `create` at once); 503 on timeout."""
     body = await parse_body(request, WaitBody)
@@ -612,7 +732,12 @@ async def watch_wait(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return mirrored({"event": event.to_dict()})
 
 
-@router.post("/watch/{watcher_id}/poll", openapi_extra=json_body(PollBody))
+@router.post(
+    "/watch/{watcher_id}/poll",
+    openapi_extra=json_body(PollBody),
+    response_model=v1_reply(mirrored_model(PollPage)),
+    responses=WATCH_FAILURES,
+)
 async def watch_poll(watcher_id: str, request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Events after the cursor (`cursor`, or SDK 0.0.30's `since`), long-polling up to `timeout` s."""
     body = await parse_body(request, PollBody)
@@ -625,7 +750,11 @@ async def watch_poll(watcher_id: str, request: Request, sb: CurrentSandbox) -> J
     return mirrored(page.to_dict())
 
 
-@router.get("/watch/{watcher_id}/events")
+@router.get(
+    "/watch/{watcher_id}/events",
+    response_class=StreamingResponse,
+    responses={**v1_stream(SSE_RESPONSE), **WATCH_FAILURES},
+)
 async def watch_events(watcher_id: str, request: Request, sb: CurrentSandbox) -> Response:
     """Server-sent events: `watch_started`, then `file_change` / `overflow` as they happen."""
     try:
@@ -638,7 +767,9 @@ async def watch_events(watcher_id: str, request: Request, sb: CurrentSandbox) ->
     )
 
 
-@router.delete("/watch/{watcher_id}")
+@router.delete(
+    "/watch/{watcher_id}", response_model=v1_reply(mirrored_model(WatcherDeleted)), responses=WATCH_FAILURES
+)
 async def watch_stop(watcher_id: str, sb: CurrentSandbox) -> JSONResponse:
     try:
         sb.watches.delete(watcher_id)

@@ -19,10 +19,12 @@ from weakref import WeakKeyDictionary
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from agentbox import __version__
 from agentbox.api.envelope import ok
 from agentbox.api.sandboxes import CurrentSandbox
+from agentbox.api.schemas import Envelope, v1_reply
 from agentbox.machines.base import ExecRequest, Machine
 
 router = APIRouter(prefix="/v1/sandbox", tags=["sandbox"])
@@ -98,6 +100,53 @@ class Facts:
     timezone: str
     runtimes: dict[str, list[ToolSpec]]
     utils: set[str] = field(default_factory=set)
+
+
+class SystemInfo(BaseModel):
+    os: str
+    os_version: str
+    arch: str
+    user: str
+    home_dir: str
+    workspace: str
+    timezone: str
+    occupied_ports: list[str]
+
+
+class RuntimeInfo(BaseModel):
+    ver: str | None
+    bin: str
+    alias: list[str]
+
+
+class ToolInfo(BaseModel):
+    name: str
+    description: str
+
+
+class UtilCategory(BaseModel):
+    category: str
+    tools: list[ToolInfo]
+
+
+class ContextDetail(BaseModel):
+    system: SystemInfo
+    runtime: dict[str, list[RuntimeInfo]]
+    utils: list[UtilCategory]
+
+
+class SandboxContext(Envelope[str]):
+    """`data` is the summary text; the facts are beside it (upstream's `SandboxResponse`)."""
+
+    home_dir: str
+    workspace: str
+    version: str
+    detail: ContextDetail
+
+
+class Package(BaseModel):
+    name: str | None
+    version: str | None
 
 
 #: Probe results per machine object (a machine is rebuilt in place, so it keeps its entry).
@@ -219,7 +268,7 @@ def detail(facts: Facts, workspace: str, ports: list[str]) -> dict[str, Any]:
     }
 
 
-@router.get("")
+@router.get("", response_model=v1_reply(SandboxContext))
 async def get_context(sb: CurrentSandbox) -> JSONResponse:
     facts = await probe(sb.machine)
     _, tcp = await run(sb.machine, PORTS_SCRIPT)
@@ -234,7 +283,7 @@ async def get_context(sb: CurrentSandbox) -> JSONResponse:
     )
 
 
-@router.get("/packages/python")
+@router.get("/packages/python", response_model=v1_reply(list[Package]))
 async def python_packages(sb: CurrentSandbox) -> JSONResponse:
     """`pip list` of the sandbox's `python3`: `[{name, version}]`, empty when there is no pip."""
     code, text = await run(sb.machine, PIP_LIST)
@@ -244,7 +293,7 @@ async def python_packages(sb: CurrentSandbox) -> JSONResponse:
     return ok([{"name": p.get("name"), "version": p.get("version")} for p in packages if isinstance(p, dict)])
 
 
-@router.get("/packages/nodejs")
+@router.get("/packages/nodejs", response_model=v1_reply(list[Package]))
 async def nodejs_packages(sb: CurrentSandbox) -> JSONResponse:
     """Global npm packages: `[{name, version}]`, empty when there is no Node.js."""
     code, text = await run(sb.machine, NPM_LIST)

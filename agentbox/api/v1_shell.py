@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Literal
 from weakref import WeakKeyDictionary
 
 from fastapi import APIRouter, Request
@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from agentbox.api.envelope import json_body, ok, parse_body
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
+from agentbox.api.schemas import v1_reply
 from agentbox.api.v1_bash import (
     KILL_WAIT_SECONDS,
     MAX_LONG_POLL_SECONDS,
@@ -105,6 +106,95 @@ class CreateSessionBody(BaseModel):
 class UpdateSessionBody(BaseModel):
     id: str
     no_change_timeout: float | None = None
+
+
+# ---------------------------------------------------------------- replies (`data` of each route)
+
+
+class ConsoleRecord(BaseModel):
+    ps1: str
+    command: str
+    output: str
+
+
+class ShellResult(BaseModel):
+    session_id: str
+    command: str
+    status: str
+    output: str
+    console: list[ConsoleRecord]
+    exit_code: int | None
+
+
+class ShellView(BaseModel):
+    session_id: str
+    output: str
+    status: str
+    console: list[ConsoleRecord]
+    command: str | None
+    exit_code: int | None
+
+
+class ShellWait(BaseModel):
+    status: str
+    command: str | None
+    exit_code: int | None
+
+
+class ShellWrite(BaseModel):
+    status: str
+    command: str
+
+
+class ShellKill(BaseModel):
+    status: str
+    exit_code: int | None
+    returncode: int | None
+
+
+class ShellCreated(BaseModel):
+    session_id: str
+    working_dir: str
+
+
+class ShellUpdated(BaseModel):
+    session_id: str
+    no_change_timeout: float
+
+
+class ShellSessionInfo(BaseModel):
+    working_dir: str
+    created_at: str
+    last_used_at: str
+    age_seconds: float
+    status: str
+    current_command: str | None
+
+
+class ShellSessions(BaseModel):
+    sessions: dict[str, ShellSessionInfo]
+
+
+class ShellStats(BaseModel):
+    total_sessions: int
+    active_sessions: int
+    idle_sessions: int
+    max_sessions: int
+    session_timeout: float
+    usage_ratio: float
+
+
+class ShellClosed(BaseModel):
+    closed: list[str]
+
+
+class NoTerminal(BaseModel):
+    """`GET /v1/shell/terminal-url`: always `success: false`, with an empty string as `data`."""
+
+    success: Literal[False]
+    message: str
+    data: Literal[""]
+    hint: None
 
 
 # ---------------------------------------------------------------- shapes
@@ -183,7 +273,7 @@ async def settle(sb: Sandbox, cmd: Command, timeout: float, no_change: float) ->
 # ---------------------------------------------------------------- routes
 
 
-@router.post("/exec", openapi_extra=json_body(ExecBody))
+@router.post("/exec", openapi_extra=json_body(ExecBody), response_model=v1_reply(ShellResult))
 async def exec_command(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, ExecBody)
     check_wait(body.timeout, "timeout")
@@ -209,7 +299,7 @@ async def exec_command(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return ok(command_result(session.session_id, cmd, status, truncate))
 
 
-@router.post("/view", openapi_extra=json_body(SessionBody))
+@router.post("/view", openapi_extra=json_body(SessionBody), response_model=v1_reply(ShellView))
 async def view(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """The session's newest command and its output, with the console of its recent commands."""
     body = await parse_body(request, SessionBody)
@@ -228,7 +318,7 @@ async def view(request: Request, sb: CurrentSandbox) -> JSONResponse:
     )
 
 
-@router.post("/wait", openapi_extra=json_body(WaitBody))
+@router.post("/wait", openapi_extra=json_body(WaitBody), response_model=v1_reply(ShellWait))
 async def wait(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Wait up to `seconds` (at most `max_wait_seconds`) for the session's newest command to end."""
     body = await parse_body(request, WaitBody)
@@ -244,7 +334,7 @@ async def wait(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return ok({"status": SHELL_STATUS[cmd.status], "command": shown_command(cmd), "exit_code": cmd.exit_code})
 
 
-@router.post("/write", openapi_extra=json_body(WriteBody))
+@router.post("/write", openapi_extra=json_body(WriteBody), response_model=v1_reply(ShellWrite))
 async def write(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """Type `input` (plus a newline with `press_enter`) into the session's running command."""
     body = await parse_body(request, WriteBody)
@@ -256,7 +346,7 @@ async def write(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return ok({"status": SHELL_STATUS[cmd.status], "command": shown_command(cmd)})
 
 
-@router.post("/kill", openapi_extra=json_body(SessionBody))
+@router.post("/kill", openapi_extra=json_body(SessionBody), response_model=v1_reply(ShellKill))
 async def kill(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """SIGKILL the process group of the session's running command; idempotent when none runs."""
     body = await parse_body(request, SessionBody)
@@ -272,7 +362,9 @@ async def kill(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return ok({"status": SHELL_STATUS[cmd.status], "exit_code": cmd.exit_code, "returncode": cmd.exit_code})
 
 
-@router.post("/sessions/create", openapi_extra=json_body(CreateSessionBody))
+@router.post(
+    "/sessions/create", openapi_extra=json_body(CreateSessionBody), response_model=v1_reply(ShellCreated)
+)
 async def create_session(request: Request, sb: CurrentSandbox) -> JSONResponse:
     """A new session (or the existing one of that id) whose commands start in `exec_dir`."""
     body = await parse_body(request, CreateSessionBody)
@@ -284,7 +376,9 @@ async def create_session(request: Request, sb: CurrentSandbox) -> JSONResponse:
     return ok({"session_id": session.session_id, "working_dir": session.working_dir})
 
 
-@router.post("/sessions/update", openapi_extra=json_body(UpdateSessionBody))
+@router.post(
+    "/sessions/update", openapi_extra=json_body(UpdateSessionBody), response_model=v1_reply(ShellUpdated)
+)
 async def update_session(request: Request, sb: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, UpdateSessionBody)
     session = sb.commands.session(body.id)
@@ -299,12 +393,12 @@ async def update_session(request: Request, sb: CurrentSandbox) -> JSONResponse:
     )
 
 
-@router.get("/sessions")
+@router.get("/sessions", response_model=v1_reply(ShellSessions))
 async def list_sessions(sb: CurrentSandbox) -> JSONResponse:
     return ok({"sessions": {s.session_id: session_info(s) for s in sb.commands.sessions()}})
 
 
-@router.get("/sessions/stats")
+@router.get("/sessions/stats", response_model=v1_reply(ShellStats))
 async def session_stats(sb: CurrentSandbox) -> JSONResponse:
     sessions = sb.commands.sessions()
     now = time.time()
@@ -325,20 +419,20 @@ async def session_stats(sb: CurrentSandbox) -> JSONResponse:
     )
 
 
-@router.get("/terminal-url")
+@router.get("/terminal-url", response_model=NoTerminal)
 async def terminal_url() -> JSONResponse:
     """Not available: `success: false` with an empty string (the SDK's `ResponseStr` still parses)."""
     message = "No web terminal: this sandbox runs commands through /v1/shell/exec and /v1/bash/exec"
     return JSONResponse({"success": False, "message": message, "data": "", "hint": None})
 
 
-@router.delete("/sessions")
+@router.delete("/sessions", response_model=v1_reply(ShellClosed))
 async def cleanup_all_sessions(sb: CurrentSandbox) -> JSONResponse:
     closed = [sb.commands.close_session(s.session_id).session_id for s in sb.commands.sessions()]
     return ok({"closed": closed})
 
 
-@router.delete("/sessions/{shell_session_id}")
+@router.delete("/sessions/{shell_session_id}", response_model=v1_reply(ShellClosed))
 async def cleanup_session(shell_session_id: str, sb: CurrentSandbox) -> JSONResponse:
     sb.commands.close_session(shell_session_id)
     return ok({"closed": [shell_session_id]})

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from agentbox.api.envelope import json_body, ok, parse_body
 from agentbox.api.sandboxes import CurrentSandbox
+from agentbox.api.schemas import SANDBOX_FAILURES, V2_FAILURES, Envelope, failures
 from agentbox.timestamps import timestamp
 from agentbox.workspace.commands import (
     DEFAULT_TIMEOUT_SECONDS,
@@ -28,9 +29,10 @@ from agentbox.workspace.commands import (
     MAX_INPUT_BYTES,
     MAX_TIMEOUT_SECONDS,
     Command,
+    Status,
 )
 
-router = APIRouter(tags=["v2 commands"])
+router = APIRouter(tags=["v2 commands"], responses=failures(*V2_FAILURES, *SANDBOX_FAILURES))
 
 #: How long DELETE waits for a killed command's record to close before answering.
 KILL_WAIT_SECONDS = KILL_GRACE_SECONDS + DRAIN_GRACE_SECONDS
@@ -56,6 +58,33 @@ class CommandBody(BaseModel):
         description=f"Text written to the command's standard input, which is then closed (at most "
         f"{MAX_INPUT_BYTES} UTF-8 bytes); without it stdin is empty.",
     )
+
+
+class CommandSummary(BaseModel):
+    """What identifies a command and how it stands (`summary`)."""
+
+    command_id: str
+    command: str
+    cwd: str | None
+    status: Status
+    exit_code: int | None
+    started_at: str
+    finished_at: str | None
+    duration: float = Field(description="Seconds it ran (so far, while running).")
+    error: str | None
+
+
+class CommandOutput(CommandSummary):
+    """A command with the output kept so far (`described`)."""
+
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+
+
+class CommandList(BaseModel):
+    commands: list[CommandSummary]
 
 
 def summary(cmd: Command) -> dict[str, Any]:
@@ -84,7 +113,7 @@ def described(cmd: Command) -> dict[str, Any]:
     }
 
 
-@router.post("/v2/commands", openapi_extra=json_body(CommandBody))
+@router.post("/v2/commands", openapi_extra=json_body(CommandBody), response_model=Envelope[CommandOutput])
 async def run(request: Request, sandbox: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, CommandBody)
     manager = sandbox.commands
@@ -98,12 +127,12 @@ async def run(request: Request, sandbox: CurrentSandbox) -> JSONResponse:
     return ok(described(cmd), message=f"Command {cmd.status}")
 
 
-@router.get("/v2/commands")
+@router.get("/v2/commands", response_model=Envelope[CommandList])
 async def list_commands(sandbox: CurrentSandbox) -> JSONResponse:
     return ok({"commands": [summary(cmd) for cmd in sandbox.commands.list()]})
 
 
-@router.get("/v2/commands/{command_id}")
+@router.get("/v2/commands/{command_id}", response_model=Envelope[CommandOutput])
 async def get_command(
     command_id: str,
     sandbox: CurrentSandbox,
@@ -118,7 +147,7 @@ async def get_command(
     return ok(described(cmd))
 
 
-@router.delete("/v2/commands/{command_id}")
+@router.delete("/v2/commands/{command_id}", response_model=Envelope[CommandOutput])
 async def kill_command(command_id: str, sandbox: CurrentSandbox) -> JSONResponse:
     sandbox.commands.kill(command_id)
     cmd = await sandbox.commands.wait(command_id, KILL_WAIT_SECONDS)

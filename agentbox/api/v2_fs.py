@@ -38,15 +38,18 @@ from starlette.datastructures import UploadFile
 
 from agentbox.api.envelope import BodyError, failure, json_body, ok, parse_body, refuse_declared
 from agentbox.api.sandboxes import CurrentSandbox
-from agentbox.api.v1_file import upload_form
+from agentbox.api.schemas import SANDBOX_FAILURES, V2_FILE_FAILURES, Envelope, failures, streamed
+from agentbox.api.v1_file import UPLOAD_FORM, upload_form
 from agentbox.machines.base import Machine
 from agentbox.workspace import files, grep, tree
-from agentbox.workspace.editor import Editor
+from agentbox.workspace.editor import Editor, EditResult
 from agentbox.workspace.errors import bad_request
 from agentbox.workspace.fileops import check_user, file_ops
 from agentbox.workspace.files import RangeNotSatisfiable
 
-router = APIRouter(tags=["v2 files"])
+router = APIRouter(tags=["v2 files"], responses=failures(*V2_FILE_FAILURES, *SANDBOX_FAILURES))
+#: Routes that decode text answer 422 `decode_error` for bytes that are not (UTF-8, base64).
+DECODES = failures(422)
 
 #: Tuning, not a limit: bytes read from an uploaded part per chunk handed to `files.upload`.
 UPLOAD_CHUNK_BYTES = 1024 * 1024
@@ -127,14 +130,19 @@ class EditBody(BaseModel):
 # ---------------------------------------------------------------- routes
 
 
-@router.post("/v2/fs/mkdir", openapi_extra=json_body(MkdirBody))
+@router.post("/v2/fs/mkdir", openapi_extra=json_body(MkdirBody), response_model=Envelope[files.MkdirResult])
 async def mkdir(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
     body = await parse_body(request, MkdirBody)
     result = await file_ops(sandbox.machine).mkdir(body.path, parents=body.parents, user=user)
     return ok(data_of(result))
 
 
-@router.post("/v2/fs/write", openapi_extra=json_body(WriteBody))
+@router.post(
+    "/v2/fs/write",
+    openapi_extra=json_body(WriteBody),
+    response_model=Envelope[files.WriteResult],
+    responses=DECODES,
+)
 async def write(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
     body = await parse_body(request, WriteBody)
     data = files.decode_content(
@@ -148,7 +156,7 @@ async def write(request: Request, sandbox: CurrentSandbox, user: UserQuery = Non
     return ok(data_of(result))
 
 
-@router.get("/v2/fs/list")
+@router.get("/v2/fs/list", response_model=Envelope[files.ListResult])
 async def list_dir(
     sandbox: CurrentSandbox,
     path: PathQuery,
@@ -177,7 +185,7 @@ async def list_dir(
     return ok(data_of(result))
 
 
-@router.get("/v2/fs/search")
+@router.get("/v2/fs/search", response_model=Envelope[files.SearchResult])
 async def search(
     sandbox: CurrentSandbox,
     path: PathQuery,
@@ -202,7 +210,7 @@ async def search(
     return ok(data_of(result))
 
 
-@router.post("/v2/fs/grep", openapi_extra=json_body(GrepBody))
+@router.post("/v2/fs/grep", openapi_extra=json_body(GrepBody), response_model=Envelope[grep.GrepResult])
 async def grep_route(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
     body = await parse_body(request, GrepBody)
     await check_user(sandbox.machine, user, "grep", body.path)
@@ -228,7 +236,9 @@ async def grep_route(request: Request, sandbox: CurrentSandbox, user: UserQuery 
     return ok(data_of(result))
 
 
-@router.post("/v2/fs/edit", openapi_extra=json_body(EditBody))
+@router.post(
+    "/v2/fs/edit", openapi_extra=json_body(EditBody), response_model=Envelope[EditResult], responses=DECODES
+)
 async def edit(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
     body = await parse_body(request, EditBody)
     await check_user(sandbox.machine, user, "edit", body.path)
@@ -256,7 +266,7 @@ async def run_edit(editor: Editor, machine: Machine, body: EditBody) -> Any:
     return await editor.undo_edit(machine, path)
 
 
-@router.get("/v2/fs/read")
+@router.get("/v2/fs/read", response_model=Envelope[files.ReadResult], responses=DECODES)
 async def read(
     sandbox: CurrentSandbox,
     path: PathQuery,
@@ -269,7 +279,14 @@ async def read(
     return ok(data_of(result))
 
 
-@router.get("/v2/fs/download", response_class=StreamingResponse)
+@router.get(
+    "/v2/fs/download",
+    response_class=StreamingResponse,
+    responses={
+        **streamed("*/*", "The file's bytes (its guessed media type); 206 for a Range", 206),
+        **failures(416),
+    },
+)
 async def download(request: Request, sandbox: CurrentSandbox, path: PathQuery) -> Response:
     refuse_user(request, "download")
     target = await file_ops(sandbox.machine).download(path)
@@ -309,29 +326,15 @@ def http_date(timestamp: float) -> str:
     return formatdate(timestamp, usegmt=True)
 
 
-UPLOAD_FORM = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["file"],
-                    "properties": {
-                        "file": {"type": "string", "format": "binary", "description": "The file's bytes."},
-                        "path": {
-                            "type": "string",
-                            "description": "Target path; default: the file's name in /workspace.",
-                        },
-                    },
-                }
-            }
-        },
-    }
-}
+class UploadData(BaseModel):
+    """An upload's result: where it landed (`path` and `file_path` alike) and its size."""
+
+    path: str
+    file_path: str
+    file_size: int
 
 
-@router.post("/v2/fs/upload", openapi_extra=UPLOAD_FORM)
+@router.post("/v2/fs/upload", openapi_extra=UPLOAD_FORM, response_model=Envelope[UploadData])
 async def upload(request: Request, sandbox: CurrentSandbox, user: UserQuery = None) -> JSONResponse:
     """Read within `v1_file.MAX_UPLOAD_FORM_BYTES` while it arrives (never spooled past it)."""
     machine = sandbox.machine
@@ -361,7 +364,11 @@ async def upload_chunks(file: UploadFile) -> AsyncIterator[bytes]:
         yield chunk
 
 
-@router.get("/v2/fs/tree", response_class=StreamingResponse)
+@router.get(
+    "/v2/fs/tree",
+    response_class=StreamingResponse,
+    responses=streamed("application/x-tar", "The directory as a tar archive"),
+)
 async def get_tree(request: Request, sandbox: CurrentSandbox, path: PathQuery) -> Response:
     refuse_user(request, "tree")
     chunks = await file_ops(sandbox.machine).tar_stream(path)
@@ -378,7 +385,7 @@ TAR_BODY = {
 }
 
 
-@router.put("/v2/fs/tree", openapi_extra=TAR_BODY)
+@router.put("/v2/fs/tree", openapi_extra=TAR_BODY, response_model=Envelope[tree.TreeResult])
 async def put_tree(
     request: Request, sandbox: CurrentSandbox, path: PathQuery, user: UserQuery = None
 ) -> JSONResponse:

@@ -13,10 +13,12 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from agentbox import __version__
 from agentbox.api.envelope import ok
 from agentbox.api.sandboxes import CurrentSandbox, Sandbox
+from agentbox.api.schemas import SANDBOX_FAILURES, Envelope, failures
 from agentbox.machines.base import Lifetime
 
 router = APIRouter(tags=["sandbox"])
@@ -24,6 +26,35 @@ router = APIRouter(tags=["sandbox"])
 #: Feature groups this server offers on every sandbox: `/v2/fs/*` and `/v1/file/*`,
 #: `/v2/watch`, `/v2/commands`.
 CAPABILITIES: tuple[str, ...] = ("files", "watch", "commands")
+
+
+class MachineInfo(BaseModel):
+    name: str
+    kind: str
+    os: str
+    root: str
+    isolated: bool
+
+
+class SandboxInfo(BaseModel):
+    """What `GET /v2/sandbox` says: the session, what the API can do, the machine, its isolation."""
+
+    session_id: str | None
+    version: str
+    capabilities: list[str]
+    machine: MachineInfo
+    isolation: dict[str, Any] | None
+
+
+class Capabilities(BaseModel):
+    capabilities: list[str]
+    version: str
+
+
+class CapabilitiesReply(Envelope[Capabilities]):
+    """The list in `data.capabilities` and at the top level too."""
+
+    capabilities: list[str]
 
 
 def machine_info(sandbox: Sandbox) -> dict[str, Any]:
@@ -45,7 +76,7 @@ def isolation(sandbox: Sandbox) -> dict[str, Any] | None:
     return None
 
 
-@router.get("/v2/sandbox")
+@router.get("/v2/sandbox", response_model=Envelope[SandboxInfo], responses=failures(*SANDBOX_FAILURES))
 async def describe(sandbox: CurrentSandbox) -> JSONResponse:
     return ok(
         {
@@ -58,7 +89,7 @@ async def describe(sandbox: CurrentSandbox) -> JSONResponse:
     )
 
 
-@router.get("/v1/capabilities")
+@router.get("/v1/capabilities", response_model=CapabilitiesReply)
 async def capabilities() -> JSONResponse:
     names = list(CAPABILITIES)
     return ok({"capabilities": names, "version": __version__}, capabilities=names)

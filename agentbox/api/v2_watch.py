@@ -29,10 +29,11 @@ from pydantic import BaseModel, Field
 
 from agentbox.api.envelope import json_body, ok, parse_body
 from agentbox.api.sandboxes import CurrentSandbox
+from agentbox.api.schemas import SANDBOX_FAILURES, V2_FAILURES, Envelope, event_stream, failures
 from agentbox.workspace.errors import bad_request
 from agentbox.workspace.watch import DEFAULT_POLL_LIMIT, MAX_POLL_TIMEOUT, Event, Overflow, Watcher
 
-router = APIRouter(tags=["v2 watch"])
+router = APIRouter(tags=["v2 watch"], responses=failures(*V2_FAILURES, *SANDBOX_FAILURES))
 
 #: Seconds of silence after which an SSE stream sends a heartbeat comment, by default.
 HEARTBEAT_SECONDS = 15.0
@@ -56,31 +57,76 @@ class WatchBody(BaseModel):
     )
 
 
-@router.post("/v2/watch", openapi_extra=json_body(WatchBody))
+class WatcherInfo(BaseModel):
+    """A watcher as `Watcher.to_dict` gives it."""
+
+    watcher_id: str
+    path: str
+    recursive: bool
+    exclude: list[str]
+    created_at: float = Field(description="Unix time the watcher started.")
+    last_seq: int = Field(description="The seq of its newest event (0: none yet).")
+
+
+class WatcherReply(Envelope[WatcherInfo]):
+    """The envelope with `watcher_id` at the top level too."""
+
+    watcher_id: str
+
+
+class WatcherList(BaseModel):
+    watchers: list[WatcherInfo]
+
+
+class WatcherDeleted(BaseModel):
+    watcher_id: str
+    deleted: bool
+
+
+class WatcherDeletedReply(Envelope[WatcherDeleted]):
+    watcher_id: str
+
+
+class PollPage(BaseModel):
+    """Events after the cursor, the cursor for the next poll, and whether history was lost."""
+
+    events: list[Event]
+    cursor: int
+    overflow: bool
+
+
+#: How the SSE routes answer (v1 and v2): frames, not JSON.
+SSE_RESPONSE = event_stream(
+    "watch_started, then file_change (id `<watcher_id>:<seq>`) and overflow events",
+    ("watch_started", "file_change", "overflow"),
+)
+
+
+@router.post("/v2/watch", openapi_extra=json_body(WatchBody), response_model=WatcherReply)
 async def create(request: Request, sandbox: CurrentSandbox) -> JSONResponse:
     body = await parse_body(request, WatchBody)
     watcher = await sandbox.watches.start(body.path, recursive=body.recursive, exclude=body.exclude)
     return ok(watcher.to_dict(), watcher_id=watcher.id)
 
 
-@router.get("/v2/watch")
+@router.get("/v2/watch", response_model=Envelope[WatcherList])
 async def list_watchers(sandbox: CurrentSandbox) -> JSONResponse:
     return ok({"watchers": [w.to_dict() for w in sandbox.watches.list()]})
 
 
-@router.get("/v2/watch/{watcher_id}")
+@router.get("/v2/watch/{watcher_id}", response_model=WatcherReply)
 async def get_watcher(watcher_id: str, sandbox: CurrentSandbox) -> JSONResponse:
     watcher = sandbox.watches.get(watcher_id)
     return ok(watcher.to_dict(), watcher_id=watcher.id)
 
 
-@router.delete("/v2/watch/{watcher_id}")
+@router.delete("/v2/watch/{watcher_id}", response_model=WatcherDeletedReply)
 async def delete_watcher(watcher_id: str, sandbox: CurrentSandbox) -> JSONResponse:
     sandbox.watches.delete(watcher_id)
     return ok({"watcher_id": watcher_id, "deleted": True}, watcher_id=watcher_id)
 
 
-@router.get("/v2/watch/{watcher_id}/poll")
+@router.get("/v2/watch/{watcher_id}/poll", response_model=Envelope[PollPage])
 async def poll(
     watcher_id: str,
     sandbox: CurrentSandbox,
@@ -102,7 +148,7 @@ async def poll(
     return ok(page.to_dict())
 
 
-@router.get("/v2/watch/{watcher_id}/events", response_class=StreamingResponse)
+@router.get("/v2/watch/{watcher_id}/events", response_class=StreamingResponse, responses=SSE_RESPONSE)
 async def events(
     watcher_id: str,
     sandbox: CurrentSandbox,
