@@ -19,6 +19,7 @@ from agentbox.config import MachineConfig, Settings
 from agentbox.machines.base import Machine
 from agentbox.machines.cgroups import Limits
 from agentbox.machines.docker import DockerHost, DockerMachine, DockerOptions
+from agentbox.machines.e2b import E2BMachine, E2BOptions
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.images import DEFAULT_IMAGE
 from agentbox.machines.local import LocalMachine
@@ -150,6 +151,17 @@ def make_ssh(build: Build) -> SshMachine:
     return SshMachine(build.config.name, options, build.env)
 
 
+def make_e2b(build: Build) -> E2BMachine:
+    try:
+        options = E2BOptions.from_options(build.config.options)
+    except ValueError as exc:
+        raise MachineUnavailable(f"machine {build.config.name!r}: {exc}") from None
+    return E2BMachine(
+        build.config.name, build.instance_id, options, build.env,
+        session_id=build.session_id, sandbox_id=build.recovered.get("e2b_sandbox_id"),
+    )  # fmt: skip
+
+
 KINDS: dict[str, Kind] = {
     kind.name: kind
     for kind in (
@@ -157,5 +169,6 @@ KINDS: dict[str, Kind] = {
         Kind("docker", make_docker, shared=docker_host, sweep=sweep_docker),
         Kind("local", make_local),
         Kind("ssh", make_ssh),
+        Kind("e2b", make_e2b),
     )
 }
