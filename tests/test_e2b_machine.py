@@ -107,10 +107,14 @@ async def test_the_kind_is_one_row_and_refuses_bad_entries() -> None:
     assert E2BOptions.from_options({}).root == "/home/user"
 
 
-async def test_without_the_sdk_the_kind_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_without_the_sdk_the_kind_names_its_extra(
+    monkeypatch: pytest.MonkeyPatch, endpoint: Server
+) -> None:
     monkeypatch.setitem(sys.modules, "e2b", None)  # what an install without the extra has
     with pytest.raises(MachineUnavailable, match=r"agentbox\[e2b\]"):
         sdk()
+    with pytest.raises(MachineUnavailable, match=r"install agentbox\[e2b\]"):
+        await new_machine(endpoint).start()
     assert EXTRA == "agentbox[e2b]"
 
 
