@@ -18,13 +18,13 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
-from conftest import Server, start_server, stop_server, traversable
+from conftest import Server, e2b_entry, start_server, stop_server, traversable
 from test_api_v2 import Aio
 
 from agentbox.machines.base import ExecRequest, Lifetime, WatchChange, Watching
@@ -37,30 +37,17 @@ from agentbox.workspace.fileops import RemoteOps, file_ops
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-API_KEY = "e2b-machine-key"
 #: Seconds a condition (an event arrived, a sandbox gone) may take before a test fails.
 DEADLINE = 20.0
-#: The E2B sandbox's lifetime the machines ask for (refreshed while they run).
-TIMEOUT_SECONDS = 600
 
 
 @pytest.fixture(scope="module")
-def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """agentbox serving E2B on a loopback port: the endpoint every machine here points at."""
-    home = traversable(tmp_path_factory.mktemp("e2b-endpoint"), tmp_path_factory) / "home"
-    home.mkdir()
-    server = start_server(home, env={"AGENTBOX_API_KEY": API_KEY})
-    yield server
-    stop_server(server)
+def endpoint(e2b_endpoint: Server) -> Server:
+    return e2b_endpoint
 
 
 def entry(endpoint: Server, **overrides: object) -> dict[str, object]:
-    """The `[machines.<name>]` options of an e2b machine on `endpoint`."""
-    base: dict[str, object] = {
-        "api_url": endpoint.url, "sandbox_url": endpoint.url, "api_key": API_KEY,
-        "root": "/workspace", "user": "root", "timeout": TIMEOUT_SECONDS,
-    }  # fmt: skip
-    return {**base, **overrides}
+    return e2b_entry(endpoint, **overrides)
 
 
 def new_machine(endpoint: Server, env: dict[str, str] | None = None, **overrides: object) -> E2BMachine:
