@@ -381,6 +381,18 @@ async def test_kill_on_stop_makes_a_new_sandbox(endpoint: Server) -> None:
         await machine.destroy()
 
 
+async def test_a_paused_sandbox_is_killed_when_its_session_closes(endpoint: Server) -> None:
+    machine = new_machine(endpoint)
+    await machine.start()
+    sandbox_id = machine.sandbox_id
+    await machine.stop()
+    await machine.destroy()  # without resuming it first
+    with pytest.raises(sdk().exceptions.NotFoundException):
+        await sdk().AsyncSandbox.get_info(sandbox_id, **machine.options.api_params())
+    with pytest.raises(MachineUnavailable, match="closed"):
+        await machine.start()
+
+
 # --- a server whose sessions run on e2b -----------------------------------------------------
 
 

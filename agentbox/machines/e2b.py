@@ -118,6 +118,9 @@ TEMP_INFIX = ".agentbox-"
 MOVE_PAIR_SECONDS = 0.05
 #: Changes a watch queues for a slow reader before it reports `overflow` and drops.
 MAX_QUEUED_CHANGES = 10_000
+#: What envd answers for the stdin of a process that has ended (or has none): not found, or
+#: an invalid argument.
+STDIN_GONE = frozenset({errno.ENOENT, errno.EINVAL})
 #: The user helpers run as: chown and a look at any file need it.
 HELPER_USER = "root"
 #: Exit codes of the helper scripts that name an errno (127 is taken by remote_command).
@@ -174,7 +177,8 @@ class E2BOptions:
     network: str = "on"
     """"off": the sandbox is created without internet access."""
     memory_mb: int = 0
-    """Counted against the server's `max_sandbox_memory_mb` (0: not counted; the memory is E2B's)."""
+    """What the sandbox counts against the server's `max_sandbox_memory_mb`, as a sandbox's
+    limit does (unset: the registry's default; 0: not counted, the memory being E2B's)."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> E2BOptions:
@@ -321,11 +325,23 @@ class E2BProcess:
             self.started.set_exception(OSError(code, os.strerror(code), subject))
 
     async def write_stdin(self, data: bytes) -> None:
-        for at in range(0, len(data), STDIN_CHUNK):
-            await self.machine.send_input(self.envd_pid, data[at : at + STDIN_CHUNK])
+        """Send to the command's stdin; one that has ended (or closed it) is EPIPE, as a pipe's."""
+        try:
+            for at in range(0, len(data), STDIN_CHUNK):
+                await self.machine.send_input(self.envd_pid, data[at : at + STDIN_CHUNK])
+        except OSError as exc:
+            if exc.errno not in STDIN_GONE:
+                raise
+            raise BrokenPipeError(errno.EPIPE, "the command's stdin is closed") from None
 
     async def close_stdin(self) -> None:
-        await self.machine.close_input(self.envd_pid)
+        """End the command's stdin; nothing to do when the command has ended already (envd
+        refuses then: the command read what it needed and exited first)."""
+        try:
+            await self.machine.close_input(self.envd_pid)
+        except OSError as exc:
+            if exc.errno not in STDIN_GONE:
+                raise
 
     async def wait(self) -> int:
         return await asyncio.shield(self.exited)
@@ -532,17 +548,16 @@ class E2BMachine:
                 log.warning("could not %s e2b sandbox %s: %s", self.options.on_stop, self.sandbox_id, exc)
 
     async def destroy(self) -> None:
-        """The session is closed: kill the sandbox."""
+        """The session is closed: kill the sandbox (a paused one too, without resuming it)."""
         async with self._lock:
             sandbox = self._detach()
-            if sandbox is None and self.sandbox_id is not None:
-                with contextlib.suppress(Exception):
-                    sandbox = await sdk().AsyncSandbox.connect(self.sandbox_id, **self.options.api_params())
-            if sandbox is not None:
-                try:
+            try:
+                if sandbox is not None:
                     await sandbox.kill()
-                except Exception as exc:
-                    log.warning("could not kill e2b sandbox %s: %s", self.sandbox_id, exc)
+                elif self.sandbox_id is not None:
+                    await sdk().AsyncSandbox.kill(self.sandbox_id, **self.options.api_params())
+            except Exception as exc:
+                log.warning("could not kill e2b sandbox %s: %s", self.sandbox_id, exc)
             self.sandbox_id = None
             self._closed = True
 
@@ -664,9 +679,15 @@ class E2BMachine:
         return result
 
     async def run(
-        self, argv: tuple[str, ...], *, cwd: str = "/", stdin: bytes | None = None, limit: int | None = None
+        self,
+        argv: tuple[str, ...],
+        *,
+        cwd: str = "/",
+        stdin: bytes | None = None,
+        limit: int | None = None,
+        user: str = HELPER_USER,
     ) -> ExecResult:
-        """A helper command of the machine's own, as root."""
+        """A helper command of the machine's own (as root unless `user` says otherwise)."""
         request = ExecRequest(
             argv=argv,
             cwd=cwd,
@@ -674,7 +695,7 @@ class E2BMachine:
             timeout=HELPER_TIMEOUT,
             output_limit=limit or DEFAULT_OUTPUT_LIMIT,
         )
-        process = await self.spawn(request, user=HELPER_USER)
+        process = await self.spawn(request, user=user)
         return await collect(process, request.output_limit, request.timeout)
 
     async def send_input(self, pid: int, data: bytes) -> None:
@@ -934,7 +955,9 @@ class E2BMachine:
         temp = await self._upload_temp(target, path, chunks, limit)
         try:
             script = f'ln -- "$1" "$2" 2>/dev/null && exit 0; [ -e "$2" ] || [ -L "$2" ] && exit {ERRNO_EXIT[errno.EEXIST]}; exit 1'
-            result = await self.run(("/bin/sh", "-c", script, "sh", temp.path, target))
+            result = await self.run(
+                ("/bin/sh", "-c", script, "sh", temp.path, target), user=self.options.user
+            )
             if result.exit_code == ERRNO_EXIT[errno.EEXIST]:
                 raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
             if result.exit_code != 0:
@@ -1055,7 +1078,7 @@ class E2BMachine:
             f'{{ [ -e "$2" ] || [ -L "$2" ]; }} && exit {ERRNO_EXIT[errno.EEXIST]}; '
             f'[ -d "$(dirname -- "$2")" ] || exit {ERRNO_EXIT[errno.ENOENT]}; ln -s -- "$1" "$2"'
         )
-        result = await self.run(("/bin/sh", "-c", script, "sh", target, where))
+        result = await self.run(("/bin/sh", "-c", script, "sh", target, where), user=self.options.user)
         failed = helper_errno(result.exit_code)
         if failed is not None:
             raise OSError(failed, os.strerror(failed), path)
