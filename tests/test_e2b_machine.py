@@ -24,13 +24,14 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
-from conftest import Server, e2b_entry, start_server, stop_server, traversable
+from conftest import E2B_API_KEY, Server, e2b_entry, start_server, stop_server, traversable
 from test_api_v2 import Aio
 
 from agentbox.machines.base import ExecRequest, Lifetime, WatchChange, Watching
 from agentbox.machines.e2b import EXTRA, E2BMachine, E2BOptions, sdk
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.kinds import KINDS
+from agentbox.secrets import SecretBox
 from agentbox.workspace import files, remote_files
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.fileops import RemoteOps, file_ops
@@ -89,8 +90,9 @@ async def test_the_kind_is_one_row_and_refuses_bad_entries() -> None:
         E2BOptions.from_options({"timeout": "soon"})
     with pytest.raises(ValueError, match="on_stop"):
         E2BOptions.from_options({"on_stop": "freeze"})
-    with pytest.raises(ValueError, match="still encrypted"):
-        E2BOptions.from_options({"api_key": "enc:gAAAA"})
+    sealed = E2BOptions.from_options({"api_key": "enc:gAAAA"})  # describable, not usable
+    with pytest.raises(MachineUnavailable, match="still encrypted"):
+        sealed.api_params()
     assert E2BOptions.from_options({}).root == "/home/user"
 
 
@@ -397,7 +399,9 @@ async def test_a_paused_sandbox_is_killed_when_its_session_closes(endpoint: Serv
 
 
 def start_client(home: Path, endpoint: Server) -> Server:
-    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in entry(endpoint).items())
+    """A server whose default machine is an e2b machine on `endpoint`, its key stored sealed."""
+    sealed = entry(endpoint, api_key=SecretBox(home).encrypt(E2B_API_KEY))
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in sealed.items())
     config = home.parent / "agentbox.toml"
     config.write_text(f'default_machine = "cloud"\n[machines.cloud]\nkind = "e2b"\nmemory_mb = 0\n{lines}')
     return start_server(home, {"AGENTBOX_CONFIG": str(config)})

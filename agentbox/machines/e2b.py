@@ -203,12 +203,13 @@ class E2BOptions:
             raise ValueError("root must be an absolute path")
         if made.on_stop not in ("pause", "kill"):
             raise ValueError(f"on_stop must be pause or kill, not {made.on_stop!r}")
-        if is_encrypted(made.api_key):
-            raise ValueError("api_key is still encrypted: decrypt the entry's secrets first")
         return made
 
     def api_params(self) -> dict[str, Any]:
-        """The SDK's connection parameters (`ApiParams`) of this entry."""
+        """The SDK's connection parameters (`ApiParams`) of this entry. A key still encrypted
+        (an entry described, not opened, keeps its secrets sealed) cannot be used."""
+        if is_encrypted(self.api_key):
+            raise MachineUnavailable("api_key is still encrypted: decrypt the entry's secrets first")
         key = self.api_key or os.environ.get(self.api_key_env) or None
         given = {"api_key": key, "domain": self.domain, "api_url": self.api_url,
                  "sandbox_url": self.sandbox_url}  # fmt: skip
