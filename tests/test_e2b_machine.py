@@ -384,8 +384,11 @@ async def test_kill_on_stop_makes_a_new_sandbox(endpoint: Server) -> None:
 
 
 async def test_a_paused_sandbox_is_killed_when_its_session_closes(endpoint: Server) -> None:
-    machine = new_machine(endpoint)
+    machine = new_machine(endpoint, root="/workspace/made/at/start")
     await machine.start()
+    made = await machine.stat(machine.root)  # a root that was not there is made at start
+    assert made is not None and made.is_dir
+    assert (await machine.exec(ExecRequest(command="pwd"))).stdout == b"/workspace/made/at/start\n"
     sandbox_id = machine.sandbox_id
     await machine.stop()
     await machine.destroy()  # without resuming it first

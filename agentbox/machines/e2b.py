@@ -128,11 +128,12 @@ ERRNO_EXIT = {errno.ENOENT: 2, errno.EEXIST: 17, errno.EINVAL: 22, errno.ENOTDIR
 #: What a signal is called in Go's `ProcessState.String()` (envd's end status), by number.
 SIGNAL_WORDS = {(signal.strsignal(s) or "").lower(): int(s) for s in signal.Signals if signal.strsignal(s)}
 
-# What the first start learns about the sandbox; $1 = the root.
-PROBE = r"""mkdir -p -- "$1" || exit 1
-printf 'home=%s\n' "$HOME"
-printf 'uid=%s\n' "$(id -u)"
-printf 'gid=%s\n' "$(id -g)"
+# What the first start learns about the sandbox, as root; $1 = the root, $2 = the user. A root
+# that is not there is made, and given to the user.
+PROBE = r"""[ -d "$1" ] || { mkdir -p -- "$1" && chown -- "$2" "$1"; } || exit 1
+printf 'home=%s\n' "$(getent passwd "$2" | cut -d: -f6)"
+printf 'uid=%s\n' "$(id -u -- "$2")"
+printf 'gid=%s\n' "$(id -g -- "$2")"
 printf 'os=%s\n' "$(uname -s)"
 for t in rg grep inotifywait; do printf '%s=%s\n' "$t" "$(command -v "$t")"; done
 exit 0
@@ -504,7 +505,7 @@ class E2BMachine:
         self._files_rpc = create_rpc_client(filesystem_connect.FilesystemClient, url, config)
 
     async def _probe(self) -> SandboxFacts:
-        result = await self.run(("/bin/sh", "-c", PROBE, "sh", self.root), cwd="/")
+        result = await self.run(("/bin/sh", "-c", PROBE, "sh", self.root, self.options.user), cwd="/")
         if result.exit_code != 0:
             said = result.stderr.decode(errors="replace").strip()
             raise MachineUnavailable(f"the sandbox could not make its root {self.root}: {said}")
