@@ -260,7 +260,7 @@ class E2BProcess:
         self._pump = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
-        error = errors_module()
+        errors = sdk().exceptions
         try:
             async for response in self.events:
                 self._event(response.event)
@@ -272,7 +272,7 @@ class E2BProcess:
         except MachineUnavailable as exc:
             self._lost(exc)
         except Exception as exc:
-            self._lost(self.machine.unavailable(exc, error))
+            self._lost(self.machine.unavailable(exc, errors))
         finally:
             self.stdout.feed_eof()
             self.stderr.feed_eof()
@@ -368,12 +368,6 @@ def end_code(end: Any) -> int:
             return 128 + number
     code = int(end.exit_code)
     return code if code >= 0 else 128 + signal.SIGKILL
-
-
-def errors_module() -> Any:
-    import e2b.exceptions
-
-    return e2b.exceptions
 
 
 def oneof(name: str, value: Any) -> Any:
