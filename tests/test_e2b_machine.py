@@ -164,6 +164,12 @@ async def test_a_timeout_and_a_kill_end_the_command(machine: E2BMachine) -> None
     started = time.monotonic()
     r = await machine.exec(ExecRequest(command="sleep 300", timeout=1))
     assert r.timed_out and r.exit_code == 128 + signal.SIGKILL and time.monotonic() - started < 10
+    left = await machine.exec(
+        ExecRequest(command="sleep 300 & echo $! > /tmp/bg.pid; exec sleep 301", timeout=1)
+    )
+    assert left.timed_out
+    gone = "for i in $(seq 100); do kill -0 $(cat /tmp/bg.pid) 2>/dev/null || exit 0; sleep 0.1; done; exit 1"
+    assert (await machine.exec(ExecRequest(command=gone))).exit_code == 0  # its whole group was killed
     process = await machine.spawn(ExecRequest(command="sleep 300"))
     assert machine.busy()
     process.kill(signal.SIGTERM)

@@ -30,8 +30,8 @@ Commands. Each is one envd process running `/bin/sh -c` the same command line as
 kind's (`ssh.channel.remote_command`): it checks the cwd and argv[0] (a failure is the
 OSError a local spawn would raise), prints a pid marker, and execs `env -i VAR=VALUE...
 ARGV...`, so the environment is exactly `command_env`. Output arrives as envd's data events,
-byte for byte. SIGKILL and SIGTERM go through envd's SendSignal; other signals are `kill`
-run in the sandbox against the marked pid's group.
+byte for byte. A signal is `kill` run in the sandbox against the marked pid's group (what
+the command started goes with it), and SIGKILL and SIGTERM go through envd's SendSignal too.
 
 Files. envd's filesystem API where it has the operation (Stat, ListDir, MakeDir, Move,
 Remove, WatchDir) and its `/files` for bytes; a write uploads a temp file beside the target
@@ -349,7 +349,7 @@ class E2BProcess:
         return await asyncio.shield(self.exited)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the command (its group, for signals other than envd's), in the background."""
+        """Signal the command's process group in the sandbox, in the background."""
         if not self.exited.done():
             self.machine.signal(self, sig)
 
@@ -725,17 +725,18 @@ class E2BMachine:
             int(signal.SIGKILL): process_pb.Signal.SIGKILL,
             int(signal.SIGTERM): process_pb.Signal.SIGTERM,
         }
+        name = signal.Signals(sig).name.removeprefix("SIG")
+        script = 'kill -s "$1" -- "-$2" 2>/dev/null || kill -s "$1" -- "$2"'
         try:
-            if sig in envd:
+            # The command's group (what it started too), whatever envd's own signal reaches.
+            await self.run(("/bin/sh", "-c", script, "sh", name, str(process.pid)))
+            if sig in envd and not process.exited.done():
                 request = process_pb.SendSignalRequest(
                     process=process_pb.ProcessSelector(selector=oneof("pid", process.envd_pid)),
                     signal=envd[sig],
                 )
-                await self._rpc_call(self._process_rpc.send_signal, request)
-            else:
-                name = signal.Signals(sig).name.removeprefix("SIG")
-                script = 'kill -s "$1" -- "-$2" 2>/dev/null || kill -s "$1" -- "$2"'
-                await self.run(("/bin/sh", "-c", script, "sh", name, str(process.pid)))
+                with contextlib.suppress(FileNotFoundError):  # it ended meanwhile
+                    await self._rpc_call(self._process_rpc.send_signal, request)
         except (MachineUnavailable, OSError) as exc:
             log.warning(
                 "could not signal process %s in e2b sandbox %s: %s", process.pid, self.sandbox_id, exc
