@@ -28,7 +28,7 @@ from conftest import E2B_API_KEY, Server, e2b_entry, start_server, stop_server, 
 from test_api_v2 import Aio
 
 from agentbox.machines.base import ExecRequest, Lifetime, WatchChange, Watching
-from agentbox.machines.e2b import EXTRA, E2BMachine, E2BOptions, sdk
+from agentbox.machines.e2b import EXTRA, REQUEST_TIMEOUT, E2BMachine, E2BOptions, sdk
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.kinds import KINDS
 from agentbox.secrets import SecretBox
@@ -94,6 +94,18 @@ async def test_the_kind_is_one_row_and_refuses_bad_entries() -> None:
     with pytest.raises(MachineUnavailable, match="still encrypted"):
         sealed.api_params()
     assert E2BOptions.from_options({}).root == "/home/user"
+
+
+async def test_the_cloud_is_a_domain_and_a_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEAM_E2B_KEY", "e2b_from_env")
+    cloud = E2BOptions.from_options({"domain": "e2b.app", "api_key_env": "TEAM_E2B_KEY"})
+    assert cloud.api_params() == {
+        "request_timeout": REQUEST_TIMEOUT,
+        "domain": "e2b.app",
+        "api_key": "e2b_from_env",
+    }
+    given = E2BOptions.from_options({"domain": "e2b.app", "api_key": "e2b_given"})
+    assert given.api_params()["api_key"] == "e2b_given" and given.where == "e2b.app"
 
 
 async def test_without_the_sdk_the_kind_names_its_extra(
