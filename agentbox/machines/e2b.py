@@ -108,7 +108,8 @@ START_TIMEOUT = 30.0
 HELPER_TIMEOUT = 60.0
 #: Bytes one SendInput carries at most.
 STDIN_CHUNK = 64 * 1024
-#: Bytes one output stream of a command buffers while nobody reads it.
+#: The line limit of a command's output streams (envd sends output as it comes: there is no
+#: back-pressure to the sandbox, so a reader must keep reading, as `collect` does).
 STREAM_BUFFER = 1 << 20
 #: Bytes of output kept while looking for the pid marker.
 MAX_PREAMBLE_BYTES = 64 * 1024
@@ -869,11 +870,12 @@ class E2BMachine:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         if length is None and max(st.size - offset, 0) > limit:
             raise OSError(errno.EFBIG, f"{path} is larger than {limit} bytes", path)
-        if offset > 0:
-            return await self._read_range(target, path, offset, limit + 1 if length is None else length)
         want = limit + 1 if length is None else length
-        data = await self._download(target, path, want)
-        if length is None and len(data) > limit:
+        if offset > 0:
+            data = await self._read_range(target, path, offset, want)
+        else:
+            data = await self._download(target, path, want)
+        if length is None and len(data) > limit:  # it grew since the stat
             raise OSError(errno.EFBIG, f"{path} is larger than {limit} bytes", path)
         return data
 
