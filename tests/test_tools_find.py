@@ -25,7 +25,8 @@ from agentbox.tools.find import (
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-__all__ = ["box", "docker", "e2b", "host_box", "local", "sandbox", "ssh"]  # fixtures shared with test_tools_read
+# fixtures shared with test_tools_read
+__all__ = ["box", "docker", "e2b", "host_box", "local", "sandbox", "ssh"]
 
 
 async def list_(b: Box, path: str, **params: Any) -> ToolResult:
