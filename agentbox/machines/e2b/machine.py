@@ -1,51 +1,4 @@
-"""The `e2b` kind: one E2B sandbox per session, through the `e2b` SDK's async client.
-
-The sandbox is E2B's (its cloud, with an API key) or any E2B-compatible endpoint's (an
-agentbox server's own, `agentbox.e2b`): its files are not host files, so every operation
-goes through envd, the daemon in the sandbox, and everything above `machines/` reaches them
-through `file_ops(machine)` -> `RemoteOps`, as for the ssh kind.
-
-    [machines.cloud]
-    kind = "e2b"
-    api_key = "e2b_..."          # stored encrypted; or api_key_env = "E2B_API_KEY" (the default)
-    domain = "e2b.app"           # E2B's cloud; or, for a self-hosted endpoint:
-    # api_url = "http://10.0.0.5:8080"       # its control plane
-    # sandbox_url = "http://10.0.0.5:8080"   # its envd (one URL for every sandbox)
-    template = "base"
-    timeout = 3600               # seconds the sandbox outlives a silent agentbox
-    root = "/home/user"          # the working directory (created at start)
-    user = "user"                # whom envd runs commands as ("root" for helpers)
-    on_stop = "pause"            # idle: "pause" (files kept) or "kill" (a new sandbox next time)
-
-Lifetime. `start` creates the sandbox with the session, machine and instance ids in its
-metadata, or, when it had one, connects to it again (resuming a paused one); after a
-restart the session's marker names the sandbox (`marker()`), and if it does not, the
-sandbox is found by its metadata. While running, the sandbox's E2B timeout is pushed back
-every REFRESH_FRACTION of `timeout`, so it ends by itself only when agentbox stops caring.
-`stop` (the registry's idle reclaim) pauses it (or kills it, `on_stop = "kill"`), `destroy`
-(the session closed) kills it, `close` (the server stopping) leaves it running until its
-timeout, for the next server to connect to.
-
-Commands. Each is one envd process running `/bin/sh -c` the same command line as the ssh
-kind's (`ssh.channel.remote_command`): it checks the cwd and argv[0] (a failure is the
-OSError a local spawn would raise), prints a pid marker, and execs `env -i VAR=VALUE...
-ARGV...`, so the environment is exactly `command_env`. Output arrives as envd's data events,
-byte for byte. A signal is `kill` run in the sandbox against the marked pid's group (what
-the command started goes with it), and SIGKILL and SIGTERM go through envd's SendSignal too.
-
-Files. envd's filesystem API where it has the operation (Stat, ListDir, MakeDir, Move,
-Remove, WatchDir) and its `/files` for bytes; a write uploads a temp file beside the target
-and moves it over it (the old file's mode kept); `create` uploads a temp file and hard-links
-it to the name (`ln`, which refuses an existing name, a dangling link too); chown, readlink,
-symlink, ranged reads and user ids are commands in the sandbox (helpers run as root). envd
-reports owners by name and no inode: `FileStat.inode` is 0, and `uid`/`gid` of a name other
-than root or a number are looked up in the sandbox once.
-
-Every way a call fails: `MachineUnavailable` when the endpoint cannot be reached, refuses
-the key, has no such sandbox any more, or the SDK is not installed (`agentbox[e2b]`);
-`OwnerUnsupported` for a chown to a user the sandbox does not have; a file operation's own
-failure is the OSError of its errno (ENOENT, EEXIST, ENOTDIR, EISDIR, ENOTEMPTY, EFBIG).
-"""
+"""`E2BMachine`: the `Machine` protocol over an E2B sandbox (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -62,9 +15,9 @@ import secrets
 import signal
 import stat as stat_mod
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from agentbox.machines.base import (
     DEFAULT_OUTPUT_LIMIT,
@@ -74,60 +27,32 @@ from agentbox.machines.base import (
     ExecResult,
     FileEntry,
     FileStat,
-    WatchChange,
     collect,
     inside_path,
 )
+from agentbox.machines.e2b.options import DEFAULT_ROOT, HELPER_USER, REQUEST_TIMEOUT, E2BOptions, sdk
+from agentbox.machines.e2b.process import E2BProcess, connect_error, oneof
+from agentbox.machines.e2b.watch import E2BWatch
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.local import BASE_PATH
-from agentbox.machines.ssh.channel import MARKER, remote_command
-from agentbox.secrets import is_encrypted
+from agentbox.machines.ssh.channel import remote_command
 
 if TYPE_CHECKING:
     from e2b import AsyncSandbox
 
+
 log = logging.getLogger(__name__)
 
-#: The extra that installs the SDK, named in the refusal when it is missing.
-EXTRA = "agentbox[e2b]"
-#: The sandbox's lifetime on its endpoint without agentbox's refreshes, in seconds.
-DEFAULT_TIMEOUT_SECONDS = 3600
 #: The refreshes push the end back every this share of `timeout`.
 REFRESH_FRACTION = 0.5
-#: The working directory when the entry names none: the home of E2B's default user.
-DEFAULT_ROOT = "/home/user"
-DEFAULT_USER = "user"
-DEFAULT_TEMPLATE = "base"
-#: Where the API key is read from when the entry gives none.
-DEFAULT_API_KEY_ENV = "E2B_API_KEY"
-#: Seconds one request to the control plane or to envd may take.
-REQUEST_TIMEOUT = 60.0
 #: Seconds a command's process may take to report its pid.
 START_TIMEOUT = 30.0
 #: Seconds a helper command of the machine's own (probe, chown, ln, kill) may take.
 HELPER_TIMEOUT = 60.0
-#: Bytes one SendInput carries at most.
-STDIN_CHUNK = 64 * 1024
-#: The line limit of a command's output streams (envd sends output as it comes: there is no
-#: back-pressure to the sandbox, so a reader must keep reading, as `collect` does).
-STREAM_BUFFER = 1 << 20
-#: Bytes of output kept while looking for the pid marker.
-MAX_PREAMBLE_BYTES = 64 * 1024
 #: Between a file's name and the random part of the temp file a write goes through.
 TEMP_INFIX = ".agentbox-"
-#: Seconds envd's RENAME of an old name waits for the CREATE of the new one (one rename).
-MOVE_PAIR_SECONDS = 0.05
-#: Changes a watch queues for a slow reader before it reports `overflow` and drops.
-MAX_QUEUED_CHANGES = 10_000
-#: What envd answers for the stdin of a process that has ended (or has none): not found, or
-#: an invalid argument.
-STDIN_GONE = frozenset({errno.ENOENT, errno.EINVAL})
-#: The user helpers run as: chown and a look at any file need it.
-HELPER_USER = "root"
 #: Exit codes of the helper scripts that name an errno (127 is taken by remote_command).
 ERRNO_EXIT = {errno.ENOENT: 2, errno.EEXIST: 17, errno.EINVAL: 22, errno.ENOTDIR: 20}
-#: What a signal is called in Go's `ProcessState.String()` (envd's end status), by number.
-SIGNAL_WORDS = {(signal.strsignal(s) or "").lower(): int(s) for s in signal.Signals if signal.strsignal(s)}
 
 # What the first start learns about the sandbox, as root; $1 = the root, $2 = the user. A root
 # that is not there is made, and given to the user.
@@ -141,87 +66,6 @@ exit 0
 """
 
 
-def sdk() -> Any:
-    """The `e2b` package, or a refusal that names the extra to install."""
-    try:
-        import e2b
-    except ImportError:
-        raise MachineUnavailable(
-            f"the e2b machine kind needs the e2b SDK: install {EXTRA} (pip install '{EXTRA}')"
-        ) from None
-    return e2b
-
-
-@dataclass(frozen=True)
-class E2BOptions:
-    """A `[machines.<name>]` entry of kind `e2b` (see the module docstring)."""
-
-    api_key: str | None = None
-    """The endpoint's API key (a secret field: stored encrypted)."""
-    api_key_env: str = DEFAULT_API_KEY_ENV
-    """The server's environment variable the key is read from when `api_key` is not set."""
-    domain: str | None = None
-    """E2B's domain (`e2b.app`): the SDK's default endpoints under it."""
-    api_url: str | None = None
-    """The control plane's URL (an E2B-compatible endpoint); default: E2B's under `domain`."""
-    sandbox_url: str | None = None
-    """envd's URL for every sandbox (an E2B-compatible endpoint routing by `E2b-Sandbox-Id`)."""
-    template: str = DEFAULT_TEMPLATE
-    """The template (an agentbox endpoint: its image) the sandbox is made from."""
-    timeout: int = DEFAULT_TIMEOUT_SECONDS
-    """Seconds the sandbox lives past agentbox's last refresh (agentbox refreshes it while running)."""
-    root: str = DEFAULT_ROOT
-    """The working directory: absolute, made at start."""
-    user: str = DEFAULT_USER
-    """The sandbox user commands run as and files are written as."""
-    on_stop: Literal["pause", "kill"] = "pause"
-    """What an idle stop does: pause (the sandbox's files kept) or kill (a new one next start)."""
-    network: str = "on"
-    """"off": the sandbox is created without internet access."""
-    memory_mb: int = 0
-    """What the sandbox counts against the server's `max_sandbox_memory_mb`, as a sandbox's
-    limit does (unset: the registry's default; 0: not counted, the memory being E2B's)."""
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> E2BOptions:
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ValueError(f"unknown option(s) for an e2b machine: {', '.join(unknown)}")
-        values: dict[str, Any] = {}
-        for key, value in options.items():
-            if key in ("timeout", "memory_mb"):
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise ValueError(f"{key} must be an integer")
-            elif key == "network":
-                value = "on" if value is True or str(value).lower() in ("on", "true", "1") else "off"
-            elif value is not None and not isinstance(value, str):
-                raise ValueError(f"{key} must be a string")
-            values[key] = value
-        made = cls(**values)
-        if made.timeout <= 0:
-            raise ValueError("timeout must be a positive number of seconds")
-        if not made.root.startswith("/"):
-            raise ValueError("root must be an absolute path")
-        if made.on_stop not in ("pause", "kill"):
-            raise ValueError(f"on_stop must be pause or kill, not {made.on_stop!r}")
-        return made
-
-    def api_params(self) -> dict[str, Any]:
-        """The SDK's connection parameters (`ApiParams`) of this entry. A key still encrypted
-        (an entry described, not opened, keeps its secrets sealed) cannot be used."""
-        if is_encrypted(self.api_key):
-            raise MachineUnavailable("api_key is still encrypted: decrypt the entry's secrets first")
-        key = self.api_key or os.environ.get(self.api_key_env) or None
-        given = {"api_key": key, "domain": self.domain, "api_url": self.api_url,
-                 "sandbox_url": self.sandbox_url}  # fmt: skip
-        return {"request_timeout": REQUEST_TIMEOUT, **{k: v for k, v in given.items() if v}}
-
-    @property
-    def where(self) -> str:
-        return self.api_url or self.domain or "E2B's cloud"
-
-
 @dataclass
 class SandboxFacts:
     """What the first command in the sandbox learned."""
@@ -231,156 +75,6 @@ class SandboxFacts:
     gid: int
     os: OS
     programs: dict[str, str | None]
-
-
-class E2BProcess:
-    """A `Process` in the sandbox: one envd process, its events pumped into two streams."""
-
-    def __init__(
-        self, machine: E2BMachine, events: AsyncIterator[Any], argv0: str, subjects: dict[str, str]
-    ) -> None:
-        self.machine = machine
-        self.events = events
-        self.argv0 = argv0
-        self.subjects = subjects
-        """What a failed check was about (`cwd`, `exec`), for its OSError."""
-        self.pid = 0
-        """The pid in the sandbox (the marker's): what a signal other than envd's goes to."""
-        self.envd_pid = 0
-        self.stdout = asyncio.StreamReader(STREAM_BUFFER)
-        self.stderr = asyncio.StreamReader(STREAM_BUFFER)
-        loop = asyncio.get_running_loop()
-        self.started: asyncio.Future[int] = loop.create_future()
-        self.exited: asyncio.Future[int] = loop.create_future()
-        for fut in (self.started, self.exited):
-            fut.add_done_callback(_retrieved)
-        self._preamble = b""
-        self._pump: asyncio.Task[None] | None = None
-
-    def begin(self) -> None:
-        self._pump = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
-        errors = sdk().exceptions
-        try:
-            async for response in self.events:
-                self._event(response.event)
-            if not self.exited.done():
-                raise MachineUnavailable("the command's stream ended without its end")
-        except asyncio.CancelledError:
-            self._lost(MachineUnavailable("the machine closed while the command ran"))
-            raise
-        except MachineUnavailable as exc:
-            self._lost(exc)
-        except Exception as exc:
-            self._lost(self.machine.unavailable(exc, errors))
-        finally:
-            self.stdout.feed_eof()
-            self.stderr.feed_eof()
-            self.machine.ended(self)
-
-    def _lost(self, exc: BaseException) -> None:
-        for fut in (self.started, self.exited):
-            if not fut.done():
-                fut.set_exception(exc)
-
-    def _event(self, event: Any) -> None:
-        which = event.event if event is not None else None
-        if which is None:
-            return
-        if which.field == "start":
-            self.envd_pid = int(which.value.pid)
-        elif which.field == "data":
-            output = which.value.output
-            if output is not None and output.field == "stdout":
-                self._stdout(bytes(output.value))
-            elif output is not None and output.field == "stderr":
-                self.stderr.feed_data(bytes(output.value))
-        elif which.field == "end":
-            code = end_code(which.value)
-            if not self.started.done():  # ended before its marker: the shell itself failed
-                said = self._preamble.decode(errors="replace").strip()
-                self.started.set_exception(MachineUnavailable(f"the command did not start: {said or code}"))
-            if not self.exited.done():
-                self.exited.set_result(code)
-
-    def _stdout(self, data: bytes) -> None:
-        if self.started.done():
-            self.stdout.feed_data(data)
-            return
-        self._preamble += data
-        at = self._preamble.find(MARKER)
-        end = self._preamble.find(b"\n", at) if at >= 0 else -1
-        if end < 0:
-            if at < 0 and len(self._preamble) > MAX_PREAMBLE_BYTES:
-                self._preamble = self._preamble[-len(MARKER) :]
-            return
-        fields_ = self._preamble[at + len(MARKER) : end].decode(errors="replace").split(":")
-        rest, self._preamble = self._preamble[end + 1 :], b""
-        if fields_[0] == "pid":
-            self.pid = int(fields_[1])
-            self.started.set_result(self.pid)
-            if rest:
-                self.stdout.feed_data(rest)
-        else:
-            code = getattr(errno, fields_[1], errno.EIO)
-            subject = self.subjects.get(fields_[2] if len(fields_) > 2 else "")
-            self.started.set_exception(OSError(code, os.strerror(code), subject))
-
-    async def write_stdin(self, data: bytes) -> None:
-        """Send to the command's stdin; one that has ended (or closed it) is EPIPE, as a pipe's."""
-        try:
-            for at in range(0, len(data), STDIN_CHUNK):
-                await self.machine.send_input(self.envd_pid, data[at : at + STDIN_CHUNK])
-        except OSError as exc:
-            if exc.errno not in STDIN_GONE:
-                raise
-            raise BrokenPipeError(errno.EPIPE, "the command's stdin is closed") from None
-
-    async def close_stdin(self) -> None:
-        """End the command's stdin; nothing to do when the command has ended already (envd
-        refuses then: the command read what it needed and exited first)."""
-        try:
-            await self.machine.close_input(self.envd_pid)
-        except OSError as exc:
-            if exc.errno not in STDIN_GONE:
-                raise
-
-    async def wait(self) -> int:
-        return await asyncio.shield(self.exited)
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the command's process group in the sandbox, in the background."""
-        if not self.exited.done():
-            self.machine.signal(self, sig)
-
-    def abandon(self) -> None:
-        if self._pump is not None:
-            self._pump.cancel()
-
-
-def end_code(end: Any) -> int:
-    """envd's end event as an exit code: 128+N for a process ended by signal N."""
-    status = str(getattr(end, "status", "") or "")
-    if not getattr(end, "exited", True) and status.startswith("signal: "):
-        word = status.removeprefix("signal: ").strip()
-        number = SIGNAL_WORDS.get(word) or (int(word) if word.isdigit() else None)
-        if number is not None:
-            return 128 + number
-    code = int(end.exit_code)
-    return code if code >= 0 else 128 + signal.SIGKILL
-
-
-def oneof(name: str, value: Any) -> Any:
-    """A oneof member; its field name is checked by the message at run time, not by mypy."""
-    from protobuf import Oneof
-
-    return Oneof(name, value)
-
-
-def _retrieved(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 class E2BMachine:
@@ -1134,139 +828,3 @@ def helper_errno(code: int) -> int | None:
     if code == 0:
         return None
     return next((e for e, c in ERRNO_EXIT.items() if c == code), errno.EIO)
-
-
-def connect_error(exc: Any, path: str | None, machine: E2BMachine) -> BaseException:
-    """envd's Connect error as the OSError of its errno, or MachineUnavailable for the transport."""
-    from connectrpc.code import Code
-
-    codes = {
-        Code.NOT_FOUND: errno.ENOENT, Code.ALREADY_EXISTS: errno.EEXIST,
-        Code.PERMISSION_DENIED: errno.EACCES, Code.RESOURCE_EXHAUSTED: errno.ENOSPC,
-        Code.INVALID_ARGUMENT: errno.EINVAL, Code.FAILED_PRECONDITION: errno.EINVAL,
-    }  # fmt: skip
-    number = codes.get(exc.code)
-    if number is None:
-        return machine.unavailable(exc)
-    return OSError(number, exc.message or os.strerror(number), path)
-
-
-class E2BWatch:
-    """Changes under one path in the sandbox, from envd's WatchDir stream.
-
-    envd reports create, write, remove, chmod and rename (the old name renamed away; the new
-    name is a create right after it): a rename followed within MOVE_PAIR_SECONDS by a create
-    is one `rename`, a lone one a `remove`. A stream that ends or drops ends the iteration
-    with `MachineUnavailable`.
-    """
-
-    def __init__(self, machine: E2BMachine, path: str, recursive: bool) -> None:
-        self.machine = machine
-        self.path = path
-        self.recursive = recursive
-        self.target = ""
-        self._queue: asyncio.Queue[WatchChange | BaseException] = asyncio.Queue()
-        self._overflowed = False
-        self._task: asyncio.Task[None] | None = None
-        self._events: Any = None
-
-    async def __aenter__(self) -> E2BWatch:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def __aiter__(self) -> E2BWatch:
-        return self
-
-    async def __anext__(self) -> WatchChange:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._queue.put_nowait(item)
-            raise item
-        if self._queue.empty():
-            self._overflowed = False
-        return item
-
-    async def start(self) -> None:
-        from connectrpc.errors import ConnectError
-        from e2b.envd.filesystem import filesystem_pb
-
-        self.target = self.machine._path(self.path)
-        await self.machine._require_dir(self.target, self.path)
-        request = filesystem_pb.WatchDirRequest(path=self.target, recursive=self.recursive)
-        events = self.machine._files_rpc.watch_dir(request, headers=self.machine._headers(HELPER_USER))
-        self._events = events
-        try:
-            first = await asyncio.wait_for(events.__anext__(), REQUEST_TIMEOUT)
-        except ConnectError as exc:
-            raise connect_error(exc, self.path, self.machine) from None
-        except (TimeoutError, StopAsyncIteration) as exc:
-            raise MachineUnavailable(f"the watch on {self.target} did not start: {exc!r}") from None
-        if first.event is None or first.event.field != "start":
-            raise MachineUnavailable(f"the watch on {self.target} did not start")
-        self._task = asyncio.ensure_future(self._pump(events))
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
-        if self._events is not None:
-            with contextlib.suppress(BaseException):
-                await self._events.aclose()
-
-    def _put(self, change: WatchChange) -> None:
-        if self._queue.qsize() >= MAX_QUEUED_CHANGES:
-            if not self._overflowed:
-                self._overflowed = True
-                self._queue.put_nowait(WatchChange("overflow", self.target, True))
-            return
-        self._queue.put_nowait(change)
-
-    async def _pump(self, events: Any) -> None:
-        renamed: str | None = None
-        try:
-            while True:
-                try:
-                    timeout = MOVE_PAIR_SECONDS if renamed is not None else None
-                    response = await asyncio.wait_for(events.__anext__(), timeout)
-                except TimeoutError:
-                    assert renamed is not None
-                    self._put(WatchChange("remove", renamed))
-                    renamed = None
-                    continue
-                which = response.event
-                if which is None or which.field != "filesystem":
-                    continue
-                renamed = self._change(which.value, renamed)
-        except StopAsyncIteration:
-            self._queue.put_nowait(MachineUnavailable(f"the watch on {self.target} ended"))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._queue.put_nowait(MachineUnavailable(f"the watch on {self.target} dropped: {exc}"))
-
-    def _change(self, event: Any, renamed: str | None) -> str | None:
-        """Queue one envd event; the old name of a rename still waiting for its new one."""
-        from e2b.envd.filesystem import filesystem_pb
-
-        kinds = {
-            filesystem_pb.EventType.CREATE: "create", filesystem_pb.EventType.WRITE: "write",
-            filesystem_pb.EventType.REMOVE: "remove", filesystem_pb.EventType.CHMOD: "chmod",
-            filesystem_pb.EventType.RENAME: "rename",
-        }  # fmt: skip
-        kind = kinds.get(event.type)
-        if kind is None:
-            return renamed
-        path = posixpath.join(self.target, event.name)
-        if renamed is not None:
-            if kind == "create":
-                self._put(WatchChange("rename", path, False, renamed))
-                return None
-            self._put(WatchChange("remove", renamed))
-        if kind == "rename":
-            return path
-        self._put(WatchChange(kind, path))
-        return None
