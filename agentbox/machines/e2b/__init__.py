@@ -38,9 +38,9 @@ Remove, WatchDir) and its `/files` for bytes; a write uploads a temp file beside
 and moves it over it (the old file's mode kept); `create` uploads a temp file and hard-links
 it to the name (`ln`, which refuses an existing name, a dangling link too); chown, readlink,
 symlink, ranged reads and user ids are commands in the sandbox (as root; links and the `ln`
-of a create as the machine's user). envd
-reports owners by name and no inode: `FileStat.inode` is 0, and `uid`/`gid` of a name other
-than root or a number are looked up in the sandbox once.
+of a create as the machine's user). envd reports owners by name and no inode:
+`FileStat.inode` is 0, and `uid`/`gid` of a name other than root or a number are looked up
+in the sandbox once.
 
 Every way a call fails: `MachineUnavailable` when the endpoint cannot be reached, refuses
 the key, has no such sandbox any more, or the SDK is not installed (`agentbox[e2b]`);
