@@ -23,6 +23,16 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     idle_minutes = 20               # reclaim after this long idle (seed 000)
     env = { TZ = "UTC" }            # env providers: injected into every command
 
+    [machines.cloud]                # one E2B sandbox per session (agentbox.machines.e2b)
+    kind = "e2b"
+    api_key = "enc:..."             # or api_key_env = "E2B_API_KEY" (the default)
+    domain = "e2b.app"              # or api_url + sandbox_url: any E2B-compatible endpoint
+    template = "base"
+    timeout = 3600                  # seconds the sandbox outlives a silent server
+    root = "/home/user"             # the working directory
+    user = "user"                   # whom commands run as
+    on_stop = "pause"               # an idle sandbox: "pause" or "kill"
+
     [machines.host]                 # the host itself: only when configured (no built-in one)
     kind = "local"
     root = "/srv/projects"

@@ -912,3 +912,31 @@ def clear_scratch(server: Server, paths: Iterable[str]) -> None:
 def on_kinds(*kinds: str) -> pytest.MarkDecorator:
     """Run a test that takes `kind_server` on these kinds only (the reason in a comment beside it)."""
     return pytest.mark.parametrize("kind_server", kinds, indirect=True)
+
+
+# --- agentbox's own E2B endpoint on loopback (the e2b machine kind) --------------------------
+
+#: The API key of the E2B endpoint server.
+E2B_API_KEY = "e2b-machine-key"
+#: The E2B sandbox lifetime the e2b machines of the tests ask for (refreshed while they run).
+E2B_TIMEOUT_SECONDS = 600
+
+
+@pytest.fixture(scope="session")
+def e2b_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """agentbox serving E2B on a loopback port: the endpoint every e2b machine of the tests
+    points at (tests/test_e2b_machine.py, the file tools' `box`)."""
+    home = traversable(tmp_path_factory.mktemp("e2b-endpoint"), tmp_path_factory) / "home"
+    home.mkdir()
+    server = start_server(home, env={"AGENTBOX_API_KEY": E2B_API_KEY})
+    yield server
+    stop_server(server)
+
+
+def e2b_entry(endpoint: Server, **overrides: object) -> dict[str, object]:
+    """The `[machines.<name>]` options of an e2b machine on `endpoint`, rooted at /workspace."""
+    base: dict[str, object] = {
+        "api_url": endpoint.url, "sandbox_url": endpoint.url, "api_key": E2B_API_KEY,
+        "root": "/workspace", "user": "root", "timeout": E2B_TIMEOUT_SECONDS,
+    }  # fmt: skip
+    return {**base, **overrides}

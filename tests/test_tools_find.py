@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tools_read import DENIED, Box, box, docker, host_box, local, make_png, sandbox, ssh, text_of
+from test_tools_read import DENIED, Box, box, docker, e2b, host_box, local, make_png, sandbox, ssh, text_of
 
 from agentbox.tools.base import Action, ToolResult
 from agentbox.tools.find import (
@@ -25,7 +25,8 @@ from agentbox.tools.find import (
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-__all__ = ["box", "docker", "host_box", "local", "sandbox", "ssh"]  # fixtures shared with test_tools_read
+# fixtures shared with test_tools_read
+__all__ = ["box", "docker", "e2b", "host_box", "local", "sandbox", "ssh"]
 
 
 async def list_(b: Box, path: str, **params: Any) -> ToolResult:

@@ -32,12 +32,13 @@ from typing import Any
 import docx
 import pytest
 import pytest_asyncio
-from conftest import Dockerd, Sshd, host_fingerprint, traversable
+from conftest import Dockerd, Server, Sshd, e2b_entry, host_fingerprint, traversable
 from fpdf import FPDF
 
 from agentbox.ids import SANDBOX, new_id
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.docker import DockerHost, DockerMachine, DockerOptions
+from agentbox.machines.e2b import E2BMachine, E2BOptions
 from agentbox.machines.local import LocalMachine
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
 from agentbox.machines.ssh import SshMachine, SshOptions
@@ -212,6 +213,27 @@ def ssh_box(ssh: SshMachine, sshd: Sshd) -> Box:
     return box
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def e2b(e2b_endpoint: Server) -> AsyncIterator[E2BMachine]:
+    """One e2b machine (one E2B sandbox of agentbox's own endpoint) for the module."""
+    options = E2BOptions.from_options(e2b_entry(e2b_endpoint))
+    machine = E2BMachine("e2b", new_id(SANDBOX), options, session_id=new_id(SANDBOX))
+    await machine.start()
+    yield machine
+    await machine.destroy()
+
+
+def e2b_box(e2b: E2BMachine, endpoint: Server) -> Box:
+    """A fresh folder of the e2b sandbox's workspace, which is a host folder of the endpoint's:
+    what the test makes there is given to the sandbox's uid, as its own files are."""
+    workspace = endpoint.home / "sessions" / str(e2b.sandbox_id) / "workspace"
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    owner = workspace.stat()
+    box = Box(e2b, f"/workspace/{name}", workspace / name, (owner.st_uid, owner.st_gid))
+    box.mkdir("")
+    return box
+
+
 def make_box(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Box:
     """A box of `kind`; the module's sandbox or ssh machine is started only when one asks for it."""
     if kind == "sandbox":
@@ -220,12 +242,15 @@ def make_box(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Box:
         return ssh_box(request.getfixturevalue("ssh"), request.getfixturevalue("sshd"))
     if kind == "docker":
         return docker_box(request.getfixturevalue("docker"))
+    if kind == "e2b":
+        return e2b_box(request.getfixturevalue("e2b"), request.getfixturevalue("e2b_endpoint"))
     return local_box(tmp_path)
 
 
-@pytest.fixture(params=["sandbox", "docker", "local", "ssh"])
+@pytest.fixture(params=["sandbox", "docker", "local", "ssh", "e2b"])
 def box(request: pytest.FixtureRequest, tmp_path: Path) -> Box:
-    """A folder on each kind: host files by descriptor (sandbox, docker, local), ssh by protocol."""
+    """A folder on each kind: host files by descriptor (sandbox, docker, local), ssh and e2b by
+    protocol."""
     return make_box(request.param, request, tmp_path)
 
 

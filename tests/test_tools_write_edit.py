@@ -13,7 +13,20 @@ from typing import Any
 
 import pytest
 from conftest import host_fingerprint
-from test_tools_read import Box, Ctx, box, docker, host_box, local, read, sandbox, sandbox_box, ssh, text_of
+from test_tools_read import (
+    Box,
+    Ctx,
+    box,
+    docker,
+    e2b,
+    host_box,
+    local,
+    read,
+    sandbox,
+    sandbox_box,
+    ssh,
+    text_of,
+)
 
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.sandbox import SandboxMachine
@@ -23,7 +36,15 @@ from agentbox.tools.fingerprint import ABSENT
 from agentbox.tools.write import MAX_WRITE_BYTES, WRITE, WriteParams, make_write
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-__all__ = ["box", "docker", "host_box", "local", "sandbox", "ssh"]  # fixtures shared with test_tools_read
+__all__ = [
+    "box",
+    "docker",
+    "e2b",
+    "host_box",
+    "local",
+    "sandbox",
+    "ssh",
+]  # fixtures shared with test_tools_read
 
 OVERWRITING = make_write(overwrite_if_read=True)
 

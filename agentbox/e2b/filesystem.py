@@ -37,11 +37,14 @@ STAGING_EXCLUDE = (f"{STAGING_PREFIX}*{STAGING_SUFFIX}",)
 
 
 def entry_info(path: str, st: FileStat) -> fs.EntryInfo:
+    """A file as envd describes it: a link is of type SYMLINK (as envd's Lstat says it), and
+    `permissions` is Go's `FileMode.String()` of the entry (`-rw-r--r--`, `drwx...`, `L...`)."""
     kind = (
         fs.FileType.SYMLINK if st.is_symlink
         else fs.FileType.DIRECTORY if st.is_dir
         else fs.FileType.FILE
     )  # fmt: skip
+    type_letter = "L" if st.is_symlink else "d" if st.is_dir else "-" if st.is_file else "?"
     seconds = int(st.mtime)
     return fs.EntryInfo(
         name=posixpath.basename(path.rstrip("/")) or "/",
@@ -49,7 +52,7 @@ def entry_info(path: str, st: FileStat) -> fs.EntryInfo:
         path=path,
         size=st.size,
         mode=stat_mod.S_IMODE(st.mode),
-        permissions=stat_mod.filemode(st.mode),
+        permissions=type_letter + stat_mod.filemode(stat_mod.S_IMODE(st.mode))[1:],
         owner=owner_name(st.uid),
         group=owner_name(st.gid),
         modified_time=Timestamp(seconds=seconds, nanos=int((st.mtime - seconds) * 1e9)),

@@ -7,7 +7,7 @@ suspended when idle and recorded in the session's marker through the `Lifetime` 
 A kind that needs something shared by all its machines (the sandbox kind's `SandboxHost`:
 bwrap, the sandbox uid, cgroups) names a `shared` factory, made once per registry.
 
-A kind whose module pulls in a heavy client (docker's, asyncssh: most of a second) is
+A kind whose module pulls in a heavy client (docker's, asyncssh, E2B's: most of a second) is
 imported by its row's functions when a machine of it is first made, so a CLI call or a
 server that never uses the kind does not pay for it.
 """
@@ -35,6 +35,7 @@ from agentbox.machines.sandbox import (
 
 if TYPE_CHECKING:
     from agentbox.machines.docker import DockerHost, DockerMachine
+    from agentbox.machines.e2b import E2BMachine
     from agentbox.machines.ssh import SshMachine
 
 #: A sandbox's memory limit when its entry names none, in MiB.
@@ -164,6 +165,19 @@ def make_ssh(build: Build) -> SshMachine:
     return SshMachine(build.config.name, options, build.env)
 
 
+def make_e2b(build: Build) -> E2BMachine:
+    from agentbox.machines.e2b import E2BMachine, E2BOptions
+
+    try:
+        options = E2BOptions.from_options(build.config.options)
+    except ValueError as exc:
+        raise MachineUnavailable(f"machine {build.config.name!r}: {exc}") from None
+    return E2BMachine(
+        build.config.name, build.instance_id, options, build.env,
+        session_id=build.session_id, sandbox_id=build.recovered.get("e2b_sandbox_id"),
+    )  # fmt: skip
+
+
 KINDS: dict[str, Kind] = {
     kind.name: kind
     for kind in (
@@ -171,5 +185,6 @@ KINDS: dict[str, Kind] = {
         Kind("docker", make_docker, shared=docker_host, sweep=sweep_docker),
         Kind("local", make_local),
         Kind("ssh", make_ssh),
+        Kind("e2b", make_e2b),
     )
 }
