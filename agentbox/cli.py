@@ -6,7 +6,7 @@ import asyncio
 import os
 import socket
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -40,6 +40,10 @@ def _options(
 
 #: Port of `agentbox serve` by default (the AIO sandbox's internal API port).
 DEFAULT_PORT = 8091
+#: Seconds a stopping server lets requests finish before cancelling them (streams under way
+#: are ended at once, `end_streams`). Without a bound a request that never ends would hold
+#: the stop until a supervisor's SIGKILL, and the sandboxes would be left for the next start.
+SHUTDOWN_GRACE_SECONDS = 10
 
 
 def bind_refusal(host: str, api_key: str | None, insecure: bool) -> str | None:
@@ -96,6 +100,17 @@ def serve(
             raise typer.Exit(3)
 
 
+def end_streams(connections: Iterable[Any]) -> None:
+    """Close the connections whose response is under way (event and watch streams, which never
+    end by themselves; a long download too) as a client hanging up would: the app sees the
+    disconnect and ends the response cleanly, and the client reconnects to the next server.
+    A connection of a protocol without a request cycle is left to uvicorn's own shutdown."""
+    for connection in list(connections):
+        cycle = getattr(connection, "cycle", None)
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            connection.transport.close()
+
+
 def reachable_host(host: str) -> str:
     """How a client on this machine reaches a server bound to `host` (a wildcard: loopback)."""
     if host in ("0.0.0.0", ""):
@@ -125,7 +140,16 @@ def _serve(
             if self.started:
                 on_listening()
 
-    config = uvicorn.Config(app, host=host, port=port, log_config=logging, access_log=False)  # type: ignore[arg-type]
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            for listening in self.servers:  # first: a cut stream's client must not come back here
+                listening.close()
+            end_streams(self.server_state.connections)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_config=logging, access_log=False,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+    )  # fmt: skip
     server = Announcing(config)
     server.run()
     return bool(server.started)

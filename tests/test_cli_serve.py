@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from agentbox.cli import bind_refusal, is_loopback
+from agentbox.cli import SHUTDOWN_GRACE_SECONDS, bind_refusal, is_loopback
+from tests.conftest import start_server, stop_server
+
+#: Seconds a stopping server may take past the grace: closing the sandboxes it ran.
+STOP_SLACK_SECONDS = 8
 
 
 @pytest.mark.parametrize(
@@ -50,3 +57,33 @@ def test_a_key_or_insecure_lifts_the_refusal(
     host: str, key: str | None, insecure: bool, refused: bool
 ) -> None:
     assert (bind_refusal(host, key, insecure) is not None) is refused
+
+
+def test_sigterm_with_an_open_event_stream_stops_the_server_within_the_grace(sandbox_tmp: Path) -> None:
+    """An event stream never ends by itself: the graceful stop must not wait on it forever, or
+    a supervisor's SIGKILL comes first and the sandboxes are left to the next start."""
+    home = sandbox_tmp / "home"
+    home.mkdir()
+    server = start_server(home)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            script = [{"tool_calls": [{"name": "bash", "input": {"command": "true"}}]}, {"text": "done"}]
+            body = {"model": "scripted", "script": script, "permission_mode": "full-ask"}
+            sid = http.post("/v1/sessions", json=body).json()["id"]
+            assert http.post(f"/v1/sessions/{sid}/messages", json={"content": "go"}).status_code == 202
+            with http.stream("GET", f"/v1/sessions/{sid}/events/stream") as stream:
+                lines = stream.iter_lines()
+                while "approval.requested" not in next(lines):
+                    pass  # the turn waits on its approval: the stream stays open
+                began = time.monotonic()
+                server.process.send_signal(signal.SIGTERM)
+                code = server.process.wait(SHUTDOWN_GRACE_SECONDS + STOP_SLACK_SECONDS)
+        took = time.monotonic() - began
+        assert code == -signal.SIGTERM, code  # uvicorn re-raises the signal once it has stopped
+        assert took < SHUTDOWN_GRACE_SECONDS, took  # the stream was ended, not waited out
+        assert server.log is not None
+        log = server.log.read_text()
+        assert "Traceback" not in log and "graceful shutdown exceeded" not in log, log
+    finally:
+        if server.process.poll() is None:
+            stop_server(server)
