@@ -8,7 +8,7 @@ this side's home. Either way ONE loop shows it: `follow` reads the session's eve
 `EventBus.subscribe(..., until_turn=, deltas=True)`, there the SDK's resumable stream with
 deltas, its items read back as the store's `Event` and the runtime's `Delta`) and acts
 through a `TurnControl` (answer an approval, abort the turn). Text deltas are printed as they come, tool calls with their inputs, results folded to
-`RESULT_LINES` lines, a spinner while a tool runs, and an `approval.requested` is asked at the
+`RESULT_LINES` lines, a spinner with the seconds a tool has run, and an `approval.requested` is asked at the
 prompt and answered through the control (in-process: the platform's `Approvals`, the same path
 as POST .../approvals/{id}; remote: that route).
 
@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rich.console import Console
 from rich.markup import escape
 from rich.status import Status
+from rich.text import Text
 
 from agentbox import config as config_mod
 from agentbox.agent.events import Delta
@@ -242,6 +244,17 @@ async def read_line() -> str | None:
 
 
 @dataclass
+class Elapsed:
+    """A spinner's text that shows how long the tool has run (rich renders it on each refresh)."""
+
+    label: str
+    began: float = field(default_factory=time.monotonic)
+
+    def __rich__(self) -> Text:
+        return Text(f"{self.label}… {time.monotonic() - self.began:.0f}s")
+
+
+@dataclass
 class Renderer:
     """Shows one session's events in the terminal and answers its approvals at the prompt."""
 
@@ -277,7 +290,7 @@ class Renderer:
             shown = json.dumps(data.get("input", {}), ensure_ascii=False)
             shown = shown if len(shown) <= INPUT_CHARS else shown[:INPUT_CHARS] + "…"
             self.console.print(f"[cyan]→ {escape(str(data.get('name')))}[/] {escape(shown)}", highlight=False)
-            self.status = self.console.status(f"running {escape(str(data.get('name')))}…")
+            self.status = self.console.status(Elapsed(f"running {data.get('name')}"))
             self.status.start()
         elif item.type == "agent.tool_result":
             self.stop_spinner()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentbox.cli_run import EXIT_CODES, EXIT_REFUSED, RESULT_LINES, fold
+from agentbox.cli_run import EXIT_CODES, EXIT_REFUSED, RESULT_LINES, Elapsed, fold
 
 #: Seconds one CLI run may take end to end (python start, imports, a sandbox start).
 CLI_DEADLINE = 30.0
@@ -200,6 +200,11 @@ def drain(fd: int) -> bytes:
             break
         out += chunk
     return out
+
+
+def test_the_spinner_shows_how_long_the_tool_has_run() -> None:
+    shown = Elapsed("running bash", began=time.monotonic() - 42.2)
+    assert shown.__rich__().plain == "running bash… 42s"
 
 
 def test_fold_keeps_its_boundary() -> None:
