@@ -94,9 +94,14 @@ def serve(
     from agentbox.api.app import create_app  # the whole server: after every refusal
 
     with claim:
-        typer.echo(f"agentbox serving on http://{host}:{port} (home {settings.home})", err=True)
         url = f"http://{reachable_host(host)}:{port}"
-        if not _serve(create_app(settings, claim), host, port, logging, lambda: claim.announce(url)):
+
+        def listening() -> None:  # said once the socket accepts, never before a failed bind
+            claim.announce(url)
+            typer.echo(f"agentbox serving on http://{host}:{port} (home {settings.home})", err=True)
+
+        if not _serve(create_app(settings, claim), host, port, logging, listening):
+            typer.echo(f"agentbox serve: could not start on {host}:{port} (the log above says why)", err=True)
             raise typer.Exit(3)
 
 
@@ -151,7 +156,11 @@ def _serve(
         timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
     )  # fmt: skip
     server = Announcing(config)
-    server.run()
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn's own exit when the bind (or the app's start) fails
+        if exc.code != uvicorn.config.STARTUP_FAILURE:
+            raise
     return bool(server.started)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -87,3 +88,14 @@ def test_sigterm_with_an_open_event_stream_stops_the_server_within_the_grace(san
     finally:
         if server.process.poll() is None:
             stop_server(server)
+
+
+def test_a_busy_port_is_one_clear_failure_and_no_serving_banner(sandbox_tmp: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = serve(sandbox_tmp, "--port", str(port))
+    assert result.returncode == 3, result.stderr
+    assert "serving on" not in result.stderr  # it never served
+    assert "address already in use" in result.stderr and f"could not start on 127.0.0.1:{port}" in result.stderr
