@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import sys
@@ -38,6 +39,9 @@ def _options(
     """Options before any command (`agentbox --version`)."""
 
 
+#: `agentbox exec`'s status when the program is not there, or there but not executable (the
+#: shell's own 127 and 126).
+EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE = 127, 126
 #: Port of `agentbox serve` by default (the AIO sandbox's internal API port).
 DEFAULT_PORT = 8091
 #: Seconds a stopping server lets requests finish before cancelling them (streams under way
@@ -264,12 +268,17 @@ async def _exec(
     from agentbox.machines.base import ExecRequest, iter_output
     from agentbox.machines.errors import MachineError
     from agentbox.system import opened_system
+    from agentbox.tools.shell import cwd_problem
 
     async with opened_system(config_mod.load(), turns=False) as system:
         try:
             m = (await system.services.get(session, machine_name)).machine
         except MachineError as exc:
             typer.echo(f"agentbox exec: {exc}", err=True)
+            return 2
+        problem = await cwd_problem(m, cwd) if cwd is not None else None
+        if problem is not None:
+            typer.echo(f"agentbox exec: {problem}", err=True)
             return 2
         shape = {"argv": tuple(argv)} if len(argv) > 1 else {"command": argv[0]}
         request = ExecRequest(**shape, cwd=cwd, interactive=data is not None)  # type: ignore[arg-type]
@@ -286,6 +295,9 @@ async def _exec(
         except MachineError as exc:  # the machine failed to start or its transport broke
             typer.echo(f"agentbox exec: {exc}", err=True)
             return 2
+        except OSError as exc:  # the program is missing or not executable inside the machine
+            typer.echo(f"agentbox exec: cannot run {argv[0]!r}: {exc.strerror or exc}", err=True)
+            return EXIT_NOT_FOUND if exc.errno == errno.ENOENT else EXIT_NOT_EXECUTABLE
 
 
 @app.command("mcp")

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import SANDBOX_DEADLINE, start_server, stop_server
 
 #: Seconds the CLI may take end to end (python start, imports, a sandbox start).
@@ -97,3 +98,22 @@ def test_a_machine_that_cannot_start_is_a_message_not_a_traceback(sandbox_tmp: P
     )  # fmt: skip
     assert done.returncode == 2
     assert b"no-such-image" in done.stderr and b"Traceback" not in done.stderr, done.stderr.decode()[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "said"),
+    [(["--cwd", "/workspace/missing", "--", "true"], 2, b"does not exist"),
+     (["--cwd", "/etc/passwd", "--", "true"], 2, b"is not a directory"),
+     (["--", "/workspace/no-such-program", "a"], 127, b"No such file or directory")],
+    ids=["missing-cwd", "cwd-not-a-directory", "missing-program"],
+)  # fmt: skip
+def test_a_bad_cwd_or_program_is_one_line_not_a_traceback(
+    sandbox_tmp: Path, args: list[str], code: int, said: bytes
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agentbox", "exec", *args], env=cli_env(sandbox_tmp / "home"), cwd=sandbox_tmp,
+        capture_output=True, timeout=CLI_DEADLINE,
+    )  # fmt: skip
+    assert done.returncode == code, done.stderr.decode()[-2000:]
+    assert said in done.stderr and b"Traceback" not in done.stderr and b"/bin/sh" not in done.stderr
+    assert len(done.stderr.decode().strip().splitlines()) == 1, done.stderr.decode()

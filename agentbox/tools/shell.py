@@ -135,7 +135,7 @@ async def run_exec(ctx: ToolContext, params: ExecParams) -> ToolResult:
         return ToolResult.error(refusal)
     machine = ctx.machine
     if params.cwd is not None:
-        problem = await _cwd_problem(machine, params.cwd)
+        problem = await cwd_problem(machine, params.cwd)
         if problem is not None:
             return ToolResult.error(problem)
     hidden = secret_names(machine_env(machine), ctx.config.exec_env_allow)
@@ -148,7 +148,7 @@ async def run_exec(ctx: ToolContext, params: ExecParams) -> ToolResult:
     return await _result(machine, cmd, timeout)
 
 
-async def _cwd_problem(machine: Machine, cwd: str) -> str | None:
+async def cwd_problem(machine: Machine, cwd: str) -> str | None:
     """Why `cwd` cannot be a working directory, or None (seed 001: an invalid cwd is an error)."""
     try:
         info = await machine.stat(cwd)
