@@ -419,6 +419,8 @@ def sessions(url: UrlOption = None, api_key: ApiKeyOption = None) -> None:
     from agentbox import cli_run
 
     if url is None:
+        if not _has_database("sessions"):
+            raise typer.Exit(0)  # no sessions: nothing to list, and nothing is made
         raise typer.Exit(_in_process("sessions", cli_run.list_sessions(Console())))
     raise typer.Exit(asyncio.run(cli_run.list_remote_sessions(Console(), url, api_key)))
 
@@ -436,6 +438,8 @@ def events(
     from agentbox import cli_run
 
     if url is None:
+        if not _has_database("events"):
+            raise typer.Exit(cli_run.EXIT_REFUSED)  # no session of that id, and nothing is made
         raise typer.Exit(_in_process("events", cli_run.print_events(Console(), session_id, after)))
     raise typer.Exit(asyncio.run(cli_run.print_remote_events(Console(), session_id, after, url, api_key)))
 
@@ -458,6 +462,21 @@ def doctor(
     else:
         doctor_mod.render(checks, Console())
     raise typer.Exit(0 if doctor_mod.essential_ok(checks) else 1)
+
+
+def _has_database(command: str) -> bool:
+    """Whether the home has a database to read; if not, one line says so (a read-only command
+    must not make a home as a side effect)."""
+    from agentbox.store.db import DB_FILE_NAME
+
+    home = config_mod.load().home
+    if (home / DB_FILE_NAME).exists():
+        return True
+    typer.echo(
+        f"agentbox {command}: no sessions yet: {home} has no database (serve, run and exec make one)",
+        err=True,
+    )
+    return False
 
 
 def _in_process(command: str, work: Coroutine[Any, Any, int]) -> int:

@@ -245,3 +245,12 @@ async def test_run_creates_a_provider_session_from_its_options(sandbox_tmp: Path
     assert refused.returncode == EXIT_REFUSED and "--option: fixed at creation" in refused.stdout
     bad = agentbox(home, "run", "--model", "openai:x", "--option", "no-equals-sign", "task")
     assert bad.returncode == EXIT_REFUSED and "KEY=VALUE" in bad.stdout
+
+
+def test_sessions_and_events_on_a_home_never_used_make_nothing(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    listed = agentbox(home, "sessions")
+    assert listed.returncode == 0 and listed.stdout == "" and "has no database" in listed.stderr, listed
+    shown = agentbox(home, "events", "ses_x")
+    assert shown.returncode == EXIT_REFUSED and "has no database" in shown.stderr, shown
+    assert not home.exists()  # a read made no home, database or lock
