@@ -381,7 +381,8 @@ def run(
     mode: Annotated[
         str | None,
         typer.Option(
-            help="Permission tier (default: the machine's; full-auto in a sandbox, full-ask on the host)."
+            help="Permission tier: read-only, workspace-write, full-ask, full-auto or plan (default: the "
+            "machine's; full-auto in a sandbox, full-ask on the host)."
         ),
     ] = None,
     session: Annotated[str | None, typer.Option(help="Run in this existing session.")] = None,

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentbox.agent.worker import PERMISSION_MODES
 from agentbox.cli_run import EXIT_CODES, EXIT_REFUSED, RESULT_LINES, Elapsed, fold
 
 #: Seconds one CLI run may take end to end (python start, imports, a sandbox start).
@@ -109,7 +110,16 @@ def test_refusals_before_a_turn_exit_3(sandbox_tmp: Path) -> None:
     bad = agentbox(home, "run", "--script", str(script_file(sandbox_tmp, [{"nope": 1}])), "task")
     assert bad.returncode == EXIT_REFUSED
     assert agentbox(home, "run", "--session", "ses_nope", "task").returncode == EXIT_REFUSED
+    mode = agentbox(
+        home, "run", "--mode", "bogus", "--script", str(script_file(sandbox_tmp, [{"text": "x"}])), "t"
+    )
+    said = " ".join(mode.stdout.split())
+    assert mode.returncode == EXIT_REFUSED and f"one of {', '.join(PERMISSION_MODES)}, not 'bogus'" in said, (
+        said
+    )
     assert session_ids(home) == []
+    helped = " ".join(agentbox(home, "run", "--help").stdout.replace("│", " ").split())
+    assert all(tier in helped for tier in PERMISSION_MODES), helped
 
 
 def test_an_approval_answered_y_at_the_prompt_runs_the_command(sandbox_tmp: Path) -> None:

@@ -131,7 +131,7 @@ def permission_mode_on(machine: MachineConfig | None, mode: str | None) -> str:
     """The mode a session on `machine` (None: no machine) gets: plan, or `session_tier`'s tier
     (the machine's default when `mode` is None; `FullAutoRefused` for full-auto on the host)."""
     if mode is not None and mode not in PERMISSION_MODES:
-        raise ValueError(f"permission_mode must be one of {PERMISSION_MODES}, not {mode!r}")
+        raise ValueError(f"permission_mode must be one of {', '.join(PERMISSION_MODES)}, not {mode!r}")
     if mode == PLAN:
         return PLAN
     return session_tier(machine, Tier(mode) if mode is not None else None).value
@@ -237,7 +237,7 @@ class Worker:
         config = self._machine_config(machine)
         permission_mode = permission_mode_on(config, permission_mode)
         if toolset not in TOOLSETS:
-            raise ValueError(f"toolset must be one of {sorted(TOOLSETS)}, not {toolset!r}")
+            raise ValueError(f"toolset must be one of {', '.join(sorted(TOOLSETS))}, not {toolset!r}")
         if model == SCRIPTED:
             check_script(script if script is not None else [])
         elif script is not None:

@@ -134,7 +134,7 @@ def toolset(name: str = DEFAULT_TOOLSET, *, overwrite_if_read: bool | None = Non
     `overwrite_if_read` overrides the toolset's own write rule (`OVERWRITE_IF_READ`).
     """
     if name not in TOOLSETS:
-        raise ValueError(f"unknown toolset {name!r}; choose one of {sorted(TOOLSETS)}")
+        raise ValueError(f"unknown toolset {name!r}; choose one of {', '.join(sorted(TOOLSETS))}")
     rule = OVERWRITE_IF_READ[name] if overwrite_if_read is None else overwrite_if_read
     tools = canonical_tools(overwrite_if_read=rule)
     return {
