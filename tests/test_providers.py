@@ -256,6 +256,29 @@ async def test_openai_configuration_comes_from_the_environment(
     assert server.requests[0].headers["authorization"] == "Bearer sk-env"
 
 
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+async def test_the_providers_own_api_without_a_key_fails_at_once_for_good(
+    server: Loopback, monkeypatch: pytest.MonkeyPatch, provider: str
+) -> None:
+    """Nothing answers the hosted API without a key: no connection, no retries, one clear error."""
+    prefix = provider.upper()
+    for name in (f"{prefix}_API_KEY", f"{prefix}_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    model = provider_model(f"{provider}:some-model")
+    assert model is not None
+    began = time.monotonic()
+    with pytest.raises(AuthError, match=f"no API key: set {prefix}_API_KEY") as refused:
+        await RetryingModel(model, RetryPolicy()).query(request())
+    assert not refused.value.retryable and time.monotonic() - began < 1.0
+    # Any other endpoint may need no key (Ollama, llama.cpp): it is asked.
+    monkeypatch.setenv(f"{prefix}_BASE_URL", server.url + ("/v1" if provider == "openai" else ""))
+    server.answer(Canned(body=openai_sse(delta(content="ok")) if provider == "openai" else anthropic_turn()))
+    local = provider_model(f"{provider}:some-model")
+    assert local is not None
+    await local.query(request())
+    assert len(server.requests) == 1
+
+
 async def test_openai_joins_tool_call_fragments_by_index_and_makes_up_missing_ids(server: Loopback) -> None:
     def call(index: int, **function: Any) -> dict[str, Any]:
         return delta(tool_calls=[{"index": index, "function": function}])

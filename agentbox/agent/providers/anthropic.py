@@ -63,6 +63,7 @@ class AnthropicModel:
         self.caching = (options or {}).get("prompt_caching", True) is not False
 
     async def query(self, request: ModelRequest) -> Reply:
+        self.endpoint.refuse_without_key(self.name)
         headers = {
             "content-type": "application/json",
             "accept": "text/event-stream",

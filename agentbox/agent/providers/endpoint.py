@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from agentbox.agent.limits import LIMIT_OPTIONS
+from agentbox.agent.providers.errors import AuthError
 from agentbox.agent.reach import Reach
 
 #: Seconds to connect; seconds of silence mid-stream before the call is a `Timeout`.
@@ -45,6 +46,18 @@ class Endpoint:
     reach: Reach | None = None
     """The policy the URL is checked against before each request: set for a session's own
     `base_url` when the caller gave one (the worker always does); None for the operator's."""
+    key_variable: str | None = None
+    """`<PREFIX>_API_KEY` when the URL is the provider's own API, which answers nothing without
+    a key; None for any other endpoint (a local server may need none)."""
+
+    def refuse_without_key(self, provider: str) -> None:
+        """Fail at once, and for good, where a call could only be refused: the provider's own
+        API with no key (retrying a connection that cannot succeed took ten seconds)."""
+        if self.key_variable is not None and not self.api_key:
+            raise AuthError(
+                f"{provider}: no API key: set {self.key_variable} in the server's environment "
+                "or model_options.api_key"
+            )
 
 
 def endpoint(
@@ -69,4 +82,5 @@ def endpoint(
         timeout=httpx.Timeout(float(options.get("timeout") or READ_TIMEOUT), connect=CONNECT_TIMEOUT),
         extra={k: v for k, v in options.items() if k not in client},
         reach=reach if own else None,
+        key_variable=f"{env_prefix}_API_KEY" if base == default_base_url.rstrip("/") else None,
     )

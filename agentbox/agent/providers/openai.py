@@ -45,6 +45,7 @@ class OpenAIModel:
         )  # fmt: skip
 
     async def query(self, request: ModelRequest) -> Reply:
+        self.endpoint.refuse_without_key(self.name)
         headers = {"content-type": "application/json", "accept": "text/event-stream"}
         if self.endpoint.api_key:
             headers["authorization"] = f"Bearer {self.endpoint.api_key}"
