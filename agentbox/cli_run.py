@@ -301,7 +301,7 @@ class Renderer:
             if not self.interrupted.is_set():  # an aborting turn is not asked about
                 await self.ask(data)
         elif item.type == "approval.resolved":
-            self.console.print(f"[dim]approval {data.get('decision') or data.get('status', '')}[/]")
+            self.console.print(f"[dim]{escape(resolution(data))}[/]", highlight=False)
         elif item.type in ("session.error", "turn.failed"):
             self.stop_spinner()
             error = data.get("error") or {}
@@ -354,9 +354,29 @@ def message_text(data: dict[str, Any]) -> str:
     return "\n".join(str(b.get("text", "")) for b in content if isinstance(b, dict) and "text" in b)
 
 
+def resolution(data: dict[str, Any]) -> str:
+    """An `approval.resolved` as a person says it."""
+    tool, decision, message = data.get("tool", "the call"), data.get("decision"), data.get("message")
+    if decision == "allow":
+        said = f"{tool} allowed " + (
+            "for the rest of the session" if data.get("scope") == "session" else "once"
+        )
+    elif decision == "deny":
+        said = f"{tool} denied"
+    else:  # cancelled: the turn ended (aborted) before anyone answered
+        said = f"{tool} not asked any more: the turn ended before an answer"
+    return f"{said}: {message}" if message and decision != "cancelled" else said
+
+
+#: Lines of an exec result that only mark where each stream starts and ends (`tools.shell`).
+STREAM_TAGS = frozenset({"<stdout>", "</stdout>", "<stderr>", "</stderr>"})
+
+
 def fold(text: str, keep: int = RESULT_LINES) -> str:
-    """The first `keep` lines of `text` and how many more there were."""
-    lines = text.splitlines()
+    """The first `keep` lines of `text` and how many more there were; an exec result's stream
+    tags are left out (stderr is announced by a line of its own)."""
+    lines = ["stderr:" if line == "<stderr>" else line for line in text.splitlines()]
+    lines = [line for line in lines if line not in STREAM_TAGS]
     if len(lines) <= keep:
         return "\n".join(lines)
     return "\n".join([*lines[:keep], f"… {len(lines) - keep} more lines"])

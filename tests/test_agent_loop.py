@@ -26,7 +26,7 @@ from agentbox.store.changes import ChangesRepo
 from agentbox.store.db import Database
 from agentbox.store.files import FileStore
 from agentbox.store.markers import MarkersRepo
-from agentbox.store.sessions import TERMINAL_EVENTS, Event, SessionStore
+from agentbox.store.sessions import NOT_RUN, TERMINAL_EVENTS, Event, SessionStore
 from agentbox.store.todos import TodoRepo
 from agentbox.tools.approvals import Approvals
 from agentbox.tools.changes import ChangeSets
@@ -233,6 +233,20 @@ async def test_abort_unblocks_a_hanging_model_and_the_next_turn_runs(kit: Kit) -
     assert aborted[-1].data["reason"] == "user_abort"
     rows = [m for m in await kit.store.transcript(session.id) if m.turn_id == hung.turn.id]
     assert [m.status for m in rows if m.role == "assistant"] == ["aborted"]
+
+
+async def test_a_call_aborted_while_it_waits_for_approval_reads_as_never_run(kit: Kit) -> None:
+    """It never started, so "interrupted, outcome unknown" would be untrue."""
+    session = await kit.worker.create_session(
+        "scripted", permission_mode="full-ask", script=[bash("touch ran")]
+    )
+    sub = await kit.worker.submit(session.id, "run it")
+    await wait_for(kit, session.id, lambda e: e.type == "approval.requested")
+    assert (await kit.worker.abort(sub.turn.id)).status == "aborted"
+    events = await turn_events(kit, session.id, sub.turn.id)
+    [result] = [e for e in events if e.type == "agent.tool_result"]
+    assert result.data["is_error"] and result.data["content"][0]["text"] == NOT_RUN
+    assert [e.data["decision"] for e in events if e.type == "approval.resolved"] == ["cancelled"]
 
 
 async def test_abort_of_a_queued_turn_is_immediate_and_final(kit: Kit) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.agent.worker import PERMISSION_MODES
-from agentbox.cli_run import EXIT_CODES, EXIT_REFUSED, RESULT_LINES, Elapsed, fold
+from agentbox.cli_run import EXIT_CODES, EXIT_REFUSED, RESULT_LINES, Elapsed, fold, resolution
 
 #: Seconds one CLI run may take end to end (python start, imports, a sandbox start).
 CLI_DEADLINE = 30.0
@@ -69,8 +69,8 @@ def test_a_completed_turn_renders_and_exits_0(sandbox_tmp: Path) -> None:
     assert "delivered count.txt (21 bytes, file_" in out
     assert "↳ explore started: look around" in out and "↳ explore completed after 1 model calls" in out
     assert '→ bash {"command": "seq 1 10 | tee count.txt"}' in out
-    assert f"… {10 + 3 - RESULT_LINES} more lines" in out  # "Exit code", <stdout>, 1..10, </stdout>
-    assert "\n10\n" not in out  # folded
+    assert f"… {10 + 1 - RESULT_LINES} more lines" in out  # "Exit code", 1..10: no stream tags
+    assert "\n10\n" not in out and "<stdout>" not in out  # folded
     assert out.rstrip().endswith("completed")
     # sessions lists it; events prints its log one line each, from a cursor
     [sid] = session_ids(home)
@@ -161,7 +161,7 @@ def answer_approval_with_y(process: subprocess.Popen[bytes], primary: int) -> st
             process.wait()
         os.close(primary)
     text = _ANSI.sub(b"", seen).decode()
-    assert "approval allow" in text and "Done." in text and "completed" in text
+    assert "bash allowed once" in text and "Done." in text and "completed" in text
     assert "Exit code: 0" in text
     return text
 
@@ -221,6 +221,19 @@ def test_fold_keeps_its_boundary() -> None:
     lines = [str(i) for i in range(RESULT_LINES)]
     assert fold("\n".join(lines)) == "\n".join(lines)
     assert fold("\n".join([*lines, "x"])) == "\n".join([*lines, "… 1 more lines"])
+    tagged = "\n".join(["Exit code: 1", "<stdout>", "out", "</stdout>", "<stderr>", "err", "</stderr>"])
+    assert fold(tagged) == "Exit code: 1\nout\nstderr:\nerr"  # the tags were the hidden lines
+
+
+def test_an_answered_approval_reads_as_said() -> None:
+    base = {"tool": "bash", "message": None}
+    assert resolution({**base, "decision": "allow", "scope": "once"}) == "bash allowed once"
+    assert (
+        resolution({**base, "decision": "allow", "scope": "session"})
+        == "bash allowed for the rest of the session"
+    )
+    assert resolution({**base, "decision": "deny", "message": "not now"}) == "bash denied: not now"
+    assert "before an answer" in resolution({**base, "decision": "cancelled"})
 
 
 async def test_run_creates_a_provider_session_from_its_options(sandbox_tmp: Path) -> None:

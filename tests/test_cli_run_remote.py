@@ -79,7 +79,7 @@ def test_a_completed_turn_renders_and_sessions_and_events_show_it(server: Server
     out = done.stdout
     assert "Let me count." in out and "Counted to ten." in out
     assert '→ bash {"command": "seq 1 10"}' in out
-    assert f"… {10 + 3 - RESULT_LINES} more lines" in out and "\n10\n" not in out  # folded
+    assert f"… {10 + 1 - RESULT_LINES} more lines" in out and "\n10\n" not in out  # folded, no tags
     assert out.rstrip().endswith("completed")
     sid = session_of(out)
     # `sessions --url` lists what the server has; `events --url` prints its log, from a cursor

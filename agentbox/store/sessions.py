@@ -76,6 +76,8 @@ MAX_EVENTS_PAGE = 1000
 
 #: The result a tool call gets when its outcome is unknown (Flue's wording): it is never re-run.
 INTERRUPTED = "Tool execution was interrupted before completion. The outcome is unknown."
+#: The result of a call the turn ended under while it waited for its approval: it never ran.
+NOT_RUN = "Tool call was not run: the turn ended while it waited for approval."
 
 _OPEN_SQL = "('queued', 'running', 'awaiting_approval')"
 
@@ -809,9 +811,26 @@ def _settle(conn: sqlite3.Connection, session_id: str, turn_id: str) -> list[Eve
         "UPDATE messages SET status = 'aborted' WHERE turn_id = ? AND status = 'streaming'", (turn_id,)
     )
     events: list[Event] = []
+    waiting = calls_never_allowed(conn, turn_id)
     for call in unresolved_calls(conn, turn_id):
-        events += _record_result(conn, session_id, turn_id, call["id"], call["name"], INTERRUPTED, True)
+        text = NOT_RUN if call["id"] in waiting else INTERRUPTED
+        events += _record_result(conn, session_id, turn_id, call["id"], call["name"], text, True)
     return events
+
+
+def calls_never_allowed(conn: sqlite3.Connection, turn_id: str) -> set[str]:
+    """The turn's tool calls that asked for approval and were never allowed: they never ran."""
+    asked: set[str] = set()
+    for kind, tool_use_id, decision in conn.execute(
+        "SELECT type, json_extract(data, '$.tool_use_id'), json_extract(data, '$.decision') FROM events"
+        " WHERE turn_id = ? AND type IN ('approval.requested', 'approval.resolved') ORDER BY seq",
+        (turn_id,),
+    ):
+        if kind == "approval.requested":
+            asked.add(tool_use_id)
+        elif decision == "allow":
+            asked.discard(tool_use_id)
+    return asked
 
 
 def _next(conn: sqlite3.Connection, table: str, session_id: str) -> int:
