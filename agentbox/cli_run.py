@@ -41,15 +41,14 @@ from rich.text import Text
 
 from agentbox import config as config_mod
 from agentbox.agent.events import Delta
-from agentbox.agent.models import SCRIPTED, ModelError
-from agentbox.api.sessions import _PROVIDER_MODEL, PROVIDERS
+from agentbox.agent.models import SCRIPTED, ModelError, model_name_problem
 from agentbox.store.approvals import ApprovalNotPending, Decision, Scope
 from agentbox.store.sessions import MAX_EVENTS_PAGE, Event, Session
-from agentbox.system import System
 
 if TYPE_CHECKING:
     from agentbox.client import AgentboxError, AsyncClient, MessageDelta
     from agentbox.client import Event as SdkEvent
+    from agentbox.system import System
 
 #: How each terminal turn event maps to the process's exit status.
 EXIT_CODES: dict[str, int] = {"turn.completed": 0, "turn.failed": 1, "turn.aborted": 2}
@@ -163,10 +162,9 @@ def new_session_fields(opts: RunOptions) -> dict[str, Any]:
     both modes refuse the same options the same way."""
     if opts.model == SCRIPTED and opts.script is None:
         raise RunRefused("--model scripted needs --script FILE.json (a list of steps)")
-    if opts.model != SCRIPTED and not _PROVIDER_MODEL.fullmatch(opts.model):
-        raise RunRefused(
-            f"--model must be {SCRIPTED!r} or '<provider>:<name>' with a provider of {PROVIDERS}"
-        )
+    problem = model_name_problem(opts.model)
+    if problem is not None:
+        raise RunRefused(f"--model {problem}")
     fields: dict[str, Any] = {"model": opts.model}
     if opts.script is not None:
         fields["script"] = load_script(opts.script)

@@ -50,6 +50,18 @@ from typing import Any, Literal, Protocol
 
 #: The model name that selects the scripted model.
 SCRIPTED = "scripted"
+#: The providers a model name may name (`<provider>:<name>`), beside `SCRIPTED`.
+PROVIDER_NAMES: tuple[str, ...] = ("openai", "anthropic")
+PROVIDER_MODEL = re.compile(rf"^(?:{'|'.join(PROVIDER_NAMES)}):\S+$")
+
+
+def model_name_problem(model: str) -> str | None:
+    """Why `model` names no model a session can have, or None."""
+    if model == SCRIPTED or PROVIDER_MODEL.fullmatch(model):
+        return None
+    return f"must be {SCRIPTED!r} or '<provider>:<name>' with a provider of {', '.join(PROVIDER_NAMES)}"
+
+
 #: Keys a script step may have; any other key is a mistake worth failing on.
 STEP_KEYS = frozenset({"text", "tool_calls", "expect", "delay_ms", "hang", "error", "usage"})
 #: The keys of a step's `usage`.

@@ -38,7 +38,6 @@ operation's status) to the session's log, committed then published, as a session
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
@@ -49,7 +48,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentbox.agent.events import Delta
-from agentbox.agent.models import SCRIPTED, ModelError
+from agentbox.agent.models import ModelError, model_name_problem
 from agentbox.agent.worker import NO_MACHINE
 from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error, wire
 from agentbox.api.schemas import event_stream, failures, plain_reply
@@ -84,8 +83,6 @@ from agentbox.tools.changes import GovernedMachine
 from agentbox.workspace.errors import WorkspaceError
 
 #: Model names besides "scripted": `<provider>:<model>` (runs fail until the runtime issue adds them).
-PROVIDERS: tuple[str, ...] = ("openai", "anthropic")
-_PROVIDER_MODEL = re.compile(rf"^(?:{'|'.join(PROVIDERS)}):\S+$")
 #: Longest `Idempotency-Key` accepted (a UUID is 36; room for client prefixes).
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 #: Sessions and events listed per page when `limit` is not given.
@@ -360,8 +357,9 @@ class ChangeSetList(BaseModel):
 )
 async def create_session(request: Request) -> Any:
     body = await parse_body(request, CreateSession)
-    if body.model != SCRIPTED and not _PROVIDER_MODEL.fullmatch(body.model):
-        raise ValueError(f"model must be {SCRIPTED!r} or '<provider>:<name>' with a provider of {PROVIDERS}")
+    problem = model_name_problem(body.model)
+    if problem is not None:
+        raise ValueError(f"model {problem}")
     p = platform(request)
     session = await p.worker.create_session(
         body.model, permission_mode=body.permission_mode, instructions=body.instructions,
