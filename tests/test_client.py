@@ -527,13 +527,16 @@ def test_the_sandbox_runs_commands_and_moves_files(client: Client, tmp_path: Pat
     payload = bytes(range(256)) * 64
     local = tmp_path / "blob.bin"
     local.write_bytes(payload)
-    assert sandbox.exec("mkdir dir").exit_code == 0
+    assert sandbox.mkdir("dir") is True
+    with pytest.raises(Conflict):
+        sandbox.mkdir("dir")  # it is there: without parents that is an error
+    assert sandbox.mkdir("deep/er", parents=True) is True and sandbox.mkdir("deep/er", parents=True) is False
     assert sandbox.upload("/workspace/dir/blob.bin", local) == len(payload)
     assert sandbox.download("dir/blob.bin") == payload
     assert sandbox.download_to("dir/blob.bin", tmp_path / "back.bin") == len(payload)
     assert (tmp_path / "back.bin").read_bytes() == payload
     names = {e["name"]: e["is_directory"] for e in sandbox.list("/workspace")}
-    assert names == {"lines.txt": False, "dir": True}
+    assert names == {"lines.txt": False, "dir": True, "deep": True}
     assert [e["path"] for e in sandbox.list(".", recursive=True) if not e["is_directory"]] == [
         "/workspace/dir/blob.bin", "/workspace/lines.txt",
     ]  # fmt: skip
@@ -573,6 +576,8 @@ async def test_the_async_client_drives_a_loopback_openai_model(keyed: Server, ll
         assert (await sandbox.exec("echo async")).stdout == "async\n"
         await sandbox.write("x.txt", "x")
         assert await sandbox.read("x.txt") == "x"
+        assert await sandbox.mkdir("made/here", parents=True) is True
+        assert {e["name"] for e in await sandbox.list("made")} == {"here"}
         async with await sandbox.watch("/workspace") as watch:
             await sandbox.write("y.txt", "y")
             async for change in watch:

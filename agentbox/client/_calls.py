@@ -247,6 +247,10 @@ def list_dir(session_id: str, path: str, recursive: bool, max_depth: int | None)
     return Call("GET", sandbox_path(session_id, "fs/list"), params=params)
 
 
+def make_dir(session_id: str, path: str, parents: bool) -> Call:
+    return Call("POST", sandbox_path(session_id, "fs/mkdir"), json={"path": path, "parents": parents})
+
+
 def upload_to(session_id: str, path: str, content: bytes) -> Call:
     name = path.rstrip("/").rsplit("/", 1)[-1] or "upload"
     return Call(

@@ -142,6 +142,11 @@ class Sandbox:
         answer = self._t.json(calls.list_dir(self.session_id, path, recursive, max_depth))
         return list(data_of(answer)["files"])
 
+    def mkdir(self, path: str, *, parents: bool = False) -> bool:
+        """Make a directory (and its missing parents with `parents`); whether it was made:
+        with `parents`, one that is already there is fine and gives False."""
+        return bool(data_of(self._t.json(calls.make_dir(self.session_id, path, parents)))["created"])
+
     def upload(self, path: str, source: Uploadable) -> int:
         """Put a file at `path` (bytes, a local path or an open file); its size."""
         content, _ = upload_bytes(source, None)
@@ -243,6 +248,9 @@ class AsyncSandbox:
     ) -> list[dict[str, Any]]:
         answer = await self._t.json(calls.list_dir(self.session_id, path, recursive, max_depth))
         return list(data_of(answer)["files"])
+
+    async def mkdir(self, path: str, *, parents: bool = False) -> bool:
+        return bool(data_of(await self._t.json(calls.make_dir(self.session_id, path, parents)))["created"])
 
     async def upload(self, path: str, source: Uploadable) -> int:
         content, _ = upload_bytes(source, None)
