@@ -98,4 +98,6 @@ def test_a_busy_port_is_one_clear_failure_and_no_serving_banner(sandbox_tmp: Pat
         result = serve(sandbox_tmp, "--port", str(port))
     assert result.returncode == 3, result.stderr
     assert "serving on" not in result.stderr  # it never served
-    assert "address already in use" in result.stderr and f"could not start on 127.0.0.1:{port}" in result.stderr
+    assert (
+        "address already in use" in result.stderr and f"could not start on 127.0.0.1:{port}" in result.stderr
+    )
