@@ -535,9 +535,9 @@ def test_the_sandbox_runs_commands_and_moves_files(client: Client, tmp_path: Pat
     assert sandbox.download("dir/blob.bin") == payload
     assert sandbox.download_to("dir/blob.bin", tmp_path / "back.bin") == len(payload)
     assert (tmp_path / "back.bin").read_bytes() == payload
-    names = {e["name"]: e["is_directory"] for e in sandbox.list("/workspace")}
+    names = {e.name: e.is_directory for e in sandbox.list("/workspace")}
     assert names == {"lines.txt": False, "dir": True, "deep": True}
-    assert [e["path"] for e in sandbox.list(".", recursive=True) if not e["is_directory"]] == [
+    assert [e.path for e in sandbox.list(".", recursive=True) if not e.is_directory] == [
         "/workspace/dir/blob.bin", "/workspace/lines.txt",
     ]  # fmt: skip
 
@@ -577,7 +577,8 @@ async def test_the_async_client_drives_a_loopback_openai_model(keyed: Server, ll
         await sandbox.write("x.txt", "x")
         assert await sandbox.read("x.txt") == "x"
         assert await sandbox.mkdir("made/here", parents=True) is True
-        assert {e["name"] for e in await sandbox.list("made")} == {"here"}
+        [made] = await sandbox.list("made")
+        assert (made.name, made.is_directory, made.extension) == ("here", True, None)
         async with await sandbox.watch("/workspace") as watch:
             await sandbox.write("y.txt", "y")
             async for change in watch:

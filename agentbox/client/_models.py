@@ -153,6 +153,23 @@ class Command(Record):
 
 
 @dataclass(frozen=True)
+class FileEntry(Record):
+    """One entry of a sandbox directory listing."""
+
+    name: str = ""
+    path: str = ""
+    is_directory: bool = False
+    is_symlink: bool = False
+    size: int | None = None
+    modified_time: str | None = None
+    """RFC 3339 in UTC."""
+    permissions: str | None = None
+    """`rw-r--r--`, when asked for."""
+    extension: str | None = None
+    """With its dot (`.py`); None for a directory."""
+
+
+@dataclass(frozen=True)
 class FileChange(Record):
     """One change a sandbox watcher saw."""
 

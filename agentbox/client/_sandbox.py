@@ -19,7 +19,7 @@ from typing import Any
 
 from agentbox.client import _calls as calls
 from agentbox.client._errors import NotFound, ProtocolError
-from agentbox.client._models import Command, FileChange
+from agentbox.client._models import Command, FileChange, FileEntry
 from agentbox.client._resources import Uploadable, upload_bytes
 from agentbox.client._streams import afollow, follow
 from agentbox.client._transport import (
@@ -137,10 +137,10 @@ class Sandbox:
 
     def list(
         self, path: str = ".", *, recursive: bool = False, max_depth: int | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[FileEntry]:
         """A directory's entries (name, path, is_directory, size, modified_time, ...)."""
         answer = self._t.json(calls.list_dir(self.session_id, path, recursive, max_depth))
-        return list(data_of(answer)["files"])
+        return [FileEntry.of(entry) for entry in data_of(answer)["files"]]
 
     def mkdir(self, path: str, *, parents: bool = False) -> bool:
         """Make a directory (and its missing parents with `parents`); whether it was made:
@@ -245,9 +245,9 @@ class AsyncSandbox:
 
     async def list(
         self, path: str = ".", *, recursive: bool = False, max_depth: int | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[FileEntry]:
         answer = await self._t.json(calls.list_dir(self.session_id, path, recursive, max_depth))
-        return list(data_of(answer)["files"])
+        return [FileEntry.of(entry) for entry in data_of(answer)["files"]]
 
     async def mkdir(self, path: str, *, parents: bool = False) -> bool:
         return bool(data_of(await self._t.json(calls.make_dir(self.session_id, path, parents)))["created"])
