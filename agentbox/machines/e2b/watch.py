@@ -13,6 +13,7 @@ from agentbox.machines.base import (
 from agentbox.machines.e2b.options import HELPER_USER, REQUEST_TIMEOUT
 from agentbox.machines.e2b.process import connect_error
 from agentbox.machines.errors import MachineUnavailable
+from agentbox.machines.watch_queue import ChangeQueue
 
 if TYPE_CHECKING:
     from agentbox.machines.e2b.machine import E2BMachine
@@ -20,11 +21,9 @@ if TYPE_CHECKING:
 
 #: Seconds envd's RENAME of an old name waits for the CREATE of the new one (one rename).
 MOVE_PAIR_SECONDS = 0.05
-#: Changes a watch queues for a slow reader before it reports `overflow` and drops.
-MAX_QUEUED_CHANGES = 10_000
 
 
-class E2BWatch:
+class E2BWatch(ChangeQueue):
     """Changes under one path in the sandbox, from envd's WatchDir stream.
 
     envd reports create, write, remove, chmod and rename (the old name renamed away; the new
@@ -34,33 +33,12 @@ class E2BWatch:
     """
 
     def __init__(self, machine: E2BMachine, path: str, recursive: bool) -> None:
+        super().__init__()
         self.machine = machine
         self.path = path
         self.recursive = recursive
-        self.target = ""
-        self._queue: asyncio.Queue[WatchChange | BaseException] = asyncio.Queue()
-        self._overflowed = False
         self._task: asyncio.Task[None] | None = None
         self._events: Any = None
-
-    async def __aenter__(self) -> E2BWatch:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def __aiter__(self) -> E2BWatch:
-        return self
-
-    async def __anext__(self) -> WatchChange:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._queue.put_nowait(item)
-            raise item
-        if self._queue.empty():
-            self._overflowed = False
-        return item
 
     async def start(self) -> None:
         from connectrpc.errors import ConnectError
@@ -90,14 +68,6 @@ class E2BWatch:
             with contextlib.suppress(BaseException):
                 await self._events.aclose()
 
-    def _put(self, change: WatchChange) -> None:
-        if self._queue.qsize() >= MAX_QUEUED_CHANGES:
-            if not self._overflowed:
-                self._overflowed = True
-                self._queue.put_nowait(WatchChange("overflow", self.target, True))
-            return
-        self._queue.put_nowait(change)
-
     async def _pump(self, events: Any) -> None:
         renamed: str | None = None
         try:
@@ -115,11 +85,11 @@ class E2BWatch:
                     continue
                 renamed = self._change(which.value, renamed)
         except StopAsyncIteration:
-            self._queue.put_nowait(MachineUnavailable(f"the watch on {self.target} ended"))
+            self._fail(MachineUnavailable(f"the watch on {self.target} ended"))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._queue.put_nowait(MachineUnavailable(f"the watch on {self.target} dropped: {exc}"))
+            self._fail(MachineUnavailable(f"the watch on {self.target} dropped: {exc}"))
 
     def _change(self, event: Any, renamed: str | None) -> str | None:
         """Queue one envd event; the old name of a rename still waiting for its new one."""

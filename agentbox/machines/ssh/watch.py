@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from agentbox.machines.base import ExecRequest, WatchChange, inside_path
 from agentbox.machines.errors import MachineUnavailable
+from agentbox.machines.watch_queue import MAX_QUEUED_CHANGES, ChangeQueue
 
 if TYPE_CHECKING:
     from agentbox.machines.ssh.channel import SshProcess
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
 
 #: Entries a polling watch keeps track of; deeper ones go unwatched.
 MAX_POLL_ENTRIES = 100_000
-#: Changes a watch queues for a slow reader before it reports `overflow` and drops.
-MAX_QUEUED_CHANGES = 10_000
 #: Seconds `inotifywait -r` may take to set up its watches.
 WATCH_SETUP_TIMEOUT = 60.0
 #: Seconds a MOVED_FROM waits for the MOVED_TO of the same rename before it is a move out.
@@ -79,7 +78,7 @@ class _Seen:
         return WatchChange(event, path, self.kind == "d", None, self.size, float(self.mtime))
 
 
-class RemoteWatch:
+class RemoteWatch(ChangeQueue):
     """Changes under one remote path, as `WatchChange`s (the mapping is the module's docstring).
 
     An `overflow` change (with the watched path) says changes were dropped for a slow
@@ -87,13 +86,11 @@ class RemoteWatch:
     """
 
     def __init__(self, machine: SshMachine, path: str, recursive: bool) -> None:
+        super().__init__()
         self.machine = machine
         self.path = path
         self.recursive = recursive
         self.kind = ""
-        self.target = ""
-        self._queue: asyncio.Queue[WatchChange | BaseException] = asyncio.Queue()
-        self._overflowed = False
         self._task: asyncio.Task[None] | None = None
         self._process: SshProcess | None = None
         self._scanned: dict[str, float] = {}
@@ -101,25 +98,6 @@ class RemoteWatch:
         self._modified: dict[str, None] = {}
         self._moved_from: tuple[str, bool] | None = None
         self._move_timer: asyncio.TimerHandle | None = None
-
-    async def __aenter__(self) -> RemoteWatch:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def __aiter__(self) -> RemoteWatch:
-        return self
-
-    async def __anext__(self) -> WatchChange:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._queue.put_nowait(item)  # every later call ends the same way
-            raise item
-        if self._queue.empty():
-            self._overflowed = False
-        return item
 
     @property
     def pid(self) -> int | None:
@@ -154,14 +132,6 @@ class RemoteWatch:
 
     def _emit(self, event: str, path: str, is_dir: bool = False, old_path: str | None = None) -> None:
         self._put(WatchChange(event, path, is_dir, old_path))
-
-    def _put(self, change: WatchChange) -> None:
-        if self._queue.qsize() >= MAX_QUEUED_CHANGES:
-            if not self._overflowed:
-                self._overflowed = True
-                self._queue.put_nowait(WatchChange("overflow", self.target, True))
-            return
-        self._queue.put_nowait(change)
 
     # inotifywait
 
@@ -198,11 +168,11 @@ class RemoteWatch:
                     self._move_timer = loop.call_later(MOVE_PAIR_SECONDS, self._moved_out)
             await process.wait()
             self._moved_out()
-            self._queue.put_nowait(MachineUnavailable(f"the watch on {self.target} ended"))
+            self._fail(MachineUnavailable(f"the watch on {self.target} ended"))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            self._queue.put_nowait(exc)
+            self._fail(exc)
 
     async def _inotify_event(self, flags: set[str], path: str) -> None:
         is_dir = "ISDIR" in flags
@@ -321,7 +291,7 @@ class RemoteWatch:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            self._queue.put_nowait(exc)
+            self._fail(exc)
 
 
 def _remember(paths: dict[str, None], path: str) -> None:
