@@ -21,7 +21,9 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocket
 from websockets.exceptions import InvalidStatus
 
+from agentbox.api.metrics import MAX_OPEN_TURNS, Metrics
 from agentbox.api.observe import MAX_REQUEST_ID, WEBSOCKET_ACCEPTED, Finished, RequestIdMiddleware
+from agentbox.store.sessions import Event
 
 KEY = "observe-test-key"
 SECRET = "s3cr3t-never-logged"
@@ -304,3 +306,22 @@ def test_event_streams_are_timed_apart_from_request_latency(client: httpx.Client
         value(after, latency, method="GET", route=listed)
         == value(before, latency, method="GET", route=listed) + 1
     )
+
+
+def test_open_turns_are_remembered_up_to_the_limit_and_a_retry_keeps_its_first_start() -> None:
+    metrics = Metrics(lambda: None)
+
+    def event(kind: str, turn: str) -> Event:
+        return Event(f"evt_{turn}_{kind}", "ses_m", 1, kind, turn, {}, "2026-12-01T00:00:00.000Z")
+
+    metrics.published([event("turn.started", f"trn_{i}") for i in range(MAX_OPEN_TURNS + 1)])
+    metrics.published([event("turn.started", "trn_1")])  # a retry: not a new start, not a new entry
+    metrics.published([event("turn.completed", "trn_0"), event("turn.completed", "trn_1")])
+    got = {
+        (s.name, s.labels.get("outcome")): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+    }
+    assert got[("agentbox_turns_total", "completed")] == 2
+    # trn_0 was the one past the limit: forgotten, so only trn_1's duration is observed
+    assert got[("agentbox_turn_duration_seconds_count", "completed")] == 1
