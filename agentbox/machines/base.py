@@ -375,3 +375,14 @@ class Watching(Machine, Protocol):
     def watch_kind(self) -> str:
         """How changes are seen (`inotifywait`, `polling (2 s)`): stated in capabilities."""
         ...
+
+
+@runtime_checkable
+class Browsing(Machine, Protocol):
+    """A machine whose entry enabled the browser (`browser = true`): it carries Playwright's
+    driver, so a Chromium it has runs inside it, driven over the driver's stdin and stdout
+    (`agentbox.workspace.browser`) and never through a port the host can reach."""
+
+    def browser_driver(self) -> tuple[str, ...]:
+        """The argv, as seen inside, that runs Playwright's driver (`... run-driver` is added)."""
+        ...

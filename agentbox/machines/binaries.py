@@ -5,6 +5,10 @@ that it sees the machine's files with the machine's rights. The ripgrep wheel pu
 beside the server's interpreter, which a sandbox uid may not be able to reach (a venv under
 `/root`), so a root server copies it once into its world-readable runtime directory, from
 where each sandbox binds it read-only.
+
+The browser runs Playwright's driver (the node binary and package the playwright wheel
+ships) inside the machine too; a sandbox binds the driver's directory read-only by a
+descriptor the server opened, so the same reach problem does not arise.
 """
 
 from __future__ import annotations
@@ -25,6 +29,19 @@ def ripgrep_binary() -> str:
     if found is None:
         raise MachineUnavailable("ripgrep (rg) is not installed; `pip install ripgrep` provides it")
     return found
+
+
+@cache
+def playwright_driver_dir() -> Path:
+    """The directory of the playwright wheel's driver: `node` and `package/cli.js`."""
+    try:
+        from playwright._impl._driver import compute_driver_executable
+    except ImportError:
+        raise MachineUnavailable("the browser needs the playwright package, which is not installed") from None
+    node, cli = compute_driver_executable()
+    if not Path(node).is_file() or not Path(cli).is_file():
+        raise MachineUnavailable(f"playwright's driver is incomplete: {node} or {cli} is missing")
+    return Path(node).parent
 
 
 def reachable_copy(source: str, directory: Path) -> Path:

@@ -61,7 +61,7 @@ VARIANT = "apt"
 #: What each profile adds to the variant. `base` is what a coding agent needs first; `data` is
 #: the data-analysis and document toolset (Python's scientific stack with Excel files, Node.js,
 #: LibreOffice with fonts metric-compatible to Office's, pandoc, LaTeX with xeCJK, ffmpeg,
-#: English and Chinese OCR).
+#: English and Chinese OCR, and Chromium for the `browser` tool).
 PROFILES: dict[str, tuple[str, ...]] = {
     "base": ("python3", "python3-venv", "ca-certificates", "procps", "git", "curl"),
     "data": (
@@ -70,7 +70,7 @@ PROFILES: dict[str, tuple[str, ...]] = {
         "python3-openpyxl", "libreoffice-nogui", "fonts-liberation2", "fonts-crosextra-carlito",
         "fonts-crosextra-caladea", "pandoc", "texlive-latex-recommended", "texlive-xetex",
         "texlive-lang-cjk", "texlive-lang-chinese", "ffmpeg", "tesseract-ocr", "tesseract-ocr-eng", "tesseract-ocr-chi-sim",
-        "tesseract-ocr-chi-tra", "fonts-noto-cjk",
+        "tesseract-ocr-chi-tra", "fonts-noto-cjk", "chromium",
     ),
 }  # fmt: skip
 #: The image the built-in `sandbox` machine runs on (the host's /usr when it is not built).
@@ -90,9 +90,9 @@ DIAGNOSTICS_TAIL = 2000
 #: Bytes read from mmdebstrap's tar stream at a time.
 CHUNK = 1 << 20
 #: Format of the manifest and of the tree's conventions; a change rebuilds every image.
-FORMAT = 1
+FORMAT = 2
 #: Mount points a sandbox binds over (present in the tree so a read-only root works too).
-MOUNT_POINTS = ("workspace", "proc", "dev", "tmp", "root", "run", ".agentbox/bin")
+MOUNT_POINTS = ("workspace", "proc", "dev", "tmp", "root", "run", ".agentbox/bin", ".agentbox/playwright")
 MOUNT_FILES = (".agentbox/bin/rg", "etc/hosts", "etc/hostname", "etc/resolv.conf")
 #: apt options for the build and inside the image: apt in a sandbox runs as (mapped) root,
 #: since its `_apt` user has no uid there.

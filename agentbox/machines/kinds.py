@@ -98,6 +98,7 @@ def sandbox_config(config: MachineConfig, env: dict[str, str]) -> SandboxConfig:
         # Named: it must be there. Unnamed: `base` when built, else the host's /usr. "": the host's.
         image=str(o["image"]) or None if "image" in o else DEFAULT_IMAGE,
         image_required="image" in o and bool(o["image"]),
+        browser=bool(o.get("browser", False)),
     )
 
 

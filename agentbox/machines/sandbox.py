@@ -70,7 +70,7 @@ from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines import seccomp
 from agentbox.machines.agent_channel import PIPE_CHUNK, AgentChannel, AgentProcess
 from agentbox.machines.base import OS, TRASH_COVER_BYTES, TRASH_DIR, ExecRequest, ExecResult, collect
-from agentbox.machines.binaries import reachable_copy, ripgrep_binary
+from agentbox.machines.binaries import playwright_driver_dir, reachable_copy, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
 from agentbox.machines.errors import ImageError, MachineUnavailable
 from agentbox.machines.hostfs import HostFiles, Owner
@@ -107,6 +107,8 @@ DEFAULT_HOME_MB = 512
 AGENT_USR = "/.agentbox"
 #: Where the server's ripgrep is bound read-only inside every sandbox (searches run it there).
 SANDBOX_RG = "/.agentbox/bin/rg"
+#: Where a browser-enabled sandbox sees Playwright's driver (its node and package), read-only.
+SANDBOX_PLAYWRIGHT = "/.agentbox/playwright"
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: The whole environment of every process the server starts for a sandbox.
 LAUNCH_ENV = {"PATH": SANDBOX_PATH}
@@ -191,6 +193,9 @@ class SandboxConfig:
     """The image the root is made of; None: the host's /usr (the fallback)."""
     image_required: bool = False
     """Whether the image was named in the config: then a missing image is an error, not a fallback."""
+    browser: bool = False
+    """Carry Playwright's driver (`SANDBOX_PLAYWRIGHT`) so the `browser` tool can run the image's
+    Chromium inside the sandbox."""
 
 
 @dataclass(frozen=True)
@@ -649,6 +654,7 @@ class SandboxMachine(HostFiles):
             *self._trash_cover(),
             *self._private_args(private, fd_of),
             "--ro-bind", host.rg, SANDBOX_RG,
+            *self._browser_args(fd_of),
             "--chdir", "/workspace",
             "--info-fd", str(info_w),
             *self._agent_command(), "-I", "-S", "-c", *self._agent_program(data_fd), str(child.fileno()),
@@ -683,6 +689,18 @@ class SandboxMachine(HostFiles):
         info = await self.loop.run_in_executor(None, _read_info, info_r)
         self._child_pid = int(info.get("child-pid") or 0)
         self._start_joining()  # bwrap has cloned the agent's process: the whole tree is there
+
+    def _browser_args(self, fd_of: Any) -> list[str]:
+        """The driver's directory, bound by a descriptor the server opened (its venv may sit in a
+        directory the sandbox uid cannot search)."""
+        if not self.config.browser:
+            return []
+        return ["--ro-bind-fd", str(fd_of(playwright_driver_dir())), SANDBOX_PLAYWRIGHT]
+
+    def browser_driver(self) -> tuple[str, ...]:
+        if not self.config.browser:
+            raise MachineUnavailable(f"machine {self.name!r} has no browser: set `browser = true` in its entry")
+        return (f"{SANDBOX_PLAYWRIGHT}/node", f"{SANDBOX_PLAYWRIGHT}/package/cli.js")
 
     async def _image_root(self, plan: RootPlan, fd_of: Any) -> list[str]:
         """bwrap arguments that make the image the root, under the planned layer."""

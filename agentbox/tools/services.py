@@ -1,5 +1,6 @@
 """What each machine has beside it for its whole life: one watch hub, one command manager, one
-editor history and (opened on first search) one knowledge index.
+editor history, (opened on first search) one knowledge index and (made on first use) one
+browser.
 
 The HTTP API, the turn loop's tools and MCP all reach a machine's services through the one
 `Services` table the composition root (`agentbox.system`) builds, so a command the agent runs
@@ -20,6 +21,7 @@ from agentbox.machines.base import Machine
 from agentbox.machines.registry import DEFAULT_SESSION, Registry
 from agentbox.tools.knowledge import KnowledgeIndex, open_index
 from agentbox.tools.shell import exec_shell
+from agentbox.workspace.browser import Browser
 from agentbox.workspace.commands import Command, CommandManager
 from agentbox.workspace.editor import Editor
 from agentbox.workspace.watch import WatchHub
@@ -42,6 +44,7 @@ class MachineServices:
     _index: KnowledgeIndex | None = field(default=None, repr=False)
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     _shell: str | None = field(default=None, repr=False)
+    _browser: Browser | None = field(default=None, repr=False)
 
     @classmethod
     def of(
@@ -69,7 +72,16 @@ class MachineServices:
                 self._index = await open_index(self.machine, self.watches, self.index_path)
             return self._index
 
+    def browser(self) -> Browser:
+        """The machine's browser (`agentbox.workspace.browser`): Chromium starts on its first action."""
+        if self._browser is None:
+            self._browser = Browser(self.machine)
+        return self._browser
+
     async def close(self) -> None:
+        if self._browser is not None:
+            await self._browser.close()
+            self._browser = None
         if self._index is not None:
             await self._index.close()
             self._index = None

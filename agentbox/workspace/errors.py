@@ -17,6 +17,10 @@
     ├── session_deleted       the id names a session that was deleted: its sandbox is gone for good
     │                         (410 on every route, v1 too: the request itself is refused)
     ├── method_not_allowed    a known path asked with a method it does not serve (405, `Allow`)
+    ├── conflict              the target is in a state that refuses the request now (a page
+    │                         dialog waiting to be handled, a browser the user took over)
+    ├── timeout               the operation did not finish in its time (a page that never loads)
+    ├── browser_unavailable   no Chromium on the machine, or its browser stopped (503, retryable)
     └── io_error              anything else the OS reports; retryable when transient
 
 The fields are exactly the `data` object of the AIO error envelope; `retry_after` (seconds,
