@@ -940,3 +940,33 @@ def e2b_entry(endpoint: Server, **overrides: object) -> dict[str, object]:
         "root": "/workspace", "user": "root", "timeout": E2B_TIMEOUT_SECONDS,
     }  # fmt: skip
     return {**base, **overrides}
+
+
+# -------------------------------------------------------------------- the browser
+
+#: The machine of `browser_server`: a sandbox on the data image (which has Chromium) with the
+#: browser enabled; network off, so its pages are those served inside the sandbox.
+BROWSER_MACHINE = "web"
+
+
+@pytest.fixture(scope="session")
+def data_image() -> Image:
+    """The `data` image (`scripts/test.sh` builds it): its tools, and Chromium for the browser."""
+    return built_image("data", "data")
+
+
+@pytest.fixture(scope="session")
+def browser_server(tmp_path_factory: pytest.TempPathFactory, data_image: Image) -> Iterator[Server]:
+    """A real server whose default machine is a browser-enabled sandbox on the data image."""
+    home = traversable(tmp_path_factory.mktemp("srv-browser"), tmp_path_factory) / "home"
+    home.mkdir()
+    config = home.parent / "agentbox.toml"
+    config.write_text(
+        f'default_machine = "{BROWSER_MACHINE}"\ndelegable = ["{BROWSER_MACHINE}"]\n'
+        f'[machines.{BROWSER_MACHINE}]\nkind = "sandbox"\nimage = "data"\nbrowser = true\nnetwork = "off"\n'
+    )
+    server = start_server(
+        home, {"AGENTBOX_CONFIG": str(config), "AGENTBOX_IMAGES": str(data_image.path.parent)}
+    )
+    yield server
+    stop_server(server)
