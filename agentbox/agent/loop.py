@@ -63,6 +63,8 @@ from agentbox.tools.base import ToolResult
 
 #: Model calls one turn may make before it ends with stop_reason `max_steps` (work is kept).
 MAX_STEPS = 50
+#: The result of a call the turn did not run because the user took the browser over.
+NOT_RUN_AFTER_TAKEOVER = "Not run: the user took over the browser, which ended this turn."
 
 
 class TurnEnded(Exception):
@@ -218,18 +220,27 @@ class TurnLoop:
         return await self.context.request(self.tools.specs())
 
     async def execute_actions(self, calls: Sequence[ToolCall]) -> None:
-        """Run the calls not answered yet: in order, runs of `parallel` calls concurrently."""
+        """Run the calls not answered yet: in order, runs of `parallel` calls concurrently.
+
+        A call the user's browser takeover cut short ends the turn: the calls after it are
+        answered as not run, and the turn stops with `user_takeover`, so the model does not go
+        on acting while the user drives."""
         answered = await self.store.answered(self.turn.session_id, [call.id for call in calls])
         pending = [call for call in calls if call.id not in answered]
         while pending:
             group = [pending.pop(0)]
             while self.tools.parallel(group[0]) and pending and self.tools.parallel(pending[0]):
                 group.append(pending.pop(0))
-            await asyncio.gather(*(self.execute_action(call) for call in group))
+            results = await asyncio.gather(*(self.execute_action(call) for call in group))
+            if any(result.data.get("takeover") for result in results):
+                for call in pending:
+                    await self.record_result(call, ToolResult.error(NOT_RUN_AFTER_TAKEOVER))
+                raise Completed("user_takeover")
 
-    async def execute_action(self, call: ToolCall) -> None:
+    async def execute_action(self, call: ToolCall) -> ToolResult:
         result = await self.tools.call(call)
         await self.record_result(call, result)
+        return result
 
     # ---------------------------------------------------------------- durable steps
 
@@ -294,8 +305,10 @@ def model_error_event(
 
 
 def side_events(result: ToolResult) -> list[NewEvent]:
-    """Events a tool result implies: a staged change set, delivered files."""
+    """Events a tool result implies: a staged change set, delivered files, a screenshot."""
     events = []
+    if isinstance(result.data.get("screenshot"), dict):
+        events.append(NewEvent("browser.screenshot", result.data["screenshot"]))
     if result.data.get("change_set_id"):
         events.append(NewEvent("change_set.updated", {
             "change_set_id": result.data["change_set_id"],

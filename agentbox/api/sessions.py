@@ -1,4 +1,4 @@
-"""The sessions API (issue 5): sessions, messages, the event log, turns, approvals, change sets.
+"""The sessions API: sessions, messages, the event log, turns, approvals, change sets.
 
     POST   /v1/sessions                                   201 the session
     GET    /v1/sessions                 ?after&limit      {items, has_more, next_after}
@@ -11,6 +11,7 @@
     GET    /v1/sessions/{id}/turns[/{turn_id}]            POST .../turns/{turn_id}/abort, .../abort
     GET    /v1/sessions/{id}/approvals  ?status=pending   POST .../approvals/{approval_id}
     GET    /v1/sessions/{id}/changes[/{cid}]              POST .../changes/{cid}/apply|reject
+    POST   /v1/sessions/{id}/browser/takeover | release   the user drives the session's browser
 
 Mounted once at the root: a session is not a sandbox route. The routes only translate HTTP
 to the `Worker` (writes) and the stores (reads); every refusal of theirs is an error type
@@ -79,7 +80,9 @@ from agentbox.store.sessions import (
     UnsupportedUpdate,
 )
 from agentbox.system import System
+from agentbox.tools.browser import has_browser
 from agentbox.tools.changes import GovernedMachine
+from agentbox.workspace.browser import Browser
 from agentbox.workspace.errors import WorkspaceError
 
 #: Model names besides "scripted": `<provider>:<model>` (runs fail until the runtime issue adds them).
@@ -495,6 +498,54 @@ async def abort_active(request: Request, session_id: str) -> Any:
     await p.store.get_session(session_id)
     turn = await p.worker.abort_active(session_id)
     return {"turn": turn.to_dict() if turn is not None else None}
+
+
+# ---------------------------------------------------------------- the browser
+
+
+class BrowserControl(BaseModel):
+    """Who drives the session's browser after the call."""
+
+    taken_over: bool
+    cancelled: int = Field(description="Browser actions under way that the takeover cancelled.")
+
+
+async def session_browser(p: System, session_id: str) -> Browser:
+    session = await p.store.get_session(session_id)
+    if session.machine is None:
+        raise WorkspaceError("bad_request", f"session {session_id} has no machine, so no browser", "browser")
+    services = await p.services.get(session_id, session.machine)
+    if not has_browser(services.machine):
+        raise WorkspaceError("bad_request", f"machine {session.machine!r} has no browser "
+                             "(its entry does not set `browser = true`)", "browser")  # fmt: skip
+    return services.browser()
+
+
+async def browser_event(p: System, session_id: str, kind: str, data: dict[str, Any]) -> None:
+    turn = await p.store.active_turn(session_id)
+    p.bus.publish(await p.store.append(session_id, turn.id if turn else None, [NewEvent(kind, data)]))
+
+
+@router.post("/{session_id}/browser/takeover", responses=plain_reply(BrowserControl))
+async def take_over_browser(request: Request, session_id: str) -> Any:
+    """The user drives the session's browser: the action under way is cancelled, the turn's
+    remaining tool calls are not run (the turn ends with `user_takeover`), and the agent's
+    browser calls are refused until `release`. Emits `browser.takeover`."""
+    p = platform(request)
+    browser = await session_browser(p, session_id)
+    cancelled = await browser.take_over()
+    await browser_event(p, session_id, "browser.takeover", {"cancelled": cancelled})
+    return {"taken_over": True, "cancelled": cancelled}
+
+
+@router.post("/{session_id}/browser/release", responses=plain_reply(BrowserControl))
+async def release_browser(request: Request, session_id: str) -> Any:
+    """Hand the browser back to the agent. Emits `browser.released`."""
+    p = platform(request)
+    browser = await session_browser(p, session_id)
+    browser.release()
+    await browser_event(p, session_id, "browser.released", {})
+    return {"taken_over": False, "cancelled": 0}
 
 
 # ---------------------------------------------------------------- events

@@ -379,10 +379,11 @@ class Watching(Machine, Protocol):
 
 @runtime_checkable
 class Browsing(Machine, Protocol):
-    """A machine whose entry enabled the browser (`browser = true`): it carries Playwright's
+    """A machine that can carry a browser; when its entry enables it (`browser = true`), it carries Playwright's
     driver, so a Chromium it has runs inside it, driven over the driver's stdin and stdout
     (`agentbox.workspace.browser`) and never through a port the host can reach."""
 
-    def browser_driver(self) -> tuple[str, ...]:
-        """The argv, as seen inside, that runs Playwright's driver (`... run-driver` is added)."""
+    def browser_driver(self) -> tuple[str, ...] | None:
+        """The argv, as seen inside, that runs Playwright's driver (`run-driver` is added);
+        None when the machine's entry did not enable the browser."""
         ...

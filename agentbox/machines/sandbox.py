@@ -697,9 +697,9 @@ class SandboxMachine(HostFiles):
             return []
         return ["--ro-bind-fd", str(fd_of(playwright_driver_dir())), SANDBOX_PLAYWRIGHT]
 
-    def browser_driver(self) -> tuple[str, ...]:
+    def browser_driver(self) -> tuple[str, ...] | None:
         if not self.config.browser:
-            raise MachineUnavailable(f"machine {self.name!r} has no browser: set `browser = true` in its entry")
+            return None
         return (f"{SANDBOX_PLAYWRIGHT}/node", f"{SANDBOX_PLAYWRIGHT}/package/cli.js")
 
     async def _image_root(self, plan: RootPlan, fd_of: Any) -> list[str]:

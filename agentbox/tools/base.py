@@ -204,6 +204,12 @@ class Tool:
     destructive: bool = False
     machine: bool = True
     """Whether it works on the session's machine (a session without one is not offered it)."""
+    gates_itself: bool = False
+    """Whether the tool authorizes each call itself (`ctx.authorize` with the action the call
+    really takes and the detail a user needs to judge it) instead of the runner asking for
+    `action` up front; what the tier forbids for `action` is still refused before it runs."""
+    available: Callable[[Any], bool] | None = None
+    """Whether the tool exists on a machine (`browser`: only where the entry enables it); None: everywhere."""
 
     def schema(self) -> dict[str, Any]:
         return self.params.model_json_schema()

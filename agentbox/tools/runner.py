@@ -147,7 +147,14 @@ class SessionTools:
 
     def offered(self) -> list[Tool]:
         """The tools the model may see: those whose action this tier (and plan) does not forbid."""
-        return [tool for tool in self.toolset.values() if self._decision(tool.action) != Decision.FORBID]
+        return [
+            tool
+            for tool in self.toolset.values()
+            if self._decision(tool.action) != Decision.FORBID and self._exists(tool)
+        ]
+
+    def _exists(self, tool: Tool) -> bool:
+        return tool.available is None or tool.available(self.machine)
 
     async def call(
         self, name: str, args: Any, *, preapproved: str | None = None, tool_use_id: str | None = None
@@ -173,7 +180,7 @@ class SessionTools:
 
     async def _call(self, name: str, args: Any) -> ToolResult:
         tool = self.toolset.get(name)
-        if tool is None:
+        if tool is None or not self._exists(tool):
             names = ", ".join(t.name for t in self.offered())
             return ToolResult.error(f"There is no tool named {name!r}. Available tools: {names}.")
         decision = self._decision(tool.action)
@@ -183,11 +190,11 @@ class SessionTools:
             params = tool.params.model_validate(args)
         except ValidationError as exc:
             return ToolResult.error(f"Invalid arguments for {name}:\n{validation_problems(exc, tool.params)}")
-        if decision == Decision.ASK:
+        if decision == Decision.ASK and not tool.gates_itself:
             refusal = await self.authorize(tool.action, name, {"arguments": args})
             if refusal is not None:
                 return ToolResult.error(refusal)
-        token = _authorized.set(_authorized.get() | {tool.action})
+        token = _authorized.set(_authorized.get() | (set() if tool.gates_itself else {tool.action}))
         calling = _calling.set(name)
         try:
             return await tool.run(self, params)

@@ -18,12 +18,14 @@ and the behaviour cannot drift apart:
     read_skill_resource  -                -           read_skill_resource
     read_image           read_image       -           -
     web_search/web_fetch web_search/...   -           -
+    browser              browser          browser     -
     task                 task             task        task
 
 `write` differs in one switch: `default` and `flue` may overwrite a file the model read in
 this session and that has not changed since (`overwrite_if_read`); `workbench` never
-overwrites (seed 001). `browser` is left out until a browser is configured, and
-`mcp__<server>__<tool>` tools are added by the runtime that connects the servers.
+overwrites (seed 001). `browser` is in a toolset everywhere but offered only on a machine
+whose entry enables it (`Tool.available`), and `mcp__<server>__<tool>` tools are added by the
+runtime that connects the servers.
 
 `task` is here as a door only: its delegate (the subagent runner) is set by the agent layer,
 and MCP leaves it out (over MCP the client is the agent). A canonical tool whose module does
@@ -53,6 +55,7 @@ TOOL_MODULES: tuple[str, ...] = (
     "agentbox.tools.skills",
     "agentbox.tools.deliver",
     "agentbox.tools.knowledge",
+    "agentbox.tools.browser",
     "agentbox.tools.task",
 )
 
@@ -73,6 +76,7 @@ TOOLSETS: dict[str, tuple[tuple[str, str], ...]] = {
         ("web_fetch", "web_fetch"),
         ("list", "list"),
         ("search", "search"),
+        ("browser", "browser"),
         ("task", "task"),
     ),
     "workbench": (
@@ -82,6 +86,7 @@ TOOLSETS: dict[str, tuple[tuple[str, str], ...]] = {
         ("edit", "edit"),
         ("write", "write"),
         ("exec", "exec"),
+        ("browser", "browser"),
         ("task", "task"),
     ),
     "flue": (

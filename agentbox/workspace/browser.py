@@ -62,6 +62,8 @@ MAX_TABS = 20
 MAX_SNAPSHOT_CHARS = 100_000
 #: Bytes of one screenshot at most (a full-page shot of a very long page can exceed it).
 MAX_SCREENSHOT_BYTES = 16 * 1024 * 1024
+#: How Playwright's errors name a failure of the network (Chromium then shows its error page).
+NETWORK_ERROR = "net::ERR_"
 #: Pixels one `page.scroll` moves when the caller names no amount.
 DEFAULT_SCROLL_PIXELS = 600
 #: The window pages are laid out in.
@@ -186,6 +188,7 @@ class Browser:
         self._browser: Any = None
         self._context: Any = None
         self._next_tab = 1
+        self._renewing: Tab | None = None
         self._starting = asyncio.Lock()
         self._acting = asyncio.Lock()
         self._running: set[asyncio.Task[Any]] = set()
@@ -197,7 +200,12 @@ class Browser:
 
     @property
     def running(self) -> bool:
-        return self._driver is not None and self._driver.alive and self._browser is not None
+        return (
+            self._driver is not None
+            and self._driver.alive
+            and self._browser is not None
+            and self._browser.is_connected()
+        )
 
     async def ensure(self) -> None:
         """Start the driver and Chromium if they are not running."""
@@ -207,11 +215,11 @@ class Browser:
             await self._reset()
             if self._closed:
                 raise error("browser_unavailable", "the browser of this machine was closed")
-            if not isinstance(self.machine, Browsing):
+            argv = self.machine.browser_driver() if isinstance(self.machine, Browsing) else None
+            if argv is None:
                 raise error("browser_unavailable", f"machine {self.machine.name!r} has no browser: "
                             "only sandbox machines with `browser = true` in their entry have one")  # fmt: skip
             try:
-                argv = self.machine.browser_driver()
                 chromium = await self._find_chromium()
                 self._driver = await asyncio.wait_for(
                     browser_driver.start(self.machine, argv, driver_env()), LAUNCH_TIMEOUT_SECONDS
@@ -256,25 +264,49 @@ class Browser:
         for tab in self.tabs.values():
             if tab.page is page:
                 return tab
+        if self._renewing is not None:  # the fresh page of a tab being renewed, not a new tab
+            return self._renewing
         tab = Tab(self._next_tab, page)
         self._next_tab += 1
         if len(self.tabs) >= MAX_TABS:
             self._background(page.close())
             return tab
         self.tabs[tab.id] = tab
+        self._watch(tab, page)
+        return tab
+
+    def _watch(self, tab: Tab, page: Any) -> None:
+        """Follow `page`'s dialogs and its closing, for as long as it is `tab`'s page."""
 
         def on_dialog(dialog: Any) -> None:
-            tab.dialog = dialog
-            tab.dialog_opened.set()
+            if tab.page is page:
+                tab.dialog = dialog
+                tab.dialog_opened.set()
 
         def on_close(_: Any) -> None:
-            self.tabs.pop(tab.id, None)
-            if self.current == tab.id:
-                self.current = max(self.tabs) if self.tabs else None
+            if tab.page is page and self.tabs.get(tab.id) is tab:
+                del self.tabs[tab.id]
+                if self.current == tab.id:
+                    self.current = max(self.tabs) if self.tabs else None
 
         page.on("dialog", on_dialog)
         page.on("close", on_close)
-        return tab
+
+    async def renew(self, tab: Tab) -> None:
+        """Give `tab` a fresh page in place of one that showed Chromium's error page.
+
+        After a failed navigation, this Playwright and Chromium lose track of the page's later
+        navigations (each one reads as interrupted, history steps fail as detached), so the
+        tab keeps its id and starts again blank; its history is lost."""
+        old = tab.page
+        self._renewing = tab
+        try:
+            page = await self._context.new_page()
+        finally:
+            self._renewing = None
+        tab.page, tab.dialog = page, None
+        self._watch(tab, page)
+        self._background(old.close())
 
     async def _stop_when_idle(self) -> None:
         while not self._closed:
@@ -470,7 +502,7 @@ class Browser:
         tab = self._adopt(page)
         self.current = tab.id
         if url:
-            await page.goto(url, timeout=timeout * 1000)
+            await goto(self, tab, url, timeout * 1000)
         return tab
 
 
@@ -576,10 +608,22 @@ async def wait_for(b: Browser, tab: Tab, args: BrowserArgs) -> BrowserReply:
 
 async def navigate(b: Browser, tab: Tab, args: BrowserArgs) -> BrowserReply:
     url = check_url(args.url)
-    response = await tab.page.goto(url, timeout=ms(args, NAVIGATION_TIMEOUT_SECONDS))
+    response = await goto(b, tab, url, ms(args, NAVIGATION_TIMEOUT_SECONDS))
     info = await where(tab)
     status = response.status if response is not None else None
     return BrowserReply(f"navigated to {where_text(info)} (status {status})", {**info, "status": status})
+
+
+async def goto(b: Browser, tab: Tab, url: str, timeout_ms: float) -> Any:
+    """`page.goto` on `tab`; a navigation that fails on the network leaves the tab on a fresh
+    blank page (`Browser.renew`) and raises."""
+    try:
+        return await tab.page.goto(url, timeout=timeout_ms)
+    except Exception as exc:
+        if NETWORK_ERROR not in str(exc):
+            raise
+        await b.renew(tab)
+        raise error("bad_request", f"{first_line(exc)} (the tab is on a blank page now)") from None
 
 
 def history(step: str) -> Run:
