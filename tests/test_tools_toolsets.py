@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.machines.base import Machine
 from agentbox.machines.local import LocalMachine
+from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
 from agentbox.store.approvals import ApprovalsRepo
 from agentbox.store.changes import ChangesRepo
 from agentbox.store.db import Database
@@ -24,17 +26,20 @@ from agentbox.tools.toolsets import TOOLSETS, canonical_tools, toolset, unavaila
 SEED_NAMES = {
     "default": [
         "bash", "read_file", "write_file", "edit_file", "glob", "grep", "todo_write", "deliver_file",
-        "use_skill", "read_image", "web_search", "web_fetch", "list", "search", "task",
+        "use_skill", "read_image", "web_search", "web_fetch", "list", "search", "browser", "task",
     ],
-    "workbench": ["search", "read", "list", "edit", "write", "exec", "task"],
+    "workbench": ["search", "read", "list", "edit", "write", "exec", "browser", "task"],
     "flue": ["read", "write", "edit", "bash", "grep", "glob", "task", "activate_skill", "read_skill_resource"],
 }  # fmt: skip
 
 
-def session(tmp_path: Path, db: Database, name: str, tier: Tier) -> SessionTools:
+def session(
+    tmp_path: Path, db: Database, name: str, tier: Tier, machine: Machine | None = None, plan: bool = False
+) -> SessionTools:
     (tmp_path / "ws").mkdir(exist_ok=True)
     return SessionTools(
-        machine=LocalMachine("local", tmp_path / "ws"),
+        machine=machine or LocalMachine("local", tmp_path / "ws"),
+        plan=plan,
         session_id="ses_t",
         tier=tier,
         toolset=toolset(name),
@@ -101,11 +106,6 @@ def test_bash_is_exec_and_flue_activate_skill_is_use_skill() -> None:
         assert flue["activate_skill"].run is default["use_skill"].run
 
 
-def test_no_browser_until_one_is_configured() -> None:
-    for name in TOOLSETS:
-        assert "browser" not in toolset(name)
-
-
 def test_unknown_toolset_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown toolset"):
         toolset("nope")
@@ -136,7 +136,7 @@ def test_a_missing_module_is_skipped_but_a_broken_one_raises(
         ("default", Tier.WORKSPACE_WRITE,
          {"read_file", "write_file", "edit_file", "glob", "grep", "todo_write", "deliver_file", "use_skill",
           "read_image", "list", "search", "task"}),
-        ("default", Tier.FULL_ASK, set(SEED_NAMES["default"])),
+        ("default", Tier.FULL_ASK, set(SEED_NAMES["default"]) - {"browser"}),  # a machine without it
     ],
 )  # fmt: skip
 async def test_offered_tools_per_tier(
@@ -171,3 +171,31 @@ async def test_overwrite_rule_can_be_overridden(tmp_path: Path, db: Database) ->
     (tmp_path / "ws/a.txt").write_text("old")
     await tools.call("read", {"path": "a.txt"})
     assert not (await tools.call("write", {"path": "a.txt", "content": "new"})).is_error
+
+
+@pytest.mark.parametrize(
+    ("tier", "plan", "offered"),
+    [(Tier.READ_ONLY, False, False), (Tier.WORKSPACE_WRITE, False, False), (Tier.FULL_ASK, False, True),
+     (Tier.FULL_AUTO, False, True), (Tier.FULL_AUTO, True, True), (Tier.WORKSPACE_WRITE, True, False)],
+)  # fmt: skip
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_the_browser_is_offered_where_enabled_and_the_tier_allows_it(
+    tmp_path: Path,
+    db: Database,
+    sandbox_host: SandboxHost,
+    tier: Tier,
+    plan: bool,
+    offered: bool,
+    enabled: bool,
+) -> None:
+    machine = SandboxMachine(
+        "web", "sbx_offer", sandbox_host, SandboxConfig(browser=enabled), tmp_path / "ws", tmp_path / "run"
+    )
+    for name in ("default", "workbench"):
+        tools = session(tmp_path, db, name, tier, machine, plan)
+        assert ("browser" in [t.name for t in tools.offered()]) == (offered and enabled)
+    if not (offered and enabled):  # not offered: a call anyway is refused, never run
+        called = await session(tmp_path, db, "default", tier, machine, plan).call(
+            "browser", {"action": "tabs.list"}
+        )
+        assert called.is_error

@@ -510,14 +510,19 @@ class BrowserControl(BaseModel):
     cancelled: int = Field(description="Browser actions under way that the takeover cancelled.")
 
 
+class NoBrowser(ValueError):
+    """The session's machine has no browser to take over."""
+
+
 async def session_browser(p: System, session_id: str) -> Browser:
     session = await p.store.get_session(session_id)
-    if session.machine is None:
-        raise WorkspaceError("bad_request", f"session {session_id} has no machine, so no browser", "browser")
-    services = await p.services.get(session_id, session.machine)
+    if session.machine == NO_MACHINE:
+        raise NoBrowser(f"session {session_id} has no machine, so no browser")
+    services = await p.services.get(session_id, session.machine or None)
     if not has_browser(services.machine):
-        raise WorkspaceError("bad_request", f"machine {session.machine!r} has no browser "
-                             "(its entry does not set `browser = true`)", "browser")  # fmt: skip
+        raise NoBrowser(
+            f"machine {services.machine.name!r} has no browser (its entry does not set `browser = true`)"
+        )
     return services.browser()
 
 

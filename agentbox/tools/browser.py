@@ -8,7 +8,8 @@ two snapshots, waiting) are `Action.BROWSER_READ`, everything that changes a pag
 `full-ask` every call is asked for with what the user needs to judge it: the arguments, the
 URL it goes to (or the page it acts on), the tab, and the element a reference names.
 
-A screenshot goes to the user, not to the model: the PNG is stored in the session's files,
+A screenshot goes to the user, not to the model: the PNG is stored in the session's files (a
+delivery: the agent hands it to the user),
 the result tells the model only that it was taken and its file id, and the turn emits a
 `browser.screenshot` event naming the file for a console or client to show.
 
@@ -158,7 +159,7 @@ async def deliver_screenshot(ctx: ToolContext, params: BrowserParams, reply: Bro
         return ToolResult.text(f"{reply.text}; not kept: this session has no file store", browser=reply.data)
     name = f"screenshot-tab{reply.data.get('tab', 0)}.png"
     record = await ctx.files.put_stream(
-        chunks(reply.png), name, session_id=ctx.session_id, source="browser",
+        chunks(reply.png), name, session_id=ctx.session_id, source="delivery",
         turn_id=ctx.turn_id, tool_use_id=ctx.tool_use_id,
     )  # fmt: skip
     screenshot = {"file_id": record["id"], "filename": record["filename"], "bytes": record["bytes"],
