@@ -294,3 +294,21 @@ def mcp_result(response: httpx.Response) -> dict[str, Any]:
     if body.startswith("event:") or "data:" in body.split("\n", 1)[0]:
         body = next(line[5:] for line in body.splitlines() if line.startswith("data:"))
     return dict(json.loads(body)["result"])
+
+
+async def test_the_researcher_reads_the_browsers_pages_and_cannot_act(client: httpx.AsyncClient) -> None:
+    child = [
+        step(browse("page.text.snapshot")),
+        step(browse("page.click", ref=SEND), expect="Sign up"),
+        {"text": "the page says Sign up", "expect": {"tool_result_contains": "Invalid arguments"}},
+    ]
+    script = [
+        step(browse("page.navigate", url=f"{SITE}/form.html")),
+        {"tool_calls": [{"name": "task", "input": {"agent": "researcher", "prompt": "read the page"},
+                         "script": child}]},
+        {"text": "done", "expect": {"tool_result_contains": "the page says Sign up"}},
+    ]  # fmt: skip
+    sid = await session(client, script)
+    got = await run_turn(client, sid)
+    assert ended(got)["type"] == "turn.completed", [text_of(r) for r in results(got)]
+    assert not results(got)[-1]["is_error"]

@@ -2,7 +2,7 @@
 
 Sources, later ones overriding earlier ones by name:
 
-1. `BUILTIN_AGENTS`: `explore` (reads the workspace), `researcher` (explore + the web) and
+1. `BUILTIN_AGENTS`: `explore` (reads the workspace), `researcher` (explore + the web, and looking at the browser's pages) and
    `writer` (explore + write/edit, in `workspace-write`, so its edits are staged as change sets);
 2. the server's configuration (`load_agents(..., configured=[{name, description, ...}])`);
 3. `.agents/agents/*.md` in the machine's working directory: YAML frontmatter (`name` defaults
@@ -53,7 +53,7 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 LOOKING = frozenset({Action.READ, Action.READ_EXTERNAL, Action.WEB, Action.BROWSER_READ, Action.META})
 
 EXPLORE_TOOLS: tuple[str, ...] = ("read", "glob", "grep", "list", "search", "read_image")
-RESEARCHER_TOOLS: tuple[str, ...] = (*EXPLORE_TOOLS, "web_search", "web_fetch")
+RESEARCHER_TOOLS: tuple[str, ...] = (*EXPLORE_TOOLS, "web_search", "web_fetch", "browser_read")
 WRITER_TOOLS: tuple[str, ...] = (*EXPLORE_TOOLS, "write", "edit")
 
 
@@ -63,6 +63,11 @@ WRITER_TOOLS: tuple[str, ...] = (*EXPLORE_TOOLS, "write", "edit")
 @cache
 def _tools_by_canonical_name() -> dict[str, Tool]:
     return canonical_tools(overwrite_if_read=False)
+
+
+def canonical_tool(canonical: str) -> Tool | None:
+    """The tool of a canonical name, whether or not a toolset lists it."""
+    return _tools_by_canonical_name().get(canonical)
 
 
 def changes_nothing(canonical: str) -> bool:
@@ -131,8 +136,8 @@ BUILTIN_AGENTS: dict[str, AgentSpec] = {
         AgentSpec(
             name="researcher",
             description=(
-                "Research in the workspace and on the web (search, fetch pages) to answer a question with "
-                "sources. Changes nothing."
+                "Research in the workspace and on the web (search, fetch pages, read the pages open in the "
+                "browser) to answer a question with sources. Changes nothing."
             ),
             instructions=(
                 "You are researcher, a subagent that finds facts for another agent: in the workspace's files "

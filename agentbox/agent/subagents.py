@@ -42,12 +42,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from agentbox.agent import prompt as prompt_mod
-from agentbox.agent.agents import AgentSpec, miss, roster
+from agentbox.agent.agents import AgentSpec, canonical_tool, miss, roster
 from agentbox.agent.loop import side_events
 from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, Reply, ToolCall, ToolSpec
 from agentbox.agent.providers.arguments import invalid_arguments
 from agentbox.store.sessions import NewEvent
-from agentbox.tools.base import ToolResult
+from agentbox.tools.base import Tool, ToolResult
 from agentbox.tools.runner import SessionTools
 from agentbox.tools.tiers import Tier, intersect
 
@@ -192,6 +192,7 @@ class Subagents:
             for shown, tool in self.parent.toolset.items()
             if self.canonical.get(shown, shown) in spec.tools
         }
+        toolset.update(self.narrowed(spec))
         child = replace(
             self.parent,
             tier=intersect(self.parent.tier, spec.tier),
@@ -207,6 +208,17 @@ class Subagents:
                 writer_lock=self.writer_lock, max_steps=self.max_steps,
             )  # fmt: skip
         return child
+
+    def narrowed(self, spec: AgentSpec) -> dict[str, Tool]:
+        """The parts of the parent's tools the child lists (`Tool.narrows`), under the parent's names."""
+        parts: dict[str, Tool] = {}
+        by_canonical = {self.canonical.get(shown, shown): shown for shown in self.parent.toolset}
+        for canonical in spec.tools:
+            part = canonical_tool(canonical)
+            if part is not None and part.narrows in by_canonical:
+                shown = by_canonical[part.narrows]
+                parts[shown] = part.renamed(shown)
+        return parts
 
     def child_system(self, spec: AgentSpec, tools: SessionTools) -> str:
         """The child's system prompt: its instructions, the roster if it may delegate, the facts."""

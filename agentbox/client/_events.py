@@ -199,6 +199,32 @@ class FileDelivered(Event):
 
 
 @dataclass(frozen=True)
+class BrowserScreenshot(Event):
+    """A screenshot the `browser` tool took, stored as the session file `file_id` (a PNG)."""
+
+    TYPE = "browser.screenshot"
+    file_id: str = ""
+    filename: str = ""
+    bytes: int = 0
+    tab: int | None = None
+    url: str | None = None
+    tool_use_id: str | None = None
+
+
+@dataclass(frozen=True)
+class BrowserTakeover(Event):
+    """The user took the browser over; `cancelled` actions were under way."""
+
+    TYPE = "browser.takeover"
+    cancelled: int = 0
+
+
+@dataclass(frozen=True)
+class BrowserReleased(Event):
+    TYPE = "browser.released"
+
+
+@dataclass(frozen=True)
 class FilesPlaced(Event):
     """Where a message's attached files were put in the sandbox."""
 
@@ -270,6 +296,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         TurnCompleted, TurnFailed, TurnAborted, AgentMessage, ToolUse, ToolResult, ModelUsage,
         ApprovalRequested, ApprovalResolved, ChangeSetUpdated, FileDelivered, FilesPlaced,
         SubagentStarted, SubagentCompleted, ContextCompacted, EnvironmentSignal, SandboxReady,
+        BrowserScreenshot, BrowserTakeover, BrowserReleased,
     )
 }  # fmt: skip
 #: The types that end a turn.

@@ -210,6 +210,9 @@ class Tool:
     `action` up front; what the tier forbids for `action` is still refused before it runs."""
     available: Callable[[Any], bool] | None = None
     """Whether the tool exists on a machine (`browser`: only where the entry enables it); None: everywhere."""
+    narrows: str | None = None
+    """The canonical tool this one is a part of (`browser_read` of `browser`): a subagent that lists
+    it gets it where its parent has the whole tool, under the parent's name for that tool."""
 
     def schema(self) -> dict[str, Any]:
         return self.params.model_json_schema()

@@ -179,8 +179,29 @@ async def chunks(data: bytes) -> AsyncIterator[bytes]:
         yield chunk
 
 
+ReadActionName = Literal[
+    "browser.get_state", "page.text.snapshot", "page.elements.snapshot", "page.wait_for", "tabs.list"
+]
+
+
+class BrowserReadParams(BrowserParams):
+    action: ReadActionName = Field(description="What to look at: the browser's state, the page's text or elements, or wait.")  # type: ignore[assignment]  # fmt: skip
+
+
+READ_DESCRIPTION = (
+    "Look at the pages of the Chromium that runs inside your machine, without changing them: "
+    "browser.get_state (tabs, URLs, titles, pending dialogs), page.text.snapshot (the current tab's text, "
+    "or `tab`'s), page.elements.snapshot (its elements with references), page.wait_for (`text` to appear, "
+    "or `state`: hidden), tabs.list."
+)
 BROWSER = Tool(
     "browser", DESCRIPTION, BrowserParams, Action.BROWSER_READ, run_browser,
     read_only=False, gates_itself=True, available=has_browser,
 )  # fmt: skip
-TOOLS = {"browser": BROWSER}
+#: The looking half, for agents that change nothing (the `researcher` subagent): a child whose
+#: parent has `browser` gets this in its place, under the parent's name for it (`narrows`).
+BROWSER_READS = Tool(
+    "browser_read", READ_DESCRIPTION, BrowserReadParams, Action.BROWSER_READ, run_browser,
+    gates_itself=True, available=has_browser, narrows="browser",
+)  # fmt: skip
+TOOLS = {"browser": BROWSER, "browser_read": BROWSER_READS}

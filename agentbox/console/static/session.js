@@ -199,6 +199,9 @@ class SessionPage {
       "approval.resolved": (e) => this.resolved(e),
       "change_set.updated": (e) => this.changeSet(e),
       "file.delivered": (e) => this.delivery(e),
+      "browser.screenshot": (e) => this.screenshot(e),
+      "browser.takeover": (e) => this.note(e, `You took over the browser (${e.cancelled} action(s) cancelled).`),
+      "browser.released": (e) => this.note(e, "The browser is the agent's again."),
       "files.placed": (e) => this.note(e, `Placed ${(e.files || []).map((f) => f.path).join(", ")}.`),
       "sandbox.ready": (e) => this.note(e, `Machine ${e.machine} ${e.state}.`),
       "subagent.started": (e) => this.subagent(e, `↳ ${e.agent} started: ${e.description || "(task)"}`),
@@ -353,6 +356,12 @@ class SessionPage {
     this.delivered.append(
       h("li", { "data-file": event.file_id }, h("a", { href, download: event.filename }, event.filename), h("span", { class: "dim" }, ` ${size(event.bytes)}`)),
     );
+  }
+
+  screenshot(event) {
+    const src = url(`/v1/files/${encodeURIComponent(event.file_id)}/content`);
+    const line = this.note(event, `Screenshot of ${event.url || "the page"} (${size(event.bytes)}).`);
+    line?.append(h("img", { class: "screenshot", src, alt: `screenshot of ${event.url || "the page"}`, "data-file": event.file_id }));
   }
 
   // ------------------------------------------------------------------ change sets
