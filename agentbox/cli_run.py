@@ -82,7 +82,9 @@ NOTES: dict[str, Callable[[dict[str, Any]], str]] = {
     ),
     "file.delivered": lambda d: f"delivered {d.get('filename')} ({d.get('bytes')} bytes, {d.get('file_id')})",
     "change_set.updated": lambda d: f"change set {d.get('change_set_id')} updated",
-    "browser.screenshot": lambda d: f"screenshot of {d.get('url')} ({d.get('bytes')} bytes, {d.get('file_id')})",
+    "browser.screenshot": lambda d: (
+        f"screenshot of {d.get('url')} ({d.get('bytes')} bytes, {d.get('file_id')})"
+    ),
     "browser.takeover": lambda d: f"you took over the browser ({d.get('cancelled')} action(s) cancelled)",
     "browser.released": lambda d: "the browser is the agent's again",
 }
