@@ -253,6 +253,22 @@ def test_bench_docker_quick(tmp_path: Path, base_image: Image, dockerd: Dockerd)
     assert {"engine start", "agent connected, ready", "first exec true"} <= set(steps)
 
 
+#: bench_browser's figures: agentbox's in-sandbox browser beside Playwright on the same Chromium.
+BROWSER_FIGURES = {
+    f"{side}_{figure}"
+    for side in ("direct", "agentbox")
+    for figure in ("first_action", "elements_snapshot", "click")
+}
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_browser_quick(tmp_path: Path, data_image: Image) -> None:
+    document = run_quick(
+        "bench_browser.py", tmp_path / "browser.json", "--images", str(data_image.path.parent)
+    )
+    check_figures(document, BROWSER_FIGURES, "bench_browser")
+
+
 @pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
 def test_bench_ssh_quick(tmp_path: Path) -> None:
     document = run_quick("bench_ssh.py", tmp_path / "ssh.json")
