@@ -19,6 +19,7 @@ cgroups) is asked of the same code here, so the doctor and the server cannot dis
 | `kernel_overlay_userns` | no | the layer over an image falls back to fuse-overlayfs (root only; slower start, more memory) |
 | `disk_space` | no | below `MIN_FREE_BYTES` free under the home, writes soon fail |
 | `ripgrep` | no | no content search (`grep` tool, `/v2/fs/grep`, `/v1/file/search`) |
+| `browser` | no | no `browser` tool: Playwright's driver is missing, or no image has Chromium |
 
 Exit status: 0 when every essential check passes, 1 otherwise. `--json` prints
 `{"ok": bool, "checks": [{name, ok, essential, detail, cost}, ...]}`.
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.machines import bwrap as bwrap_mod
-from agentbox.machines.binaries import ripgrep_binary
+from agentbox.machines.binaries import playwright_driver_dir, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits
 from agentbox.machines.errors import MachineError, MachineUnavailable
 from agentbox.machines.images import DEFAULT_IMAGE, Image, unshare_missing
@@ -259,6 +260,21 @@ def check_ripgrep(rg: str | None) -> Check:
     return Check("ripgrep", True, rg, cost)
 
 
+def check_browser(host: SandboxHost | None) -> Check:
+    """Playwright's driver (bound into browser-enabled sandboxes) and the images with Chromium."""
+    cost = "no browser tool: machines with `browser = true` answer browser_unavailable"
+    try:
+        driver = playwright_driver_dir()
+    except MachineUnavailable as exc:
+        return Check("browser", False, exc.message, cost)
+    images = host.images.all() if host is not None else []
+    with_chromium = [i.name for i in images if "chromium" in i.manifest.packages]
+    if not with_chromium:
+        return Check("browser", False, f"driver {driver}; no image has Chromium (the `data` profile does, "
+                     "or `agentbox image build NAME --include chromium`)", cost)  # fmt: skip
+    return Check("browser", True, f"driver {driver}; Chromium in image(s) {', '.join(with_chromium)}", cost)
+
+
 def not_checked(name: str, reason: str, cost: str, essential: bool) -> Check:
     return Check(name, False, f"not checked: {reason}", cost, essential)
 
@@ -298,6 +314,7 @@ def run_checks(home: Path, sandbox_uid: int = DEFAULT_SANDBOX_UID, images: Path 
     checks.append(check_system_layer(host.system_layer() if host is not None else (False, reason)))
     checks.append(check_network(*(network_helper() if host is None else (host.slirp, host.network_detail))))
     checks += [check_kernel_overlay_userns(uid, gid), check_disk_space(home), check_ripgrep(find_rg())]
+    checks.append(check_browser(host))
     return checks
 
 

@@ -251,3 +251,29 @@ async def test_a_machine_without_the_browser_says_so(box: SandboxMachine, tmp_pa
     error = await refused(Browser(local), "page.navigate", url=f"{SITE}/form.html")
     assert error.error_type == "browser_unavailable" and "browser = true" in error.message
     assert os.path.isdir(tmp_path)
+
+
+async def chromium_processes(box: SandboxMachine) -> int:
+    listed = await box.exec(ExecRequest(command="pgrep chromium || true", timeout=10))
+    return len(listed.stdout.split())
+
+
+async def test_an_idle_browser_stops_its_processes_and_starts_again(box: SandboxMachine) -> None:
+    before = await chromium_processes(box)  # the module's own browser may be running
+    idle = Browser(box, idle_seconds=1.0)
+    try:
+        await act(idle, "page.navigate", url=f"{SITE}/form.html")
+        assert idle.running and await chromium_processes(box) > before
+        for _ in range(50):
+            if not idle.running:
+                break
+            await asyncio.sleep(0.1)
+        assert not idle.running and idle.tabs == {}
+        for _ in range(50):  # the driver takes its Chromium down as it exits
+            if await chromium_processes(box) <= before:
+                break
+            await asyncio.sleep(0.1)
+        assert await chromium_processes(box) <= before
+        assert "Form" in await act(idle, "page.navigate", url=f"{SITE}/form.html"), "it starts again"
+    finally:
+        await idle.close()

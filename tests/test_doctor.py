@@ -20,6 +20,7 @@ from agentbox.machines.images import Image
 CHECK_NAMES = [
     "bubblewrap", "user_namespaces", "exec_agent_python", "home", "cgroup_delegation", "cgroups",
     "image", "mmdebstrap", "system_layer", "network", "kernel_overlay_userns", "disk_space", "ripgrep",
+    "browser",
 ]  # fmt: skip
 
 
@@ -167,3 +168,11 @@ def test_doctor_names_the_image_sandboxes_start_on(tmp_path: Path, base_image: I
     assert with_image["image"].ok and with_image["image"].detail.startswith("base (base, sha256:")
     assert "layer kernel-overlay" in with_image["image"].detail
     assert with_image["exec_agent_python"].ok and "image 'base'" in with_image["exec_agent_python"].detail
+
+
+def test_doctor_names_the_images_the_browser_can_run_on(tmp_path: Path, data_image: Image) -> None:
+    without = {c.name: c for c in doctor.run_checks(tmp_path / "home")}
+    assert not without["browser"].ok and "no image has Chromium" in without["browser"].detail
+    assert not without["browser"].essential
+    with_data = {c.name: c for c in doctor.run_checks(tmp_path / "home", images=data_image.path.parent)}
+    assert with_data["browser"].ok and "data" in with_data["browser"].detail
