@@ -486,3 +486,45 @@ async def test_an_idle_stream_sends_heartbeats(client: httpx.AsyncClient) -> Non
     assert low.status_code == 400
     bad = await client.get(f"/v1/sessions/{sid}/events/stream", headers={"Last-Event-ID": "x"})
     assert bad.status_code == 400
+
+
+async def test_a_file_in_new_folders_is_proposed_in_one_change_set_and_applied(
+    client: httpx.AsyncClient,
+) -> None:
+    folder = {"name": "write_file", "input": {"path": "reports", "kind": "folder"}}
+    sub = {"name": "write_file", "input": {"path": "reports/q1", "kind": "folder"}}
+    report = write("reports/q1/summary.md", "# Q1\n")
+    script = [
+        {"tool_calls": [folder]},
+        {"tool_calls": [sub]},
+        {"tool_calls": [report]},
+        {"text": "proposed", "expect": {"tool_result_contains": "reports/q1/summary.md"}},
+    ]
+    sid = await create(client, script, permission_mode="workspace-write")
+    await post(client, sid)
+    streamed = await until_turn_end(client, sid)
+    assert streamed[-1].event == "turn.completed"
+    results = [f.data for f in streamed if f.event == "agent.tool_result" and f.data]
+    assert [r["is_error"] for r in results] == [False, False, False], results
+    [change_set] = (await client.get(f"/v1/sessions/{sid}/changes")).json()["items"]
+    ops = (await client.get(f"/v1/sessions/{sid}/changes/{change_set['id']}")).json()["operations"]
+    assert [op["kind"] for op in ops] == ["mkdir", "mkdir", "write"]
+    # the write alone, before its folder: refused clearly, nothing written
+    alone = await client.post(
+        f"/v1/sessions/{sid}/changes/{change_set['id']}/apply", json={"operations": [ops[2]["id"]]}
+    )
+    failed = next(op for op in alone.json()["operations"] if op["id"] == ops[2]["id"])
+    assert failed["status"] == "failed" and "does not exist" in failed["reason"]
+    listed = await client.get(f"/sandboxes/{sid}/v2/fs/list", params={"path": "/workspace"})
+    assert "reports" not in {entry["name"] for entry in listed.json()["data"]["files"]}
+    # a fresh proposal of the same file, applied whole in planning order
+    sid2 = await create(client, script, permission_mode="workspace-write")
+    await post(client, sid2)
+    assert (await until_turn_end(client, sid2))[-1].event == "turn.completed"
+    [second] = (await client.get(f"/v1/sessions/{sid2}/changes")).json()["items"]
+    applied = await client.post(f"/v1/sessions/{sid2}/changes/{second['id']}/apply", json={})
+    assert [op["status"] for op in applied.json()["operations"]] == ["applied"] * 3, applied.text
+    read = await client.get(
+        f"/sandboxes/{sid2}/v2/fs/read", params={"path": "/workspace/reports/q1/summary.md"}
+    )
+    assert read.json()["data"]["content"] == "# Q1\n", read.text

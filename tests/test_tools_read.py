@@ -87,6 +87,9 @@ class Ctx:
         self.asked.append((action, tool, detail))
         return None if self.allow_external else DENIED
 
+    async def staged_folders(self) -> set[str]:
+        return set()  # full-auto: nothing is staged
+
     async def commit(self, operations: list[Operation], tool: str) -> ToolResult:
         self.committed.extend(operations)
         results = await apply_operations(self.machine, operations)

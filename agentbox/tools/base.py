@@ -180,6 +180,11 @@ class ToolContext(Protocol):
         """None when allowed (possibly after a human approved); else the refusal text for the model."""
         ...
 
+    async def staged_folders(self) -> set[str]:
+        """Folders (inside paths) a pending `mkdir` of this turn's change set will create, where
+        the tier stages writes: a file planned inside one stands on it. Empty otherwise."""
+        ...
+
 
 Run = Callable[[ToolContext, Any], Awaitable[ToolResult]]
 

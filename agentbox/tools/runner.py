@@ -252,6 +252,14 @@ class SessionTools:
             return ToolResult.error(str(exc))
         return staged_result(change_set.id, staged)
 
+    async def staged_folders(self) -> set[str]:
+        if self._decision(Action.WRITE) != Decision.STAGE:
+            return set()
+        current = await self.changes.repo.for_turn(self.session_id, self.turn_id)
+        if current is None:
+            return set()
+        return {op.path for op in current.pending() if op.kind == "mkdir"}
+
     # ------------------------------------------------------------ internals
 
     def _decision(self, action: Action) -> Decision:

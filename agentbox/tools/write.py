@@ -16,6 +16,7 @@ clobbering a file that appeared or changed in between.
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Collection
 from typing import Literal
 
 from pydantic import Field
@@ -43,9 +44,13 @@ class WriteParams(ToolParams):
     )
 
 
-async def parent_problem(machine: Machine, target: Resolved) -> str | None:
+async def parent_problem(machine: Machine, target: Resolved, staged: Collection[str] = ()) -> str | None:
+    """Why `target` cannot be created in its folder, or None. A folder a staged `mkdir` creates
+    (it makes its missing ancestors too) counts as there: the write is reviewed after it."""
     folder = posixpath.dirname(target.inside)
     parent = await file_ops(machine).lstat(folder, follow=True)
+    if parent is None and any(s == folder or s.startswith(folder.rstrip("/") + "/") for s in staged):
+        return None
     if parent is None:
         return (
             f"The folder {folder} does not exist. Create it first with write kind=folder "
@@ -95,7 +100,7 @@ def make_write(overwrite_if_read: bool) -> Tool:
         target = resolve(ctx.machine, p.path, write=True)
         if escapes(ctx.machine, target):
             return escape_message(target)
-        missing_parent = await parent_problem(ctx.machine, target)
+        missing_parent = await parent_problem(ctx.machine, target, await ctx.staged_folders())
         if missing_parent is not None:
             return missing_parent
         existing = await file_ops(ctx.machine).lstat(target.inside)
@@ -140,7 +145,8 @@ def make_write(overwrite_if_read: bool) -> Tool:
 
     description = (
         "Create a text file with its full `content` (kind=file, the default), or a folder (kind=folder). "
-        "The parent folder must exist: create missing folders first with kind=folder, one per call. "
+        "The parent folder must exist: create missing folders first with kind=folder, one per call "
+        "(where changes are queued for review, a folder queued in this turn counts). "
         + (
             "An existing file is replaced only if you have read it in this session and it has not changed "
             "since; otherwise read it first (or use edit for partial changes)."
