@@ -21,6 +21,7 @@ from agent_sandbox import Sandbox
 from agent_sandbox.browser.types.action import Action_MoveRel, Action_Press, Action_Typing
 from conftest import Server, start_server, stop_server, traversable
 from playwright.sync_api import sync_playwright
+from test_openapi_types import SESSION_PREFIX, conforms
 from websockets.exceptions import InvalidStatus
 
 from agentbox.api.v1_browser import MAX_TYPE_DELAY_MS
@@ -306,3 +307,32 @@ def test_cdp_needs_the_api_key(keyed: Server) -> None:
     assert closed.value.response.status_code == 403
     with keyed.client() as http:  # with the key it passes (this server's sandbox has no browser)
         assert http.get("/cdp/json/version").status_code == 503
+
+
+# ---------------------------------------------------------------- the document
+
+
+def test_replies_fit_the_document(raw: httpx.Client, browser_server: Server, client: Sandbox) -> None:
+    """Successes and failures of the browser routes and the CDP endpoint are what /openapi.json says."""
+    with browser_server.client() as http:
+        served = http.get("/openapi.json").json()
+    twin = SESSION_PREFIX
+    replies = {
+        "/v1/browser/page/navigate": raw.post(
+            "/v1/browser/page/navigate", json={"url": f"{SITE}/index.html"}
+        ),
+        "/v1/browser/page/click": raw.post("/v1/browser/page/click", json={"selector": "#nope"}),
+        "/v1/browser/page/elements": raw.get("/v1/browser/page/elements"),
+        "/v1/browser/page/text": raw.get("/v1/browser/page/text"),
+        "/v1/browser/tabs": raw.get("/v1/browser/tabs"),
+        "/v1/browser/info": raw.get("/v1/browser/info"),
+        "/v1/browser/actions": raw.post(
+            "/v1/browser/actions", json={"action_type": "MOVE_REL", "x_offset": 1, "y_offset": 1}
+        ),
+        "/cdp/json/version": raw.get("/cdp/json/version"),
+        "/cdp/json/list": raw.get("/cdp/json/list"),
+    }
+    assert replies["/v1/browser/page/click"].json()["data"]["error_type"] == "not_found"
+    for path, response in replies.items():
+        assert response.status_code == 200, (path, response.text)
+        conforms(served, twin + path, response)
