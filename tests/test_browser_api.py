@@ -130,6 +130,9 @@ def test_navigate_read_and_screenshot(client: Sandbox) -> None:
     assert "# Browser page" in markdown.data["markdown"]
     title = client.browser_page.evaluate(expression="document.title + ' ' + (6 * 7)")
     assert title.success and title.data == "Agentbox Test 42"
+    odd = client.browser_page.evaluate(expression="[0 / 0, -1 / 0, new Date(0), /a+/, {n: null}]")
+    assert odd.success and odd.data[:2] == ["NaN", "-Infinity"] and odd.data[4] == {"n": None}
+    assert odd.data[2].startswith("1970-01-01")
 
 
 def test_fill_select_and_click_by_selector(client: Sandbox) -> None:

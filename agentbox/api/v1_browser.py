@@ -46,9 +46,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -667,8 +669,11 @@ async def evaluate(request: Request, sb: CurrentSandbox) -> JSONResponse:
         raise error("bad_request", f"expression must be 1 to {MAX_EXPRESSION_CHARS} characters")
 
     async def run(tab: Tab) -> BrowserReply:
-        result = await tab.page.evaluate(body.expression)
-        size = len(json.dumps(result, default=str))
+        try:
+            result = as_json(await tab.page.evaluate(body.expression))
+        except RecursionError:
+            raise error("bad_request", "the result nests too deeply to return") from None
+        size = len(json.dumps(result))
         if size > MAX_EVALUATE_RESULT_BYTES:
             raise error(
                 "bad_request", f"the result is {size} bytes of JSON, more than {MAX_EVALUATE_RESULT_BYTES}"
@@ -677,6 +682,22 @@ async def evaluate(request: Request, sb: CurrentSandbox) -> JSONResponse:
 
     reply = await perform(sb, "browser/page/evaluate", run)
     return answer(reply, reply.data.get("result"))
+
+
+def as_json(value: Any) -> Any:
+    """A value from the page as JSON data: NaN and the infinities as JavaScript spells them, a
+    date in ISO 8601, anything else JSON has no type for (a RegExp...) as its text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, dict):
+        return {str(k): as_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [as_json(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
 
 
 @router.post("/page/wait", openapi_extra=json_body(WaitBody), response_model=v1_reply(PageInfo))

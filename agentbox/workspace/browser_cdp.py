@@ -8,9 +8,10 @@ stdout to one TCP connection to that port. Over that byte pipe the server speaks
 `ClientProtocol`: `DevtoolsSocket`), so no port is opened anywhere and the browser's own
 network policy is untouched.
 
-Bounds: a `/json` answer of at most `MAX_JSON_REPLY_BYTES`, a WebSocket message of at most
-`MAX_CDP_MESSAGE_BYTES` either way, and `MAX_CDP_CONNECTIONS` WebSockets at once per
-browser (`Cdp.socket` refuses the next with `conflict`). A relay that cannot connect (no
+Bounds: a `/json` answer of at most `MAX_JSON_REPLY_BYTES` (`MAX_JSON_EXCHANGES` at once per
+browser, the rest wait), a WebSocket message of at most `MAX_CDP_MESSAGE_BYTES` either way,
+and `MAX_CDP_CONNECTIONS` WebSockets at once per browser (`Cdp.socket` refuses the next
+with `conflict`). A relay that cannot connect (no
 Chromium listening) is `browser_unavailable`.
 """
 
@@ -44,8 +45,11 @@ MAX_JSON_REPLY_BYTES = 1024 * 1024
 EXCHANGE_TIMEOUT_SECONDS = 10.0
 #: Bytes read from a relay's stdout at a time.
 READ_CHUNK_BYTES = 64 * 1024
-#: The exit code of a relay that could not connect.
+#: `/json` exchanges with one browser at once (each is a relay of its own); more wait their turn.
+MAX_JSON_EXCHANGES = 4
+#: The exit code of a relay that could not connect, and of a machine without python3.
 RELAY_REFUSED = 3
+NOT_FOUND_EXIT = 127
 #: The `/json` paths Chromium serves that the endpoint passes on.
 JSON_PATHS = ("/json/version", "/json/list")
 
@@ -112,6 +116,8 @@ class Relay:
             why = (await self.process.stderr.read(4096)).decode(errors="replace").strip()
             if code == RELAY_REFUSED:
                 return why or "the DevTools port refused the connection"
+            if code == NOT_FOUND_EXIT:
+                return "the machine has no python3, which the DevTools relay runs on"
             return why or f"the relay exited with {code}"
         return "the DevTools connection closed"
 
@@ -289,6 +295,7 @@ class Cdp:
         self.browser = browser
         self.limit = limit
         self.open = 0
+        self._exchanges = asyncio.Semaphore(MAX_JSON_EXCHANGES)
 
     async def json(self, path: str) -> Any:
         """Chromium's answer to one of `JSON_PATHS`."""
@@ -296,7 +303,8 @@ class Cdp:
             raise error("not_found", f"the DevTools endpoint serves {', '.join(JSON_PATHS)}, not {path}")
         await self.browser.ensure()
         self.touch()
-        return await fetch_json(self.browser.machine, path)
+        async with self._exchanges:
+            return await fetch_json(self.browser.machine, path)
 
     @contextlib.asynccontextmanager
     async def socket(self, path: str) -> AsyncIterator[DevtoolsSocket]:
