@@ -266,6 +266,15 @@ def test_json_list_points_at_this_server(raw: httpx.Client, session_url: str) ->
     assert {t["id"] for t in short.json() if t["type"] == "page"} == {t["id"] for t in pages}
 
 
+def test_the_root_endpoint_is_the_default_sessions(browser_server: Server) -> None:
+    with browser_server.client() as http:
+        version = http.get("/cdp/json/version")
+    assert version.status_code == 200, version.text
+    ws_base = browser_server.url.replace("http://", "ws://") + "/cdp/devtools/browser/"
+    assert version.json()["webSocketDebuggerUrl"].startswith(ws_base)
+    assert "Chrome" in version.json()["Browser"]
+
+
 def test_devtools_connections_are_bounded(raw: httpx.Client) -> None:
     url = raw.get("/cdp/json/version").json()["webSocketDebuggerUrl"]
     with contextlib.ExitStack() as stack:
