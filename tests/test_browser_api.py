@@ -43,6 +43,7 @@ INDEX = """<!doctype html><html><head><title>Agentbox Test</title></head><body>
   'sent: ' + document.getElementById('name').value + ' ' + document.getElementById('color').value">Send</button>
 <div id="out"></div>
 <a href="/page2.html">Second page</a>
+<button id="warn" onclick="document.getElementById('out').textContent = 'confirmed: ' + confirm('sure?')">Warn</button>
 </body></html>"""
 PAGE2 = "<!doctype html><html><head><title>Second</title></head><body><p>the second page</p></body></html>"
 HANG = f"""
@@ -172,6 +173,18 @@ def test_keyboard_actions(client: Sandbox) -> None:
     assert value.data == "xz"
     refused = client.browser.execute_action(request=Action_MoveRel(x_offset=1, y_offset=1))
     assert refused.success is False and "MOVE_REL" in str(refused.message)
+
+
+def test_a_dialog_stops_the_page_until_it_is_handled(client: Sandbox, raw: httpx.Client) -> None:
+    assert client.browser_page.navigate(url=f"{SITE}/index.html").success
+    clicked = client.browser_page.click(selector="#warn")
+    assert clicked.success and "confirm" in str(clicked.hint), clicked
+    assert error_type(client.browser_page.navigate(url=f"{SITE}/page2.html")) == "conflict"
+    handled = raw.post("/v1/browser/page/dialog", json={"accept": True}).json()
+    assert handled["success"] and handled["data"]["message"] == "sure?", handled
+    assert "confirmed: true" in page_text(client)
+    nothing = raw.post("/v1/browser/page/dialog", json={"accept": False}).json()
+    assert nothing["data"]["error_type"] == "not_found"
 
 
 def test_tabs(client: Sandbox) -> None:

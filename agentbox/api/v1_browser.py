@@ -4,7 +4,7 @@
     GET    /v1/browser/screenshot           PNG of the current tab
     POST   /v1/browser/actions              one pointer or keyboard action (`action_type`)
     POST   /v1/browser/page/{navigate, back, forward, reload, click, fill, type, press_key,
-                             hover, select_option, scroll, evaluate, wait}
+                             hover, select_option, scroll, evaluate, wait, dialog}
     GET    /v1/browser/page/{screenshot, text, markdown, html, elements}
     GET    /v1/browser/tabs                 the open tabs, by index
     POST   /v1/browser/tabs                 open one ({url})
@@ -33,6 +33,9 @@ Choices where upstream is silent or this server differs:
   MOVE_REL and DRAG_REL are refused (`bad_request`): the pointer's position is not known.
   Key names may be xdotool's (`enter`, `ctrl`, `pagedown`) or Playwright's (`Enter`).
   TYPING with `use_clipboard` types the text (there is no clipboard).
+- A page dialog (alert, confirm, prompt) stops the page until it is handled: the operation
+  that opened it answers at once with `hint` naming it, every other one is `conflict` until
+  `POST /page/dialog` (not upstream: `{accept, prompt_text}`) accepts or dismisses it.
 - `/page/wait` supports `selector`, `load`, `url`, `network_idle`, `function` and
   `timeout`; `download`, `response` and `request` are refused.
 
@@ -97,6 +100,10 @@ MAX_TYPE_DELAY_MS = 1000.0
 TYPING_SHARE = 0.5
 #: Seconds one WAIT action of `/actions` may sleep.
 MAX_WAIT_ACTION_SECONDS = 60.0
+#: Characters of a key name (`Control+Shift+ArrowDown` is 23).
+MAX_KEY_CHARS = 64
+#: Pointer moves a DRAG_TO makes on its way (pages see a drag, not a jump).
+DRAG_STEPS = 10
 #: Most clicks of one CLICK (`num_clicks`) and the pixels of one SCROLL either way.
 MAX_CLICKS = 3
 MAX_SCROLL_PIXELS = 100_000
@@ -204,6 +211,11 @@ class WaitBody(BaseModel):
     expression: str | None = None
     polling: float | None = None
     url_pattern: str | None = None
+
+
+class DialogBody(BaseModel):
+    accept: bool = True
+    prompt_text: str | None = None
 
 
 class TabBody(BaseModel):
@@ -437,7 +449,7 @@ def wait_limit(duration: float | None) -> float | None:
 
 
 def key_name(key: str | None) -> str:
-    if not key or len(key) > 64:
+    if not key or len(key) > MAX_KEY_CHARS:
         raise error("bad_request", "this action needs `key`, such as enter, ctrl or a")
     return KEY_NAMES.get(key.lower(), key) if len(key) > 1 else key
 
@@ -488,7 +500,7 @@ def action_of(body: ActionBody) -> Operation:
             await mouse.up(button=button)
         elif kind == "DRAG_TO":
             await mouse.down(button=button)
-            await mouse.move(x, y, steps=10)
+            await mouse.move(x, y, steps=DRAG_STEPS)
             await mouse.up(button=button)
         elif kind == "SCROLL":
             await mouse.wheel(dx, dy)
@@ -745,6 +757,16 @@ def waiter(body: WaitBody, timeout: float) -> Operation:
         return await on_page(tab)
 
     return run
+
+
+@router.post("/page/dialog", openapi_extra=json_body(DialogBody), response_model=v1_reply(Any))
+async def dialog(request: Request, sb: CurrentSandbox) -> JSONResponse:
+    """Not upstream: accept (with `prompt_text` for a prompt) or dismiss the open page dialog,
+    which stops every other operation until it is handled."""
+    body = await parse_body(request, DialogBody)
+    action = "page.dialog.accept" if body.accept else "page.dialog.dismiss"
+    reply = await sb.browser().act(action, BrowserArgs(text=body.prompt_text))
+    return ok(reply.data, reply.text)
 
 
 # ---------------------------------------------------------------- page: reading

@@ -43,6 +43,8 @@ MAX_CDP_MESSAGE_BYTES = 32 * 1024 * 1024
 MAX_JSON_REPLY_BYTES = 1024 * 1024
 #: Seconds a relay gets to connect and an HTTP exchange or WebSocket handshake to finish.
 EXCHANGE_TIMEOUT_SECONDS = 10.0
+#: Bytes of a relay's stderr quoted when it could not connect.
+STDERR_BYTES = 4096
 #: Bytes read from a relay's stdout at a time.
 READ_CHUNK_BYTES = 64 * 1024
 #: `/json` exchanges with one browser at once (each is a relay of its own); more wait their turn.
@@ -113,7 +115,7 @@ class Relay:
         """Why the connection ended before any byte came: the relay's own message."""
         with contextlib.suppress(Exception):
             code = await asyncio.wait_for(self.process.wait(), EXCHANGE_TIMEOUT_SECONDS)
-            why = (await self.process.stderr.read(4096)).decode(errors="replace").strip()
+            why = (await self.process.stderr.read(STDERR_BYTES)).decode(errors="replace").strip()
             if code == RELAY_REFUSED:
                 return why or "the DevTools port refused the connection"
             if code == NOT_FOUND_EXIT:
