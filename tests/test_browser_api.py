@@ -22,8 +22,9 @@ from agent_sandbox.browser.types.action import Action_MoveRel, Action_Press, Act
 from conftest import Server, start_server, stop_server, traversable
 from playwright.sync_api import sync_playwright
 from test_openapi_types import SESSION_PREFIX, conforms
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from agentbox.api.cdp import RELAY_ENDED
 from agentbox.api.v1_browser import MAX_TYPE_DELAY_MS
 from agentbox.workspace.browser_cdp import MAX_CDP_CONNECTIONS
 
@@ -188,6 +189,7 @@ def test_a_dialog_stops_the_page_until_it_is_handled(client: Sandbox, raw: httpx
 
 
 def test_tabs(client: Sandbox) -> None:
+    assert client.browser_page.navigate(url=f"{SITE}/index.html").success  # the browser is running
     before = client.browser_tabs.list()
     assert before.success and before.data
     opened = client.browser_tabs.create(url=f"{SITE}/page2.html")
@@ -301,6 +303,20 @@ def test_devtools_connections_are_bounded(raw: httpx.Client) -> None:
     with ws_client.connect(url) as again:  # closed ones no longer count
         again.send('{"id": 2, "method": "Browser.getVersion"}')
         assert '"id":2' in str(again.recv(timeout=20)).replace(" ", "")
+
+
+def test_a_closed_page_ends_its_devtools_connection(client: Sandbox, raw: httpx.Client) -> None:
+    opened = client.browser_tabs.create(url=f"{SITE}/page2.html")
+    assert opened.success and opened.data is not None
+    target = next(t for t in raw.get("/cdp/json/list").json() if t["url"] == f"{SITE}/page2.html")
+    with ws_client.connect(target["webSocketDebuggerUrl"]) as page:
+        page.send('{"id": 1, "method": "Runtime.evaluate", "params": {"expression": "document.title"}}')
+        assert "Second" in str(page.recv(timeout=20))
+        assert client.browser_tabs.close(opened.data["index"]).success
+        with pytest.raises(ConnectionClosed) as ended:
+            while True:  # events Chromium sends as the page goes, then the end
+                page.recv(timeout=20)
+        assert ended.value.rcvd is not None and ended.value.rcvd.code == RELAY_ENDED
 
 
 def test_unknown_devtools_target_is_refused(raw: httpx.Client, session_url: str) -> None:
