@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIWebSocketRoute
 from starlette.routing import Match
 
 from agentbox.api.app import ROUTERS, create_app
@@ -31,13 +31,19 @@ def first_match(routes: list[APIRoute], method: str, path: str) -> APIRoute | No
 
 
 def test_every_sandbox_route_is_served_at_the_root_and_per_session(tmp_path: Path) -> None:
-    paths = {(m, r.path) for r in app_routes(tmp_path) for m in r.methods}
+    app = create_app(load(env={"AGENTBOX_HOME": str(tmp_path)}))
+    paths = {(m, r.path) for r in app.router.routes if isinstance(r, APIRoute) for m in r.methods}
+    sockets = {r.path for r in app.router.routes if isinstance(r, APIWebSocketRoute)}
     for module in ROUTERS:
         for route in module.router.routes:
+            if isinstance(route, APIWebSocketRoute):  # the CDP endpoint's relay
+                assert {route.path, SESSION_PREFIX + route.path} <= sockets
+                continue
             assert isinstance(route, APIRoute)
             for method in route.methods:
                 assert (method, route.path) in paths
                 assert (method, SESSION_PREFIX + route.path) in paths
+    assert sockets
 
 
 def test_hot_routes_come_before_every_other_sandbox_route(tmp_path: Path) -> None:

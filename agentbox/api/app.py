@@ -19,15 +19,27 @@ from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
-from starlette.middleware.base import RequestResponseEndpoint
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import HTTPConnection
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentbox import __version__, console
+from agentbox.api import (
+    cdp,
+    v1_bash,
+    v1_browser,
+    v1_file,
+    v1_sandbox,
+    v1_shell,
+    v2_commands,
+    v2_fs,
+    v2_sandbox,
+    v2_watch,
+)
 from agentbox.api import files as files_api
 from agentbox.api import sandboxes as sandboxes_api
 from agentbox.api import sessions as sessions_api
-from agentbox.api import v1_bash, v1_file, v1_sandbox, v1_shell, v2_commands, v2_fs, v2_sandbox, v2_watch
 from agentbox.api.envelope import (
     BodyError,
     BodyRefused,
@@ -51,7 +63,7 @@ from agentbox.mcp import McpHttp
 from agentbox.system import opened_system
 from agentbox.workspace.errors import WorkspaceError, translate
 
-ROUTERS = [v2_fs, v2_watch, v2_commands, v2_sandbox, v1_file, v1_shell, v1_bash, v1_sandbox]
+ROUTERS = [v2_fs, v2_watch, v2_commands, v2_sandbox, v1_file, v1_shell, v1_bash, v1_sandbox, v1_browser, cdp]
 #: Paths served without an API key. `/metrics` is not one: it needs the key when one is set
 #: (route and machine names, counts). `/ready` is, like `/health`: probes carry no key.
 #: The console's page, assets and login routes are open too (they carry no data, see
@@ -60,9 +72,11 @@ OPEN_PATHS = {"/health", "/ready", "/docs", "/openapi.json", "/docs/oauth2-redir
 #: Where the docs page's Swagger UI assets are served (from the `fastapi-offline` package, no CDN).
 DOCS_ASSETS = "/docs/assets"
 OPEN_PREFIXES = (DOCS_ASSETS + "/", *console.OPEN_PREFIXES)
+#: The close code of a WebSocket refused for want of the API key (policy violation).
+KEY_REFUSED_CLOSE = 1008
 
 
-def presented_key(request: Request) -> str | None:
+def presented_key(request: HTTPConnection) -> str | None:
     header = request.headers.get("x-aio-api-key")
     if header:
         return header
@@ -75,6 +89,41 @@ def presented_key(request: Request) -> str | None:
 def open_path(path: str) -> bool:
     """Whether `path` is served without an API key."""
     return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+class ApiKeyMiddleware:
+    """The server's API key on every request but those of `OPEN_PATHS`, HTTP and WebSocket alike.
+
+    An HTTP request without it is answered 401 (`unauthorized`), unless the console's login
+    cookie signs it in; a WebSocket (the CDP endpoint's) is closed before it is accepted, and
+    only the key counts for it: no page of the console opens one.
+    """
+
+    def __init__(self, app: ASGIApp, secret: str) -> None:
+        self.app = app
+        self.secret = secret
+        self.key = secret.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            request = Request(scope)
+            if self.admits(request) or console.signed_in(request, self.secret):
+                await self.app(scope, receive, send)
+            else:
+                await unauthorized()(scope, receive, send)
+        elif scope["type"] == "websocket" and not self.admits(HTTPConnection(scope)):
+            await receive()  # websocket.connect
+            await send(
+                {"type": "websocket.close", "code": KEY_REFUSED_CLOSE, "reason": "missing or invalid API key"}
+            )
+        else:
+            await self.app(scope, receive, send)
+
+    def admits(self, connection: HTTPConnection) -> bool:
+        given = presented_key(connection)
+        return open_path(connection.url.path) or (
+            given is not None and hmac.compare_digest(given.encode(), self.key)
+        )
 
 
 def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
@@ -100,19 +149,7 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     app.state.settings = settings
     install_document(app)  # every reply and failure in /openapi.json: agentbox.api.schemas
     if settings.api_key:
-        secret = settings.api_key
-        key = secret.encode()
-
-        @app.middleware("http")
-        async def require_api_key(request: Request, call_next: RequestResponseEndpoint) -> Response:
-            given = presented_key(request)
-            if (
-                open_path(request.url.path)
-                or (given is not None and hmac.compare_digest(given.encode(), key))
-                or console.signed_in(request, secret)  # the console's cookie
-            ):
-                return await call_next(request)
-            return unauthorized()
+        app.add_middleware(ApiKeyMiddleware, secret=settings.api_key)
 
     @app.exception_handler(WorkspaceError)
     async def workspace_error(request: Request, exc: WorkspaceError) -> Response:

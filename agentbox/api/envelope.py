@@ -129,11 +129,13 @@ def wire(value: Any) -> Any:
     return jsonable_encoder(value, custom_encoder={datetime: timestamp})
 
 
-def failure(error: WorkspaceError, *, v1: bool = False) -> JSONResponse:
+def failure(error: WorkspaceError, *, v1: bool = False, also: dict[str, Any] | None = None) -> JSONResponse:
+    """The failure envelope; `also` adds keys to its `data` (for an SDK that requires them there)."""
     status = (
         200 if v1 and error.error_type not in REQUEST_REFUSALS else STATUS_BY_TYPE.get(error.error_type, 500)
     )
-    body: dict[str, Any] = {"success": False, "message": error.message, "data": error.to_dict(), "hint": None}
+    data = {**error.to_dict(), **(also or {})}
+    body: dict[str, Any] = {"success": False, "message": error.message, "data": data, "hint": None}
     body.update(request_fields())
     note_error(error.error_type)
     if error.retry_after is None:

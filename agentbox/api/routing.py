@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from fastapi import APIRouter, FastAPI
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIWebSocketRoute
 from starlette.routing import BaseRoute, Match
 
 from agentbox.api.observe import SESSION_PREFIX
@@ -54,6 +54,11 @@ def add_sandbox_routes(app: FastAPI, routers: Sequence[APIRouter]) -> None:
 
 def add_copy(app: FastAPI, route: BaseRoute, prefix: str) -> None:
     """`route` as an app route at `prefix + route.path`, with everything else it declares."""
+    if isinstance(route, APIWebSocketRoute):
+        app.router.add_api_websocket_route(
+            prefix + route.path, route.endpoint, name=route.name, dependencies=list(route.dependencies)
+        )
+        return
     if not isinstance(route, APIRoute):
         raise TypeError(f"only APIRoutes can be added flat, not {type(route).__name__} {route!r}")
     app.router.add_api_route(

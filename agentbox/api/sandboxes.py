@@ -32,6 +32,7 @@ from typing import Annotated, Any, cast
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
+from starlette.requests import HTTPConnection
 
 from agentbox.agent.worker import NO_MACHINE
 from agentbox.api.envelope import failure
@@ -51,9 +52,9 @@ Sandbox = MachineServices
 SANDBOXES_LIMIT_MAX = 200
 
 
-async def current(request: Request) -> Sandbox:
-    """FastAPI dependency: the machine of the session the route's prefix names (the default
-    session's without one). A session of the sessions API acts on the machine it was created
+async def current(request: HTTPConnection) -> Sandbox:
+    """FastAPI dependency (and a WebSocket route's call): the machine of the session the
+    route's prefix names (the default session's without one). A session of the sessions API acts on the machine it was created
     with; any other id, on the default machine."""
     system = cast(System, request.app.state.system)
     session_id = request.path_params.get("session_id")

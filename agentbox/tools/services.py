@@ -22,6 +22,7 @@ from agentbox.machines.registry import DEFAULT_SESSION, Registry
 from agentbox.tools.knowledge import KnowledgeIndex, open_index
 from agentbox.tools.shell import exec_shell
 from agentbox.workspace.browser import Browser
+from agentbox.workspace.browser_cdp import Cdp
 from agentbox.workspace.commands import Command, CommandManager
 from agentbox.workspace.editor import Editor
 from agentbox.workspace.watch import WatchHub
@@ -45,6 +46,7 @@ class MachineServices:
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     _shell: str | None = field(default=None, repr=False)
     _browser: Browser | None = field(default=None, repr=False)
+    _cdp: Cdp | None = field(default=None, repr=False)
 
     @classmethod
     def of(
@@ -78,10 +80,17 @@ class MachineServices:
             self._browser = Browser(self.machine)
         return self._browser
 
+    def cdp(self) -> Cdp:
+        """The DevTools endpoint of the machine's browser (`agentbox.workspace.browser_cdp`)."""
+        if self._cdp is None or self._cdp.browser is not self.browser():
+            self._cdp = Cdp(self.browser())
+        return self._cdp
+
     async def close(self) -> None:
         if self._browser is not None:
             await self._browser.close()
             self._browser = None
+            self._cdp = None
         if self._index is not None:
             await self._index.close()
             self._index = None

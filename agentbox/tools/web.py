@@ -285,11 +285,7 @@ def page_text(page: Page, kind: str) -> str:
     text = page.body.decode(_codec(page.charset), "replace")
     if kind != "html":
         return text
-    converter = html2text.HTML2Text(baseurl=page.url)
-    converter.body_width = 0
-    converter.ignore_images = False
-    converter.ignore_emphasis = False
-    converted = converter.handle(text).strip()
+    converted = html_markdown(text, page.url)
     match = _TITLE.search(page.body[:65536])
     title = (
         " ".join(html.unescape(match.group(1).decode(_codec(page.charset), "replace")).split())
@@ -297,6 +293,16 @@ def page_text(page: Page, kind: str) -> str:
         else ""
     )
     return f"# {title}\n\n{converted}" if title and not converted.startswith(f"# {title}") else converted
+
+
+def html_markdown(text: str, base_url: str) -> str:
+    """HTML as Markdown (html2text, links made absolute against `base_url`, lines unwrapped);
+    the `/v1/browser/page/markdown` route shares it."""
+    converter = html2text.HTML2Text(baseurl=base_url)
+    converter.body_width = 0
+    converter.ignore_images = False
+    converter.ignore_emphasis = False
+    return str(converter.handle(text)).strip()
 
 
 def _codec(charset: str | None) -> str:

@@ -370,6 +370,12 @@ class Browser:
         spec = ACTIONS.get(action)
         if spec is None:
             raise error("bad_request", f"unknown browser action {action!r}: one of {', '.join(ACTIONS)}")
+        return await self.perform(action, spec, args)
+
+    async def perform(self, action: str, spec: ActionSpec, args: BrowserArgs) -> BrowserReply:
+        """Run `spec` under every rule an action of `ACTIONS` runs under (one at a time, the
+        dialog and takeover checks, its time limit): how a caller runs an operation of its own
+        (AIO's selector-based routes) on the current tab."""
         if self.taken_over:
             raise error(
                 "conflict", "the user has taken over the browser: no action runs until they hand it back"
