@@ -277,3 +277,26 @@ async def test_an_idle_browser_stops_its_processes_and_starts_again(box: Sandbox
         assert "Form" in await act(idle, "page.navigate", url=f"{SITE}/form.html"), "it starts again"
     finally:
         await idle.close()
+
+
+async def test_the_url_timeout_and_snapshot_limits_hold_at_their_boundaries() -> None:
+    from agentbox.workspace.browser import (
+        MAX_SNAPSHOT_CHARS,
+        MAX_TIMEOUT_SECONDS,
+        MAX_URL_CHARS,
+        check_url,
+        clamp_timeout,
+        cut,
+    )
+
+    longest = "http://a/" + "x" * (MAX_URL_CHARS - len("http://a/"))
+    assert check_url(longest) == longest
+    with pytest.raises(WorkspaceError, match=f"at most {MAX_URL_CHARS}"):
+        check_url(longest + "x")
+    assert clamp_timeout(MAX_TIMEOUT_SECONDS, 1.0) == MAX_TIMEOUT_SECONDS
+    for bad in (0.0, MAX_TIMEOUT_SECONDS + 0.001):
+        with pytest.raises(WorkspaceError, match="timeout must be"):
+            clamp_timeout(bad, 1.0)
+    assert cut("x" * MAX_SNAPSHOT_CHARS) == ("x" * MAX_SNAPSHOT_CHARS, False)
+    shown, truncated = cut("x" * (MAX_SNAPSHOT_CHARS + 1))
+    assert truncated and shown.startswith("x" * MAX_SNAPSHOT_CHARS) and "1 more characters" in shown
