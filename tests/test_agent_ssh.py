@@ -8,8 +8,10 @@ and test_agent_loop.py; here every file goes through the `Machine` protocol (SFT
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -169,19 +171,22 @@ async def _one(data: bytes) -> AsyncIterator[bytes]:
 # -- knowledge search --------------------------------------------------------------------
 
 
-async def test_knowledge_search_says_plainly_it_needs_host_files(ssh: SshMachine, remote_root: Path) -> None:
+async def test_knowledge_search_reads_the_notes_of_an_ssh_host(ssh: SshMachine, remote_root: Path) -> None:
+    """The index reads an ssh host's notes through the protocol and follows its changes."""
     (remote_root / "notes.md").write_text("# Plan\n\nShip the release.\n")
     services = MachineServices.of(ssh)
     try:
         ctx = DeliverCtx(ssh, None, services=services)
-        result = await SEARCH.run(ctx, SearchParams(query="release"))
+        found = await SEARCH.run(ctx, SearchParams(query="release"))
+        assert not found.is_error, found.as_text()
+        assert [r["path"] for r in found.data["results"]] == [f"{remote_root}/notes.md"]
+        (remote_root / "later.md").write_text("The release ships on Friday.\n")
+        deadline = time.monotonic() + 10
+        while len((await SEARCH.run(ctx, SearchParams(query="release"))).data["results"]) < 2:
+            assert time.monotonic() < deadline, "the new note never showed up in the index"
+            await asyncio.sleep(0.05)
     finally:
         await services.close()
-    assert result.is_error
-    assert result.as_text() == (
-        "Knowledge search is unavailable: machine 'remote' (ssh) has no host files, and the knowledge "
-        "index reads every note by descriptor; use grep or glob to search its files"
-    )
 
 
 # -- a whole turn ------------------------------------------------------------------------

@@ -14,14 +14,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import docx
 import pytest
 from fpdf import FPDF
 from pydantic import ValidationError
 
-from agentbox.machines.base import TRASH_DIR, ExecRequest
+from agentbox.machines.base import TRASH_DIR, ExecRequest, Machine
 from agentbox.machines.local import LocalMachine
 from agentbox.tools import knowledge as kn
 from agentbox.tools.base import Action, FileStore, Operation, TodoStore, ToolConfig, ToolResult
@@ -101,20 +101,34 @@ async def _indexes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIter
     OPEN.clear()
 
 
+#: The kinds the index is tested on: host files by descriptor, and an ssh host through the
+#: `Machine` protocol (its files written from here: the loopback sshd's root is a host folder).
+INDEX_KINDS = ("local", "ssh")
+
+
+@pytest.fixture(params=INDEX_KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
+def root(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    if kind == "ssh":
+        return Path(request.getfixturevalue("remote_root"))
     path = tmp_path / "ws"
     path.mkdir()
     return path
 
 
 @pytest.fixture
-def machine(root: Path) -> LocalMachine:
+def machine(kind: str, root: Path, request: pytest.FixtureRequest) -> Machine:
+    if kind == "ssh":
+        return cast(Machine, request.getfixturevalue("ssh"))
     return LocalMachine("local", root)
 
 
 @pytest.fixture
-async def index(tmp_path: Path, machine: LocalMachine) -> AsyncIterator[KnowledgeIndex]:
+async def index(tmp_path: Path, machine: Machine) -> AsyncIterator[KnowledgeIndex]:
     idx = KnowledgeIndex(tmp_path / "k.sqlite", machine)
     yield idx
     await idx.close()
@@ -380,7 +394,7 @@ async def test_every_filter_narrows(corpus: KnowledgeIndex, root: Path) -> None:
 
 
 async def test_tool_filters_take_relative_paths_iso_dates_and_refuse_what_widens(
-    corpus: KnowledgeIndex, machine: LocalMachine, root: Path
+    corpus: KnowledgeIndex, machine: Machine, root: Path
 ) -> None:
     async def names(**params: Any) -> list[str]:
         result = await search_tool(machine, query="zephyr", limit=MAX_RESULTS, **params)
@@ -408,7 +422,7 @@ async def test_tool_filters_take_relative_paths_iso_dates_and_refuse_what_widens
         SearchParams.model_validate({"query": "zephyr", "fileTypes": ["spreadsheet"]})
 
 
-async def test_images_are_ignored_with_a_note(corpus: KnowledgeIndex, machine: LocalMachine) -> None:
+async def test_images_are_ignored_with_a_note(corpus: KnowledgeIndex, machine: Machine) -> None:
     (Path(corpus.machine.root) / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     only_images = await search_tool(machine, query="zephyr", fileTypes=["image"], limit=MAX_RESULTS)
     assert not only_images.is_error
@@ -426,7 +440,7 @@ async def test_images_are_ignored_with_a_note(corpus: KnowledgeIndex, machine: L
 # ---------------------------------------------------------------- result counts
 
 
-async def test_default_and_maximum_number_of_results(machine: LocalMachine, root: Path) -> None:
+async def test_default_and_maximum_number_of_results(machine: Machine, root: Path) -> None:
     for n in range(20):
         write(root / f"n{n:02d}.md", f"shared keyword in note {n}\n")
     default = await search_tool(machine, query="keyword")
@@ -444,7 +458,7 @@ async def test_default_and_maximum_number_of_results(machine: LocalMachine, root
         SearchParams(query="keyword", limit=0)
 
 
-async def test_no_match_is_a_plain_answer_not_an_error(machine: LocalMachine, root: Path) -> None:
+async def test_no_match_is_a_plain_answer_not_an_error(machine: Machine, root: Path) -> None:
     write(root / "a.md", "nothing relevant\n")
     result = await search_tool(machine, query="unobtainium")
     assert not result.is_error and result.data["results"] == []
@@ -512,7 +526,7 @@ async def test_phrases_prefixes_and_operators(index: KnowledgeIndex, root: Path)
         await index.search("*** ()")
 
 
-async def test_query_terms_boundary(index: KnowledgeIndex, root: Path, machine: LocalMachine) -> None:
+async def test_query_terms_boundary(index: KnowledgeIndex, root: Path, machine: Machine) -> None:
     words = [f"t{n}" for n in range(MAX_QUERY_TERMS + 1)]
     write(root / "a.md", " ".join(words) + "\n")
     exactly = await search_tool(machine, query=" ".join(words[:MAX_QUERY_TERMS]))
@@ -583,7 +597,7 @@ async def _len(value: Awaitable[list[str]], n: int) -> bool:
     return len(await value) == n
 
 
-async def test_the_tool_index_follows_changes(machine: LocalMachine, root: Path) -> None:
+async def test_the_tool_index_follows_changes(machine: Machine, root: Path) -> None:
     write(root / "a.md", "first comet\n")
     assert len((await search_tool(machine, query="comet")).data["results"]) == 1
     write(root / "b.md", "second comet\n")
@@ -598,7 +612,7 @@ async def test_the_tool_index_follows_changes(machine: LocalMachine, root: Path)
 
 
 async def test_refresh_is_incremental(
-    tmp_path: Path, index: KnowledgeIndex, root: Path, machine: LocalMachine
+    tmp_path: Path, index: KnowledgeIndex, root: Path, machine: Machine
 ) -> None:
     for n in range(5):
         write(root / f"n{n}.md", f"note {n}\n")
@@ -623,7 +637,7 @@ async def test_refresh_is_incremental(
         await reopened.close()
 
 
-async def test_file_size_boundary(index: KnowledgeIndex, root: Path, machine: LocalMachine) -> None:
+async def test_file_size_boundary(index: KnowledgeIndex, root: Path, machine: Machine) -> None:
     for name, size in (("exact", MAX_INDEXED_FILE_BYTES), ("over", MAX_INDEXED_FILE_BYTES + 1)):
         head = f"{name}size marker\n".encode()
         (root / f"{name}.txt").write_bytes(head + b" " * (size - len(head)))
@@ -642,6 +656,7 @@ async def test_file_size_boundary(index: KnowledgeIndex, root: Path, machine: Lo
     assert (await index.refresh()).skipped == 0  # not retried until it changes
 
 
+@pytest.mark.parametrize("kind", ["local"])  # 10,000 files: the cap is the index's, whatever the kind
 async def test_file_count_boundary(index: KnowledgeIndex, root: Path) -> None:
     """MAX_INDEXED_FILES are indexed; the next one is not, and gets in once another leaves."""
     source = write(root / "src" / "a0000.txt", "common word\n")
@@ -678,9 +693,7 @@ async def test_unreadable_documents_are_skipped_with_a_reason(index: KnowledgeIn
     assert reasons[f"{root}/broken.docx"].startswith("unreadable docx")
 
 
-async def test_a_stale_or_corrupt_index_file_is_rebuilt(
-    tmp_path: Path, machine: LocalMachine, root: Path
-) -> None:
+async def test_a_stale_or_corrupt_index_file_is_rebuilt(tmp_path: Path, machine: Machine, root: Path) -> None:
     write(root / "a.md", "rebuild me\n")
     db = tmp_path / "old.sqlite"
     with sqlite3.connect(db) as conn:
@@ -721,7 +734,7 @@ def test_tool_schema_and_action() -> None:
 
 
 async def test_a_machine_has_one_index_kept_outside_the_workspace(
-    tmp_path: Path, machine: LocalMachine, root: Path
+    tmp_path: Path, machine: Machine, root: Path
 ) -> None:
     write(root / "a.md", "alpha\n")
     services = MachineServices.of(machine)

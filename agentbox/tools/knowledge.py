@@ -39,9 +39,10 @@ hub and refreshed before the first search, closed with the services. Its file is
 `<session dir>/knowledge.sqlite`, never inside `/workspace`; under `$AGENTBOX_HOME/knowledge/`
 for a shared machine, whose root's parent is not ours to write.
 
-Only a machine with host files has an index: the scan reads every note by descriptor in a
-worker thread. On any other machine (ssh) the tool says so (`KnowledgeUnavailable`) and
-names grep and glob, which work there.
+Every machine has an index. The scan runs in worker threads and reads notes through
+`agentbox.tools.note_files`: by descriptor on a machine with host files, through the
+`Machine` protocol on any other (ssh, e2b), where the watch hub follows the machine's own
+watch stream (or its polling, whose latency the hub states).
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ import os
 import posixpath
 import re
 import sqlite3
-import stat as stat_mod
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -68,9 +68,8 @@ from pydantic import Field
 from agentbox.config import default_home
 from agentbox.machines.base import TRASH_DIR, Machine
 from agentbox.machines.errors import MachineError
-from agentbox.machines.hostfs import HostFiles
-from agentbox.machines.hostview import Node
 from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult
+from agentbox.tools.note_files import NoteFiles, NoteStat, note_files
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.watch import (
     DEFAULT_EXCLUDES,
@@ -583,7 +582,7 @@ class _Prepared:
 
     inside: str
     kind: FileType
-    st: os.stat_result
+    st: NoteStat
     skipped: str | None  # why it gets no chunks; None when it is indexed
     extracted: Extracted = Extracted([], set())
 
@@ -668,24 +667,6 @@ def _connect(db_path: Path) -> sqlite3.Connection:
     raise AssertionError("unreachable")
 
 
-class KnowledgeUnavailable(Exception):
-    """The machine cannot have an index (its files are not host files); the message says what to use."""
-
-
-def _read_capped(machine: HostFiles, inside: str) -> tuple[os.stat_result, bytes | None]:
-    """A regular file's stat and bytes (None when over MAX_INDEXED_FILE_BYTES), never via a final
-    symlink: opened through the machine's descriptor view (a FIFO or device is refused, not opened)."""
-    fd = machine.view.open(inside, os.O_RDONLY, follow=False)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat_mod.S_ISREG(st.st_mode):
-            raise IsADirectoryError(f"{inside} is not a regular file")
-        if st.st_size > MAX_INDEXED_FILE_BYTES:
-            return st, None
-        data = f.read(MAX_INDEXED_FILE_BYTES + 1)
-    return st, None if len(data) > MAX_INDEXED_FILE_BYTES else data
-
-
 def _too_large(size: int) -> str:
     return f"larger than {MAX_INDEXED_FILE_BYTES} bytes ({size} bytes)"
 
@@ -693,9 +674,14 @@ def _too_large(size: int) -> str:
 class KnowledgeIndex:
     """The FTS5 index of one machine's root. Blocking work runs in threads under one lock."""
 
-    def __init__(self, db_path: Path, machine: HostFiles, root: str | None = None) -> None:
+    def __init__(
+        self, db_path: Path, machine: Machine, root: str | None = None, *, files: NoteFiles | None = None
+    ) -> None:
+        """`files` is how notes are read (`note_files(machine)` by default: construct the index on
+        the event loop, or pass it, when the machine is reached through the protocol)."""
         self.db_path = db_path
         self.machine = machine
+        self.files = files or note_files(machine)
         self.root = root if root is not None else str(getattr(machine, "root", "/workspace"))
         self.closed = False
         self._conn = _connect(db_path)
@@ -830,11 +816,11 @@ class KnowledgeIndex:
             if self.closed:
                 return stats
             row = known.get(inside)
-            if row is not None and row[:2] == (st.st_mtime_ns, st.st_size) and row[2] != OVER_CAP:
+            if row is not None and row[:2] == (st.mtime_ns, st.size) and row[2] != OVER_CAP:
                 seen.add(inside)
                 stats.unchanged += 1
                 continue
-            prepared = self._prepare(inside, kind, indexed=row is not None and row[2] is None)
+            prepared = self._prepare(inside, kind, indexed=row is not None and row[2] is None, seen=st)
             if prepared is None:
                 continue  # gone meanwhile: dropped below if it was indexed
             seen.add(inside)
@@ -865,31 +851,28 @@ class KnowledgeIndex:
                 batch.append(prepared)
         self._store(batch, stats)
 
-    def _candidates(self, top: str) -> Iterator[tuple[str, os.stat_result, FileType]]:
-        """Indexable regular files under inside directory `top` (inside path, lstat, type), in name
-        order, outside the excludes; walked by descriptor, never through a link."""
-        view = self.machine.view
+    def _candidates(self, top: str) -> Iterator[tuple[str, NoteStat, FileType]]:
+        """Indexable regular files under inside directory `top` (inside path, stat, type), in name
+        order, outside the excludes; never through a link."""
         try:
-            top_real, root_real = view.resolve(top), view.resolve(self.root)
+            where = self.files.locate(top, self.root)
         except (OSError, MachineError):
             return
-        inner = top_real.startswith(root_real.rstrip("/") + "/")
-        base = tuple(top_real[len(root_real.rstrip("/")) + 1 :].split("/")) if inner else ()
 
-        under_root = inner or top_real == root_real
+        def parts(rel: str) -> tuple[str, ...]:
+            return (*where.base, *rel.split("/"))
 
-        def descend(node: Node) -> bool:
-            parts = (*base, *node.rel.split("/"))
-            in_trash = under_root and parts[0] == TRASH_DIR  # what a delete moved away is not indexed
-            return not in_trash and not is_excluded(parts, DEFAULT_EXCLUDES)
+        def descend(rel: str) -> bool:
+            path = parts(rel)
+            in_trash = where.under_root and path[0] == TRASH_DIR  # what a delete moved away is not indexed
+            return not in_trash and not is_excluded(path, DEFAULT_EXCLUDES)
 
         try:
-            for node in view.walk(top_real, descend=descend):
-                kind = file_type(node.name)
-                if kind is None or is_excluded((*base, *node.rel.split("/")), DEFAULT_EXCLUDES):
+            for found in self.files.walk(where.start, descend):
+                kind = file_type(posixpath.basename(found.inside))
+                if kind is None or found.note is None or is_excluded(parts(found.rel), DEFAULT_EXCLUDES):
                     continue
-                if stat_mod.S_ISREG(node.st.st_mode):
-                    yield node.inside, node.st, kind
+                yield found.inside, found.note, kind
         except (OSError, MachineError):
             return  # the directory itself went away or cannot be read
 
@@ -902,18 +885,17 @@ class KnowledgeIndex:
         if kind is None or not self._in_scope(inside):
             return
         try:
-            st = self.machine.view.lstat(inside)
+            st = self.files.stat(inside)
         except (OSError, MachineError):
-            self._drop([inside])
-            return
-        if not stat_mod.S_ISREG(st.st_mode):
+            st = None
+        if st is None:
             self._drop([inside])
             return
         rows = self._rows("SELECT mtime_ns, size, skipped FROM files WHERE path = ?", (inside,))
         row = rows[0] if rows else None
-        if row is not None and tuple(row[:2]) == (st.st_mtime_ns, st.st_size) and row[2] != OVER_CAP:
+        if row is not None and tuple(row[:2]) == (st.mtime_ns, st.size) and row[2] != OVER_CAP:
             return
-        prepared = self._prepare(inside, kind, indexed=row is not None and row[2] is None)
+        prepared = self._prepare(inside, kind, indexed=row is not None and row[2] is None, seen=st)
         if prepared is None:
             self._drop([inside])
         else:
@@ -927,17 +909,22 @@ class KnowledgeIndex:
 
     # -- writing the index ---------------------------------------------------------------
 
-    def _prepare(self, inside: str, kind: FileType, *, indexed: bool) -> _Prepared | None:
+    def _prepare(
+        self, inside: str, kind: FileType, *, indexed: bool, seen: NoteStat | None = None
+    ) -> _Prepared | None:
         """Read and extract one file, no database work; None when it is gone. A file that cannot be
-        indexed gets the reason, so it is not retried until it changes."""
+        indexed gets the reason, so it is not retried until it changes. `seen` is its stat from
+        the walk: a file over the cap is then recorded without being read."""
+        if seen is not None and not indexed and self._indexed >= MAX_INDEXED_FILES:
+            return _Prepared(inside, kind, seen, OVER_CAP)  # checked again, exactly, when stored
         try:
-            st, data = _read_capped(self.machine, inside)
+            st, data = self.files.read(inside, MAX_INDEXED_FILE_BYTES, seen)
         except (OSError, MachineError):
             return None
         if data is None:
-            return _Prepared(inside, kind, st, _too_large(st.st_size))
+            return _Prepared(inside, kind, st, _too_large(st.size))
         if not indexed and self._indexed >= MAX_INDEXED_FILES:
-            return _Prepared(inside, kind, st, OVER_CAP)  # checked again, exactly, when stored
+            return _Prepared(inside, kind, st, OVER_CAP)
         try:
             return _Prepared(inside, kind, st, None, extract(data, kind))
         except Exception as exc:  # pypdf / python-docx raise many types on malformed files
@@ -973,7 +960,7 @@ class KnowledgeIndex:
         inside, st = prepared.inside, prepared.st
         self._conn.execute(
             "INSERT INTO files (path, file_type, mtime_ns, size, skipped) VALUES (?, ?, ?, ?, ?)",
-            (inside, prepared.kind, st.st_mtime_ns, st.st_size, prepared.skipped),
+            (inside, prepared.kind, st.mtime_ns, st.size, prepared.skipped),
         )
         self._indexed += prepared.skipped is None
         self._conn.executemany(
@@ -1087,15 +1074,11 @@ def index_path(machine: Machine) -> Path:
 async def open_index(machine: Machine, hub: WatchHub, db_path: Path | None = None) -> KnowledgeIndex:
     """A machine's index, following its changes through `hub`, refreshed; the caller closes it.
 
-    One per machine: `agentbox.tools.services.MachineServices.knowledge` keeps it. Only a
-    machine with host files has one (`KnowledgeUnavailable` otherwise).
+    One per machine: `agentbox.tools.services.MachineServices.knowledge` keeps it. A machine
+    with host files is read by descriptor, any other through the `Machine` protocol.
     """
-    if not isinstance(machine, HostFiles):
-        raise KnowledgeUnavailable(
-            f"machine {machine.name!r} ({machine.kind}) has no host files, and the knowledge index reads "
-            "every note by descriptor; use grep or glob to search its files"
-        )
-    index = await asyncio.to_thread(KnowledgeIndex, db_path or index_path(machine), machine)
+    files = note_files(machine)
+    index = await asyncio.to_thread(KnowledgeIndex, db_path or index_path(machine), machine, files=files)
     try:
         await index.attach(hub)
         await index.refresh()
@@ -1229,7 +1212,7 @@ async def run_search(ctx: ToolContext, params: SearchParams) -> ToolResult:
         outcome = await index.search(params.query, filters, limit)
     except SearchInputError as exc:
         return ToolResult.error(str(exc))
-    except (KnowledgeUnavailable, WorkspaceError, MachineError, OSError, sqlite3.Error) as exc:
+    except (WorkspaceError, MachineError, OSError, sqlite3.Error) as exc:
         return ToolResult.error(f"Knowledge search is unavailable: {exc}")
     notes = filter_notes + notes
     if outcome.dropped_terms:
