@@ -682,7 +682,7 @@ class KnowledgeIndex:
         self.db_path = db_path
         self.machine = machine
         self.files = files or note_files(machine)
-        self.root = root if root is not None else str(getattr(machine, "root", "/workspace"))
+        self.root = root if root is not None else str(machine.root)
         self.closed = False
         self._conn = _connect(db_path)
         self._lock = threading.Lock()
