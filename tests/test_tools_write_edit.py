@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from conftest import host_fingerprint
 from test_tools_read import (
     Box,
@@ -76,6 +77,16 @@ async def test_write_creates_a_file_expecting_nothing_there(box: Box) -> None:
         ABSENT,
     )
     assert box.h("hello.md").read_text() == "# Hello\n"
+
+
+async def test_write_takes_the_target_path_by_its_seed_name(local: Box) -> None:
+    """`targetPath` is the path's other name; giving both is refused, not one silently picked."""
+    ctx = local.ctx()
+    params = WRITE.params.model_validate({"targetPath": local.p("named.md"), "content": "by targetPath\n"})
+    assert not (await WRITE.run(ctx, params)).is_error
+    assert local.h("named.md").read_text() == "by targetPath\n"
+    with pytest.raises(ValidationError, match="targetPath"):
+        WRITE.params.model_validate({"targetPath": local.p("a.md"), "path": local.p("b.md"), "content": ""})
 
 
 async def test_write_is_visible_inside_the_sandbox(sandbox: SandboxMachine, tmp_path: Path) -> None:

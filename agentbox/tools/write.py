@@ -19,7 +19,7 @@ import posixpath
 from collections.abc import Collection
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from agentbox.machines.base import Machine
 from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolParams, ToolResult
@@ -34,7 +34,9 @@ MAX_WRITE_BYTES = MAX_EDIT_BYTES
 
 class WriteParams(ToolParams):
     path: str = Field(
-        description="Where to create the file or folder: relative to the workspace root, or absolute."
+        validation_alias=AliasChoices("path", "targetPath"),
+        description="Where to create the file or folder: relative to the workspace root, or absolute "
+        "(`targetPath` is taken as this name too).",
     )
     content: str = Field(
         default="", description="kind=file: the file's full text. Not used with kind=folder."
