@@ -488,6 +488,26 @@ async def test_an_idle_stream_sends_heartbeats(client: httpx.AsyncClient) -> Non
     assert bad.status_code == 400
 
 
+async def test_a_session_in_plan_mode_cannot_apply_its_change_sets(client: httpx.AsyncClient) -> None:
+    script = [{"tool_calls": [write("plan.md", "# Plan\n")]}, {"text": "proposed"}]
+    sid = await create(client, script, permission_mode="workspace-write")
+    await post(client, sid)
+    assert (await until_turn_end(client, sid))[-1].event == "turn.completed"
+    [change_set] = (await client.get(f"/v1/sessions/{sid}/changes")).json()["items"]
+    apply = f"/v1/sessions/{sid}/changes/{change_set['id']}/apply"
+    assert (await client.patch(f"/v1/sessions/{sid}", json={"permission_mode": "plan"})).status_code == 200
+    refused = await client.post(apply, json={})
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["data"]["error_type"] == "conflict" and "plan mode" in refused.json()["message"]
+    read = await client.get(f"/sandboxes/{sid}/v2/fs/read", params={"path": "/workspace/plan.md"})
+    assert read.status_code == 404, read.text  # nothing was written
+    still = (await client.get(f"/v1/sessions/{sid}/changes/{change_set['id']}")).json()
+    assert [op["status"] for op in still["operations"]] == ["pending"]
+    await client.patch(f"/v1/sessions/{sid}", json={"permission_mode": "workspace-write"})
+    applied = await client.post(apply, json={})
+    assert [op["status"] for op in applied.json()["operations"]] == ["applied"], applied.text
+
+
 async def test_a_file_in_new_folders_is_proposed_in_one_change_set_and_applied(
     client: httpx.AsyncClient,
 ) -> None:

@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentbox.agent.events import Delta
 from agentbox.agent.models import ModelError, model_name_problem
-from agentbox.agent.worker import NO_MACHINE
+from agentbox.agent.worker import NO_MACHINE, PLAN
 from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error, wire
 from agentbox.api.schemas import event_stream, failures, plain_reply
 from agentbox.machines.errors import MachineNotFound
@@ -121,6 +121,13 @@ class NotInSession(LookupError):
 
 
 ERRORS[NotInSession] = (404, "not_found")
+
+
+class InPlanMode(Exception):
+    """The session is in plan mode, where nothing changes: its change sets wait until it leaves."""
+
+
+ERRORS[InPlanMode] = (409, "conflict")
 
 
 def refusal(exc: Exception) -> JSONResponse:
@@ -738,7 +745,18 @@ async def apply_changes(request: Request, session_id: str, change_set_id: str) -
     p = platform(request)
     change_set = await change_set_of(p, session_id, change_set_id)
     chosen = operations_of(change_set, body.operations)
-    name = change_set.machine or (await p.store.get_session(session_id)).machine
+    try:
+        session: Session | None = await p.store.get_session(session_id)
+    except SessionNotFound:
+        if change_set.machine is None:
+            raise
+        session = None  # an MCP client's id: no session row, never in plan
+    if session is not None and session.permission_mode == PLAN:
+        raise InPlanMode(
+            f"session {session_id} is in plan mode, where nothing changes: switch its permission_mode to "
+            "a tier first, then apply"
+        )
+    name = change_set.machine or cast(Session, session).machine
     machine = cast(GovernedMachine, await p.registry.open(session_id, name))
     await p.changes.apply(machine, chosen)
     return change_set_view(await changes_updated(p, change_set_id), diffs=True)
