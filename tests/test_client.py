@@ -416,20 +416,18 @@ def test_a_stream_that_stays_broken_is_given_up(monkeypatch: pytest.MonkeyPatch)
 # ---------------------------------------------------------------- approvals, changes, files
 
 
-def test_approvals_allow_for_the_session_and_deny_with_a_message(client: Client) -> None:
+def test_approvals_allow_and_deny_with_a_message(client: Client) -> None:
     steps = [bash("echo one"), bash("echo two"), {"expect": {"tool_result_contains": "two"}, "text": "both"}]
     session = client.sessions.create("scripted", script=steps, permission_mode="full-ask")
     turn = client.messages.send(session.id, "go")
     for event in client.events.stream(session.id, until_turn=turn.turn_id):
         if isinstance(event, ApprovalRequested):
             answered = client.approvals.allow(session.id, event.approval_id, for_session=True)
-            assert (answered.status, answered.scope) == ("allowed", "session")
+            assert (answered.status, answered.scope) == ("allowed", "once")  # exec asks every time
             with pytest.raises(Conflict):
                 client.approvals.deny(session.id, event.approval_id)
     assert client.sessions.turn(session.id, turn.turn_id).status == "completed"
-    assert [a.scope for a in client.approvals.list(session.id)] == [
-        "session"
-    ]  # the second call was not asked
+    assert [a.scope for a in client.approvals.list(session.id)] == ["once", "once"]  # both calls asked
     denied = client.sessions.create(
         "scripted", script=[bash("echo never"), {"text": "told"}], permission_mode="full-ask"
     )

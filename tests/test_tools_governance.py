@@ -56,7 +56,7 @@ from agentbox.tools.changes import (
 )
 from agentbox.tools.fingerprint import ABSENT, CHUNK
 from agentbox.tools.runner import SessionTools
-from agentbox.tools.tiers import Decision, Tier, decide
+from agentbox.tools.tiers import EACH_CALL, Decision, Tier, decide
 from agentbox.tools.toolsets import canonical_tools
 
 #: Seconds a test waits for a condition (an approval requested, a row written) before failing.
@@ -644,11 +644,24 @@ async def test_deny_returns_the_message_and_session_scope_stops_asking(db: Datab
     )
     approvals.listeners.clear()
     session = Answerer(approvals, "allow", "session")
-    assert await approvals.request_and_wait(SESSION, TURN, "bash", "exec", {}) == (True, None)
-    assert await approvals.request_and_wait(SESSION, TURN, "bash", "exec", {}) == (True, None)
+    assert await approvals.request_and_wait(SESSION, TURN, "github__search", "mcp", {}) == (True, None)
+    assert await approvals.request_and_wait(SESSION, TURN, "github__search", "mcp", {}) == (True, None)
     assert len(session.requested) == 1  # the second call did not ask
-    await approvals.request_and_wait(SESSION, TURN, "read", "read_external", {})
+    await approvals.request_and_wait(SESSION, TURN, "browser", "browser_read", {})
     assert len(session.requested) == 2  # another (tool, action) still asks
+
+
+@pytest.mark.parametrize("action", sorted(EACH_CALL))
+async def test_exec_web_and_external_reads_ask_on_every_call_whatever_the_scope(
+    db: Database, action: str
+) -> None:
+    """Seed 001's "each time": an answer for the session lets one call through, recorded `once`."""
+    approvals = Approvals(ApprovalsRepo(db))
+    answerer = Answerer(approvals, "allow", "session")
+    for _ in range(2):
+        assert await approvals.request_and_wait(SESSION, TURN, "tool", action, {}) == (True, None)
+    assert len(answerer.requested) == 2
+    assert [a.scope for a in await approvals.repo.of_session(SESSION)] == ["once", "once"]
 
 
 async def test_a_cancelled_wait_cancels_its_approval(db: Database) -> None:
@@ -978,14 +991,14 @@ async def test_deny_with_a_message_reaches_the_model(machine: LocalMachine, ws: 
     assert not (ws / "ran").exists()
 
 
-async def test_session_scope_means_the_second_call_does_not_ask(
+async def test_full_ask_asks_for_every_exec_even_after_an_answer_for_the_session(
     machine: LocalMachine, ws: Path, db: Database
 ) -> None:
     tools = tools_for(machine, db, Tier.FULL_ASK, real("exec"))
     answerer = Answerer(tools.approvals, "allow", "session")
     for _ in range(3):
         assert not (await tools.call("exec", {"command": "echo x >> ran.txt"})).is_error
-    assert len(answerer.requested) == 1
+    assert len(answerer.requested) == 3
     assert (ws / "ran.txt").read_text() == "x\nx\nx\n"
 
 

@@ -1,7 +1,8 @@
 """Waiting for the user: a tool call that must ask blocks here until someone answers.
 
 `Approvals.request_and_wait` first looks for a session-wide grant of the same (tool,
-action); otherwise it records a pending approval (a row first, so a restart keeps the
+action), except for the actions asked for on every call (`EACH_CALL`: exec, external reads,
+web), whose answers are never kept for the session; otherwise it records a pending approval (a row first, so a restart keeps the
 question), tells the listeners (the sessions API turns that into an `approval.requested`
 event), and waits on an `asyncio.Event` that `resolve` sets, from whichever task answers.
 The row is the truth: the waiter reads the decision back from it.
@@ -22,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from agentbox.store.approvals import Approval, ApprovalNotPending, ApprovalsRepo, Decision, Scope
+from agentbox.tools.tiers import EACH_CALL
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ class Approvals:
         self, session_id: str, turn_id: str | None, tool: str, action: str, detail: dict[str, Any]
     ) -> tuple[bool, str | None]:
         """(allowed, the user's message) once answered; at once if the session already granted it."""
-        if await self.repo.granted(session_id, tool, action):
+        if action not in EACH_CALL and await self.repo.granted(session_id, tool, action):
             return True, None
         approval = await self.repo.request(session_id, turn_id, tool, action, detail)
         self._events.setdefault(approval.id, asyncio.Event())
@@ -71,7 +73,11 @@ class Approvals:
     async def resolve(
         self, approval_id: str, decision: Decision, scope: Scope = "once", message: str | None = None
     ) -> Approval:
-        """Answer an approval (see `ApprovalsRepo.resolve`) and wake the call waiting for it."""
+        """Answer an approval (see `ApprovalsRepo.resolve`) and wake the call waiting for it. An
+        allow for the session of an `EACH_CALL` action is recorded as `once`: it never silences
+        the next call."""
+        if scope == "session" and (await self.repo.get(approval_id)).action in EACH_CALL:
+            scope = "once"
         approval = await self.repo.resolve(approval_id, decision, scope, message)
         event = self._events.get(approval_id)
         if event is not None:

@@ -64,6 +64,9 @@ TABLE: dict[Action, tuple[Decision, Decision, Decision, Decision]] = {
 ORDER = (Tier.READ_ONLY, Tier.WORKSPACE_WRITE, Tier.FULL_ASK, Tier.FULL_AUTO)
 #: What plan mode still allows in the full tiers: read-only external research.
 PLAN_RESEARCH = {Action.READ_EXTERNAL, Action.WEB, Action.BROWSER_READ}
+#: What full-ask asks for on every call (the table's "each time"; seed 001: no cached grants).
+#: An answer "for the session" lets this one call through and is recorded as `once`.
+EACH_CALL = frozenset({Action.READ_EXTERNAL.value, Action.EXEC.value, Action.WEB.value})
 
 
 def decide(tier: Tier, action: Action, *, plan: bool = False) -> Decision:
