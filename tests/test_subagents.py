@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from agentbox.agent.agents import (
     MAX_DESCRIPTION_CHARS,
     AgentSpec,
     canonical_names,
+    canonical_tool,
     load_agents,
     roster,
 )
@@ -49,7 +51,7 @@ from agentbox.store.db import Database
 from agentbox.store.sessions import NewEvent
 from agentbox.store.todos import TodoRepo
 from agentbox.tools.approvals import Approvals
-from agentbox.tools.base import ToolResult
+from agentbox.tools.base import Action, ToolResult
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools
 from agentbox.tools.tiers import Tier
@@ -500,6 +502,23 @@ async def test_researcher_gets_the_web_only_where_the_parent_has_it(
         assert result.as_text() == "no web" and not offered & {"web_fetch", "web_search"}
     else:
         assert result.as_text() == "no need" and {"web_fetch", "web_search"} <= offered
+
+
+async def test_a_child_never_gets_commands_mcp_tools_or_browser_changes(
+    machine: LocalMachine, db: Database
+) -> None:
+    """Whatever an agent file lists: exec and MCP tools are dropped, the browser comes as its reads."""
+    tools = session_tools(machine, db, Tier.FULL_AUTO)
+    mcp_tool = replace(tools.toolset["read_file"], name="mcp__gh__search", action=Action.READ)
+    tools.toolset = {**tools.toolset, "mcp__gh__search": mcp_tool}
+    spec = AgentSpec(
+        "ops", "Does everything.", "Do it.", tools=("read", "exec", "browser", "mcp__gh__search"),
+        tier=Tier.FULL_AUTO, source="ops.md",
+    )  # fmt: skip
+    subagents = delegate(tools, ScriptedModel([]), Events(), {"ops": spec})
+    child = subagents.child_tools(spec, ("toolu_s0_0",))
+    assert set(child.toolset) == {"read_file", "browser"}
+    assert child.toolset["browser"].params is canonical_tool("browser_read").params  # type: ignore[union-attr]
 
 
 async def test_which_agents_are_read_only(machine: LocalMachine, db: Database) -> None:

@@ -7,7 +7,9 @@ transcript that starts with the task's prompt as the user's message. It sees non
 parent's conversation and the parent sees only its final message. Its tools are the parent's
 tools whose canonical name the agent lists, under the tier `intersect(parent, agent)`: the
 intersection of its own and the parent's permissions (so `writer` under a `full-auto` parent
-still only stages, and under a `read-only` parent cannot write at all). Changes it stages,
+still only stages, and under a `read-only` parent cannot write at all). Whatever its agent file
+lists, a child never runs commands, MCP tools or the browser's page-changing actions (seed
+003): those are dropped, and a listed `browser` is given as `browser_read`. Changes it stages,
 approvals it asks for and files it delivers belong to the parent's turn.
 
 Limits: `MAX_DEPTH` (Flue's delegation depth: the root is depth 0 and an agent at depth
@@ -37,17 +39,18 @@ import contextvars
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from agentbox.agent import prompt as prompt_mod
 from agentbox.agent.agents import AgentSpec, canonical_tool, miss, roster
 from agentbox.agent.loop import side_events
+from agentbox.agent.mcp_tools import PREFIX as MCP_PREFIX
 from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, Reply, ToolCall, ToolSpec
 from agentbox.agent.providers.arguments import invalid_arguments
 from agentbox.store.sessions import NewEvent
-from agentbox.tools.base import Tool, ToolResult
+from agentbox.tools.base import Action, Tool, ToolResult
 from agentbox.tools.runner import SessionTools
 from agentbox.tools.tiers import Tier, intersect
 
@@ -55,6 +58,11 @@ log = logging.getLogger(__name__)
 
 #: Flue's delegation depth cap: the root agent is depth 0; an agent at this depth cannot delegate.
 MAX_DEPTH = 4
+#: The actions no child is given, whatever its agent file lists: commands and MCP tools
+#: (an MCP tool is dropped by its name too, even one a trusted server marks read-only).
+NEVER_DELEGATED = frozenset({Action.EXEC, Action.MCP})
+#: Tools a child gets only the looking part of: the page-changing browser becomes its reads.
+DELEGATED_AS = {"browser": "browser_read"}
 #: Read-only tasks running at once in one session's tree of agents (seed 001).
 MAX_PARALLEL_READ_ONLY = 3
 #: Model calls one child run may make before it stops with status `max_steps`.
@@ -186,13 +194,16 @@ class Subagents:
         return result
 
     def child_tools(self, spec: AgentSpec, path: tuple[str, ...]) -> SessionTools:
-        """The child's `SessionTools`: the parent's tools it lists, under the intersected tier."""
+        """The child's `SessionTools`: the parent's tools it lists and may be given (never
+        `NEVER_DELEGATED`), under the intersected tier."""
+        listed = {DELEGATED_AS.get(name, name) for name in spec.tools}
         toolset = {
             shown: tool
             for shown, tool in self.parent.toolset.items()
-            if self.canonical.get(shown, shown) in spec.tools
+            if self.canonical.get(shown, shown) in listed
+            and delegable(self.canonical.get(shown, shown), tool)
         }
-        toolset.update(self.narrowed(spec))
+        toolset.update(self.narrowed(listed))
         child = replace(
             self.parent,
             tier=intersect(self.parent.tier, spec.tier),
@@ -209,11 +220,11 @@ class Subagents:
             )  # fmt: skip
         return child
 
-    def narrowed(self, spec: AgentSpec) -> dict[str, Tool]:
+    def narrowed(self, listed: Iterable[str]) -> dict[str, Tool]:
         """The parts of the parent's tools the child lists (`Tool.narrows`), under the parent's names."""
         parts: dict[str, Tool] = {}
         by_canonical = {self.canonical.get(shown, shown): shown for shown in self.parent.toolset}
-        for canonical in spec.tools:
+        for canonical in listed:
             part = canonical_tool(canonical)
             if part is not None and part.narrows in by_canonical:
                 shown = by_canonical[part.narrows]
@@ -224,6 +235,11 @@ class Subagents:
         """The child's system prompt: its instructions, the roster if it may delegate, the facts."""
         roster_part = prompt_mod.agents_section(roster(self.agents)) if tools.delegate is not None else ""
         return "\n\n".join(part for part in (spec.instructions, roster_part, self.system_facts) if part)
+
+
+def delegable(canonical: str, tool: Tool) -> bool:
+    """Whether a child may be given `tool` at all (see `NEVER_DELEGATED`)."""
+    return tool.action not in NEVER_DELEGATED and not canonical.startswith(f"{MCP_PREFIX}__")
 
 
 @dataclass
