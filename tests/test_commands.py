@@ -159,7 +159,8 @@ async def test_cancelled_run_kills_the_command(manager: CommandManager, tmp_path
     task = asyncio.create_task(manager.run("echo $$ > pid; sleep 1000"))
     pid_file = root(manager) / "pid"
     end = time.monotonic() + DEADLINE
-    while not pid_file.exists() or not pid_file.read_text().strip():
+    # The shell can write its pid before the launch has recorded the command: wait for both.
+    while not pid_file.exists() or not pid_file.read_text().strip() or not manager.list():
         assert time.monotonic() < end
         await asyncio.sleep(0.01)
     task.cancel()
@@ -182,16 +183,17 @@ async def test_output_cap_boundary(manager: CommandManager) -> None:
         "import sys; sys.stdout.buffer.write(bytes(97 + i % 26 for i in range({n})));"
         " print('done', file=sys.stderr)"
     )
-    exact = await manager.run(f'python3 -c "{script.format(n=MAX_BUFFERED_OUTPUT)}"')
-    assert exact.stdout.total == MAX_BUFFERED_OUTPUT and not exact.stdout.truncated
-    assert exact.stdout.getvalue() == pattern(MAX_BUFFERED_OUTPUT)
+    room = MAX_BUFFERED_OUTPUT - len(b"done\n")  # stderr's 5 bytes count against the same budget
+    exact = await manager.run(f'python3 -c "{script.format(n=room)}"')
+    assert exact.stdout.total == room and not exact.stdout.truncated and not exact.stderr.truncated
+    assert exact.stdout.getvalue() == pattern(room)
 
-    over = await manager.run(f'python3 -c "{script.format(n=MAX_BUFFERED_OUTPUT + 1)}"')
+    over = await manager.run(f'python3 -c "{script.format(n=room + 1)}"')
     assert (over.status, over.exit_code, over.stderr.getvalue()) == ("completed", 0, b"done\n")
-    assert over.stdout.truncated and over.stdout.total == MAX_BUFFERED_OUTPUT + 1 and over.stdout.dropped == 1
-    whole = pattern(MAX_BUFFERED_OUTPUT + 1)
+    assert over.stdout.truncated and over.stdout.total == room + 1 and over.stdout.dropped == 1
+    whole = pattern(room + 1)
     kept = over.stdout.getvalue()
-    assert len(kept) == MAX_BUFFERED_OUTPUT
+    assert len(kept) == room
     assert kept == whole[:KEPT_HEAD_BYTES] + whole[KEPT_HEAD_BYTES + 1 :]
     assert "[... 1 bytes of output omitted ...]" in over.stdout.text()
 
@@ -199,7 +201,30 @@ async def test_output_cap_boundary(manager: CommandManager) -> None:
 async def test_pipe_drains_far_past_the_cap(manager: CommandManager) -> None:
     cmd = await manager.run("head -c 20000000 /dev/zero; echo end >&2")
     assert (cmd.status, cmd.exit_code, cmd.stderr.getvalue()) == ("completed", 0, b"end\n")
-    assert cmd.stdout.total == 20_000_000 and len(cmd.stdout.getvalue()) == MAX_BUFFERED_OUTPUT
+    assert cmd.stdout.total == 20_000_000 and len(cmd.stdout.getvalue()) == MAX_BUFFERED_OUTPUT - len(
+        b"end\n"
+    )
+
+
+async def test_both_streams_share_one_capture_budget(manager: CommandManager) -> None:
+    """1 MiB over stdout and stderr together: two floods end with half each, heads kept."""
+    flood = MAX_BUFFERED_OUTPUT
+    cmd = await manager.run(f"head -c {flood} /dev/zero; head -c {flood} /dev/zero >&2")
+    out, err = cmd.stdout, cmd.stderr
+    assert (out.total, err.total) == (flood, flood)
+    assert out.kept + err.kept == MAX_BUFFERED_OUTPUT and abs(out.kept - err.kept) <= 1
+    assert out.truncated and err.truncated
+    assert out.getvalue()[:KEPT_HEAD_BYTES] == err.getvalue()[:KEPT_HEAD_BYTES] == bytes(KEPT_HEAD_BYTES)
+
+
+def test_the_longer_tail_gives_way_first() -> None:
+    out, err = OutputBuffer.pair(cap=12)
+    out.head_cap = err.head_cap = 2
+    out.append(b"aaaaaaaa")  # head aa, tail aaaaaa
+    err.append(b"bbbb")  # head bb, tail bb: 12 kept, at the budget
+    assert (out.kept, err.kept, out.truncated, err.truncated) == (8, 4, False, False)
+    err.append(b"cc")  # 14: stdout's longer tail drops its 2 oldest
+    assert (out.getvalue(), err.getvalue()) == (b"aaaaaa", b"bbbbcc") and out.dropped == 2
 
 
 def test_buffer_reads_by_absolute_offset() -> None:

@@ -22,8 +22,9 @@ Output is shown by its tail (errors and final results live there), at most
 `TAIL_MAX_LINES` lines and `TAIL_MAX_BYTES` bytes over both streams. When anything is cut,
 a marker says so with totals and names a file inside the machine holding everything that
 was captured (`OUTPUT_DIR/<command id>.stdout|.stderr`), so the model can read or grep it.
-The engine keeps at most `MAX_CAPTURE_BYTES` of each stream (its first 64 KiB and the
-latest rest); beyond that the marker also says how many bytes in the middle were dropped.
+The engine keeps at most `MAX_CAPTURE_BYTES` over both streams together (each stream's first
+64 KiB and the latest rest, the longer tail giving way first); beyond that the marker also
+says how many bytes in the middle were dropped.
 
 Secrets: a sandbox's environment is already clean (nothing of the server's leaks in), but
 a machine injects its configured variables (env providers) into every command. Variables
@@ -54,7 +55,7 @@ DEFAULT_TIMEOUT_SECONDS = 120
 MIN_TIMEOUT_SECONDS = 5
 #: Longest deadline a call may ask for (seed 001: 1800 s).
 MAX_TIMEOUT_SECONDS = 1800
-#: Bytes of each stream (stdout, stderr) kept by the command engine (seed 001: 1 MiB); the
+#: Bytes kept by the command engine over stdout and stderr together (seed 001: 1 MiB); the
 #: pipes keep draining past it and the middle of the output is what gets dropped.
 MAX_CAPTURE_BYTES = MAX_BUFFERED_OUTPUT
 #: Lines of output shown to the model, over both streams, taken from the end (Flue c.2).
@@ -292,8 +293,9 @@ def _marker(shown: Shown, path: str | None, problem: str | None) -> str:
     ]
     if shown.buffer.truncated:
         parts.append(
-            f"; the command wrote {shown.buffer.total} bytes, more than the {MAX_CAPTURE_BYTES}-byte capture "
-            f"limit, so {shown.buffer.dropped} bytes in the middle were dropped"
+            f"; the command wrote {shown.buffer.total} bytes to {shown.name}, and the capture keeps "
+            f"{MAX_CAPTURE_BYTES} bytes over both streams, so {shown.buffer.dropped} bytes in the middle "
+            "were dropped"
         )
     if path is not None:
         parts.append(f"; full captured output saved to {path}")

@@ -61,8 +61,9 @@ from agentbox.workspace.files import limit_exceeded
 Status = Literal["running", "completed", "timed_out", "killed", "failed"]
 SessionStatus = Literal["ready", "closed"]
 
-#: Bytes kept per stream (stdout and stderr separately) of one command; seed 001's 1 MiB.
-#: The pipe keeps draining past it; the middle of the output is what gets dropped.
+#: Bytes of output one command keeps, over stdout and stderr together (seed 001's 1 MiB).
+#: The pipes keep draining past it; the middle of the output is what gets dropped, first
+#: from whichever stream keeps more.
 MAX_BUFFERED_OUTPUT = 1024 * 1024
 #: Longest command line, in UTF-8 bytes: it is one argv string (`sh -c <command>`), and the
 #: kernel caps one at MAX_ARG_STRLEN (128 KiB with its NUL; longer is E2BIG at spawn).
@@ -163,25 +164,65 @@ class OutputSlice:
     skipped: int = 0
 
 
-class OutputBuffer:
-    """One output stream: the first `KEPT_HEAD_BYTES` and the latest bytes, up to a cap.
+class CaptureBudget:
+    """The bytes the output streams of one command keep together, at most `cap`. When they
+    would keep more, the stream whose tail is longer drops its oldest tail bytes first."""
 
-    Offsets are absolute positions in the whole stream as the command wrote it, so a
-    reader's offset stays valid however much is dropped in between.
+    def __init__(self, cap: int = MAX_BUFFERED_OUTPUT) -> None:
+        self.cap = cap
+        self.buffers: list[OutputBuffer] = []
+
+    def fit(self) -> None:
+        over = sum(b.kept for b in self.buffers) - self.cap
+        while over > 0:
+            longest, *rest = sorted(self.buffers, key=lambda b: b.tail_kept, reverse=True)
+            if longest.tail_kept == 0:
+                return  # only heads are left, and they fit (each head is at most a share)
+            gap = longest.tail_kept - max((b.tail_kept for b in rest), default=0)
+            cut = min(over, gap) if gap > 0 else max(1, over // 2)  # down to the next, then by turns
+            longest.drop_oldest(cut)
+            over -= cut
+
+
+class OutputBuffer:
+    """One output stream: the first `KEPT_HEAD_BYTES` and the latest bytes, within a budget.
+
+    The budget is the buffer's own `cap`, or a `CaptureBudget` it shares with the command's
+    other stream. Offsets are absolute positions in the whole stream as the command wrote it,
+    so a reader's offset stays valid however much is dropped in between.
     """
 
-    def __init__(self, cap: int | None = None, head: int | None = None) -> None:
-        self.cap = MAX_BUFFERED_OUTPUT if cap is None else cap
+    def __init__(
+        self, cap: int | None = None, head: int | None = None, budget: CaptureBudget | None = None
+    ) -> None:
+        self.cap = (budget.cap if budget is not None else MAX_BUFFERED_OUTPUT) if cap is None else cap
         self.head_cap = min(KEPT_HEAD_BYTES if head is None else head, self.cap)
+        self.budget = budget if budget is not None else CaptureBudget(self.cap)
+        self.budget.buffers.append(self)
         self.total = 0
         self.closed = False
         self._head = bytearray()
         self._tail: deque[bytes] = deque()
         self._tail_len = 0
 
+    @classmethod
+    def pair(cls, cap: int = MAX_BUFFERED_OUTPUT) -> tuple[OutputBuffer, OutputBuffer]:
+        """stdout and stderr of one command, keeping at most `cap` bytes between them."""
+        budget = CaptureBudget(cap)
+        return cls(budget=budget), cls(budget=budget)
+
+    @property
+    def kept(self) -> int:
+        return len(self._head) + self._tail_len
+
+    @property
+    def tail_kept(self) -> int:
+        return self._tail_len
+
     @property
     def truncated(self) -> bool:
-        return self.total > self.cap
+        """Whether bytes were dropped (the stream wrote more than it keeps)."""
+        return self.total > self.kept
 
     @property
     def tail_start(self) -> int:
@@ -202,9 +243,11 @@ class OutputBuffer:
         if chunk:
             self._tail.append(chunk)
             self._tail_len += len(chunk)
-        self._trim_tail(self.cap - self.head_cap)
+        self.budget.fit()
 
-    def _trim_tail(self, keep: int) -> None:
+    def drop_oldest(self, count: int) -> None:
+        """Drop the `count` oldest bytes of the tail (the middle of the stream grows)."""
+        keep = self._tail_len - count
         while self._tail_len > keep:
             excess = self._tail_len - keep
             first = self._tail[0]
@@ -278,8 +321,8 @@ class Command:
     exit_code: int | None = None
     started_at: datetime = field(default_factory=_now)
     finished_at: datetime | None = None
-    stdout: OutputBuffer = field(default_factory=OutputBuffer)
-    stderr: OutputBuffer = field(default_factory=OutputBuffer)
+    stdout: OutputBuffer = field(init=False)
+    stderr: OutputBuffer = field(init=False)
     #: Whether `write_stdin` can still reach the process.
     stdin_open: bool = False
     #: The last signal `kill` sent, if any.
@@ -291,6 +334,9 @@ class Command:
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _sigkilled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _stdin_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stdout, self.stderr = OutputBuffer.pair()
 
     @property
     def finished(self) -> bool:
