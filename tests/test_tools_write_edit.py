@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 from conftest import host_fingerprint
+from pydantic import ValidationError
 from test_tools_read import (
     Box,
     Ctx,
