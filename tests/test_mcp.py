@@ -43,9 +43,10 @@ from agentbox.tools.toolsets import toolset
 
 #: Seconds any one MCP request may take (a sandbox start included).
 REQUEST_TIMEOUT = 60.0
+#: The default toolset as a server without a search provider offers it (so no `web_search`).
 DEFAULT_NAMES = [
     "bash", "read_file", "write_file", "edit_file", "glob", "grep", "todo_write", "deliver_file",
-    "use_skill", "read_image", "web_search", "web_fetch", "list", "search",
+    "use_skill", "read_image", "web_fetch", "list", "search",
 ]  # fmt: skip
 
 
@@ -128,7 +129,6 @@ async def check_default_toolset(session: ClientSession) -> dict[str, mt.Tool]:
     assert by_name["bash"].annotations.destructive_hint is True  # type: ignore[union-attr]
     assert by_name["write_file"].annotations.destructive_hint is True  # type: ignore[union-attr]
     assert by_name["web_fetch"].annotations.open_world_hint is True  # type: ignore[union-attr]
-    assert by_name["web_search"].annotations.open_world_hint is True  # type: ignore[union-attr]
     return by_name
 
 

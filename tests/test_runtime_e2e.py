@@ -264,3 +264,57 @@ async def test_an_anthropic_model_gets_its_thinking_back_with_its_tool_use(
         assert sent.headers["x-api-key"] == "ak-e2e" and sent.json["max_tokens"] == 2000
         assert "Machine: sandbox" in sent.json["system"][0]["text"]
         await client.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.fixture
+async def quiet_llm() -> AsyncIterator[Loopback]:
+    """A model that answers every request with a line of text (its requests are the record)."""
+    async for loopback in loopback_model(lambda request: text_reply(request.json, "Noted.")):
+        yield loopback
+
+
+@pytest.fixture
+def quiet_server(sandbox_tmp: Path, quiet_llm: Loopback) -> Iterator[Server]:
+    home = sandbox_tmp / "home"
+    home.mkdir()
+    config = sandbox_tmp / "agentbox.toml"
+    config.write_text(f'model_endpoints = ["{quiet_llm.url}/v1"]\n')
+    started = start_server(home, {"AGENTBOX_CONFIG": str(config)})
+    yield started
+    stop_server(started)
+
+
+async def test_the_skill_tools_are_offered_once_there_is_something_for_them(
+    quiet_server: Server, quiet_llm: Loopback
+) -> None:
+    """No skills: neither skill tool. A skill: `activate_skill`. A skill with a file: both."""
+    async with httpx.AsyncClient(base_url=quiet_server.url, timeout=DEADLINE) as client:
+        r = await client.post("/v1/sessions", json={
+            "model": "openai:local", "toolset": "flue",
+            "model_options": {"base_url": quiet_llm.url + "/v1", "api_key": "sk-local"},
+        })  # fmt: skip
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+
+        seen = [0]  # the last event read: each wait starts after the turn before
+
+        async def offered_after_a_turn() -> set[str]:
+            before = len(quiet_llm.requests)
+            await client.post(f"/v1/sessions/{sid}/messages", json={"content": "hello"})
+            streamed = await frames(client, sid, params={"until": "turn_end", "after": seen[0]})
+            seen[0] = int(streamed[-1].id)
+            assert streamed[-1].event == "turn.completed"
+            [request] = quiet_llm.requests[before:]
+            return {tool["function"]["name"] for tool in request.json["tools"]}
+
+        async def put(path: str, content: str) -> None:
+            body = {"file": f"/workspace/.agents/skills/{path}", "content": content}
+            assert (await client.post(f"/sandboxes/{sid}/v1/file/write", json=body)).status_code == 200
+
+        skill_tools = {"activate_skill", "read_skill_resource"}
+        assert not (await offered_after_a_turn()) & skill_tools
+        await put("notes/SKILL.md", "---\nname: notes\ndescription: Takes notes.\n---\nWrite them down.\n")
+        assert (await offered_after_a_turn()) & skill_tools == {"activate_skill"}
+        await put("notes/template.md", "# Notes\n")
+        assert (await offered_after_a_turn()) & skill_tools == skill_tools
+        await client.delete(f"/v1/sessions/{sid}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -136,7 +137,8 @@ def test_a_missing_module_is_skipped_but_a_broken_one_raises(
         ("default", Tier.WORKSPACE_WRITE,
          {"read_file", "write_file", "edit_file", "glob", "grep", "todo_write", "deliver_file", "use_skill",
           "read_image", "list", "search", "task"}),
-        ("default", Tier.FULL_ASK, set(SEED_NAMES["default"]) - {"browser"}),  # a machine without it
+        # a machine without a browser, a server without a search provider
+        ("default", Tier.FULL_ASK, set(SEED_NAMES["default"]) - {"browser", "web_search"}),
     ],
 )  # fmt: skip
 async def test_offered_tools_per_tier(
@@ -145,6 +147,17 @@ async def test_offered_tools_per_tier(
     tools = session(tmp_path, db, name, tier)
     present = set(toolset(name))
     assert {t.name for t in tools.offered()} == offered & present
+
+
+async def test_web_search_is_offered_only_where_a_provider_is_configured(
+    tmp_path: Path, db: Database
+) -> None:
+    tools = session(tmp_path, db, "default", Tier.FULL_AUTO)
+    assert "web_search" not in {t.name for t in tools.offered()}
+    called = await tools.call("web_search", {"query": "agentbox"})
+    assert called.is_error and "There is no tool named 'web_search'" in called.as_text()
+    tools.config = replace(tools.config, web_search_url="http://127.0.0.1:9/search")
+    assert "web_search" in {t.name for t in tools.offered()}
 
 
 @pytest.mark.parametrize(("name", "overwrites"), [("default", True), ("flue", True), ("workbench", False)])

@@ -95,7 +95,7 @@ from agentbox.tools.base import Action, Tool, ToolResult
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools, denied
 from agentbox.tools.services import MachineServices, Services
-from agentbox.tools.skills import catalog
+from agentbox.tools.skills import catalog, unused_skill_tools
 from agentbox.tools.tiers import FullAutoRefused, Tier, session_tier
 from agentbox.tools.toolsets import TOOLSETS, toolset
 
@@ -600,6 +600,10 @@ class Worker:
         session = await self.store.get_session(session.id)
         machine = await self._described(session)
         skills = await catalog(machine, host.tools.config) if machine is not None else []
+        unused = await unused_skill_tools(skills)
+        host.tools.absent = frozenset(
+            shown for shown, canonical in canonical_names(session.toolset).items() if canonical in unused
+        )
         agents: list[Any] = []
         if host.subagents is not None:
             found = await load_agents(machine, self.registry.settings.agents)

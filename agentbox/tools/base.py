@@ -213,8 +213,9 @@ class Tool:
     """Whether the tool authorizes each call itself (`ctx.authorize` with the action the call
     really takes and the detail a user needs to judge it) instead of the runner asking for
     `action` up front; what the tier forbids for `action` is still refused before it runs."""
-    available: Callable[[Any], bool] | None = None
-    """Whether the tool exists on a machine (`browser`: only where the entry enables it); None: everywhere."""
+    available: Callable[[Any, ToolConfig], bool] | None = None
+    """Whether the tool exists for a (machine, config): `browser` only where the machine's entry
+    enables it, `web_search` only where a provider is configured; None: everywhere."""
     narrows: str | None = None
     """The canonical tool this one is a part of (`browser_read` of `browser`): a subagent that lists
     it gets it where its parent has the whole tool, under the parent's name for that tool."""

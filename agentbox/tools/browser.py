@@ -38,7 +38,7 @@ from agentbox.workspace.browser import (
 )
 from agentbox.workspace.errors import WorkspaceError
 
-from .base import Action, Tool, ToolContext, ToolParams, ToolResult
+from .base import Action, Tool, ToolConfig, ToolContext, ToolParams, ToolResult
 
 ActionName = Literal[
     "browser.get_state", "page.text.snapshot", "page.elements.snapshot", "page.wait_for",
@@ -96,7 +96,7 @@ class BrowserParams(ToolParams):
     timeout: float | None = Field(default=None, description="Seconds this action may take.")  # fmt: skip
 
 
-def has_browser(machine: Machine | None) -> bool:
+def has_browser(machine: Machine | None, config: ToolConfig | None = None) -> bool:
     """Whether the tool is offered on `machine`: its entry enabled the browser."""
     return isinstance(machine, Browsing) and machine.browser_driver() is not None
 

@@ -133,6 +133,9 @@ class SessionTools:
     """Runs a subagent for the `task` tool; None = no subagents in this session."""
     services: MachineServices | None = None
     """The machine's services (the system's, set with the machine); made here when not given."""
+    absent: frozenset[str] = frozenset()
+    """Tools (by the names offered) with nothing to work on this turn, so not offered: the
+    skill tools where there are no skills (`unused_skill_tools`)."""
 
     def __post_init__(self) -> None:
         if self.services is None and self.machine is not None:
@@ -146,15 +149,18 @@ class SessionTools:
         self.deliveries = 0
 
     def offered(self) -> list[Tool]:
-        """The tools the model may see: those whose action this tier (and plan) does not forbid."""
+        """The tools the model may see: those that exist here and whose action this tier (and
+        plan) does not forbid."""
         return [
             tool
-            for tool in self.toolset.values()
-            if self._decision(tool.action) != Decision.FORBID and self._exists(tool)
+            for name, tool in self.toolset.items()
+            if self._decision(tool.action) != Decision.FORBID and self._exists(name, tool)
         ]
 
-    def _exists(self, tool: Tool) -> bool:
-        return tool.available is None or tool.available(self.machine)
+    def _exists(self, name: str, tool: Tool) -> bool:
+        if name in self.absent:
+            return False
+        return tool.available is None or tool.available(self.machine, self.config)
 
     async def call(
         self, name: str, args: Any, *, preapproved: str | None = None, tool_use_id: str | None = None
@@ -180,7 +186,7 @@ class SessionTools:
 
     async def _call(self, name: str, args: Any) -> ToolResult:
         tool = self.toolset.get(name)
-        if tool is None or not self._exists(tool):
+        if tool is None or not self._exists(name, tool):
             names = ", ".join(t.name for t in self.offered())
             return ToolResult.error(f"There is no tool named {name!r}. Available tools: {names}.")
         decision = self._decision(tool.action)

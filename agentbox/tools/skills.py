@@ -328,6 +328,21 @@ async def resources(skill: Skill) -> list[str]:
     return sorted(found)
 
 
+async def unused_skill_tools(skills: list[Skill]) -> frozenset[str]:
+    """The skill tools (canonical names) with nothing to work on, which a turn does not offer:
+    `use_skill` and `read_skill_resource` without skills, `read_skill_resource` when no skill
+    has a file besides its SKILL.md."""
+    if not skills:
+        return frozenset({"use_skill", "read_skill_resource"})
+    for skill in skills:
+        try:
+            if await resources(skill):
+                return frozenset()
+        except (OSError, MachineError):
+            return frozenset()  # unknown: offered, and the call says what it finds
+    return frozenset({"read_skill_resource"})
+
+
 # -- use_skill ---------------------------------------------------------------------------
 
 

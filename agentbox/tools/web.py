@@ -40,7 +40,9 @@ import html2text
 import httpx
 from pydantic import Field
 
-from .base import Action, Tool, ToolContext, ToolParams, ToolResult
+from agentbox.machines.base import Machine
+
+from .base import Action, Tool, ToolConfig, ToolContext, ToolParams, ToolResult
 
 #: Body bytes read from one page (after content decoding); reading stops there and the result says so.
 MAX_FETCH_BYTES = 5 * 1024 * 1024
@@ -434,6 +436,13 @@ WEB_FETCH = Tool(
     run=run_fetch,
     machine=False,
 )
+
+
+def has_search_provider(machine: Machine | None, config: ToolConfig) -> bool:
+    """`web_search` is offered only where the server has a provider to ask."""
+    return config.web_search_url is not None
+
+
 WEB_SEARCH = Tool(
     name="web_search",
     description=SEARCH_DESCRIPTION,
@@ -441,6 +450,7 @@ WEB_SEARCH = Tool(
     action=Action.WEB,
     run=run_search,
     machine=False,
+    available=has_search_provider,
 )
 
 TOOLS: dict[str, Tool] = {t.name: t for t in (WEB_FETCH, WEB_SEARCH)}
