@@ -256,8 +256,9 @@ def images_dir() -> Path:
     return Path(os.environ.get("AGENTBOX_TEST_IMAGES") or default_home() / "images")
 
 
-def built_image(name: str, profile: str) -> Image:
-    """The image `name` of `profile`, built if setup did not (a no-op when it is up to date)."""
+def built_image(name: str, profile: str, include: tuple[str, ...] = ()) -> Image:
+    """The image `name` of `profile` (with the Debian packages `include` added), built if setup
+    did not (a no-op when it is up to date)."""
     from agentbox.machines.images import ImageStore
     from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID
 
@@ -265,7 +266,7 @@ def built_image(name: str, profile: str) -> Image:
         (DEFAULT_SANDBOX_UID, DEFAULT_SANDBOX_UID) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
     )
     store = ImageStore(images_dir(), uid, gid)
-    return store.build(store.request(name, profile))
+    return store.build(store.request(name, profile, include))
 
 
 @pytest.fixture(scope="session")
