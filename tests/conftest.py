@@ -971,3 +971,17 @@ def browser_server(tmp_path_factory: pytest.TempPathFactory, data_image: Image) 
     )
     yield server
     stop_server(server)
+
+
+# -------------------------------------------------------------------- the code interpreter
+
+#: What the code interpreter's test image adds to the base profile (the data image has both):
+#: a Jupyter kernel with jupyter_client, and matplotlib for figures. Built once (about 3 min).
+KERNEL_PACKAGES = ("python3-ipykernel", "python3-matplotlib")
+KERNEL_IMAGE = "kernel"
+
+
+@pytest.fixture(scope="session")
+def kernel_image() -> Image:
+    """A small image whose sandboxes can run code contexts (`agentbox.workspace.kernels`)."""
+    return built_image(KERNEL_IMAGE, "base", KERNEL_PACKAGES)

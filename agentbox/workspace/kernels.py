@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agentbox.machines.base import ExecRequest, Machine, Process
+from agentbox.machines.base import ExecRequest, Machine, Process, inside_path
 from agentbox.workspace.errors import WorkspaceError
 
 RUNNER_SOURCE = (Path(__file__).parent / "kernel_runner.py").read_text()
@@ -444,9 +444,9 @@ class CodeInterpreter:
         return context
 
     async def _cwd(self, cwd: str | None) -> str:
-        where = cwd or self.machine.root
-        stat = await self.machine.stat(where)
-        if stat is None or not stat.is_dir:
+        where = inside_path(self.machine.root, cwd or self.machine.root)
+        found = await self.machine.exec(ExecRequest(argv=("test", "-d", where), timeout=KERNEL_START_SECONDS))
+        if found.exit_code != 0:  # asked inside: a host-files machine's stat sees only its mounts
             raise error("not_found", f"the working directory {where!r} is not a directory of this machine")
         return where
 
