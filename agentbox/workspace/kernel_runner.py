@@ -25,15 +25,39 @@ nothing a cell writes to a raw descriptor can forge a line (ipykernel relays fd 
 stream messages). Standard library and jupyter_client only: it runs on the image's Python.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 #: Seconds between checks that the kernel is still alive while waiting for its messages.
 POLL_SECONDS = 1.0
+#: Characters a Python kernel's stdout or stderr buffers before it sends them. ipykernel sends
+#: what was written every 0.2 s, so a cell printing in a loop would make one message of all
+#: it printed meanwhile (hundreds of MB); past this the write sends at once (and waits for it).
+STREAM_FLUSH_CHARS = 64 * 1024
+#: What a Python kernel runs once started: its streams sent in bounded pieces.
+BOUNDED_STREAMS = """
+def _agentbox_bound(stream, most):
+    write = stream.write
+    def bounded(text):
+        written = write(text)
+        buffer = getattr(stream, "_buffer", None)
+        if buffer is not None and buffer.tell() > most:
+            stream.flush()
+        return written
+    stream.write = bounded
+import sys as _agentbox_sys
+_agentbox_bound(_agentbox_sys.stdout, {most})
+_agentbox_bound(_agentbox_sys.stderr, {most})
+del _agentbox_bound, _agentbox_sys
+"""
 
 
 def main() -> int:
@@ -45,7 +69,7 @@ def main() -> int:
     os.dup2(devnull, 1)
     lock = threading.Lock()
 
-    def send(event):
+    def send(event: dict[str, Any]) -> None:
         line = json.dumps(event, separators=(",", ":")).encode() + b"\n"
         if len(line) > max_line:
             line = (
@@ -61,6 +85,7 @@ def main() -> int:
     except ImportError as exc:
         send({"event": "failed", "reason": "start", "message": f"jupyter_client is not installed: {exc}"})
         return 1
+    os.environ["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # no debugger warnings on every start
     manager = KernelManager(kernel_name=kernel_name)
     try:
         manager.start_kernel(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
@@ -78,8 +103,10 @@ def main() -> int:
         send({"event": "failed", "reason": "start", "message": str(exc)})
         manager.shutdown_kernel(now=True)
         return 1
+    if kernel_name == "python3":
+        quiet(manager, client, BOUNDED_STREAMS.format(most=STREAM_FLUSH_CHARS))
     send({"event": "ready"})
-    requests = queue.Queue()
+    requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
     threading.Thread(target=read_requests, args=(inbox, requests, manager), daemon=True).start()
     try:
         while (request := requests.get()) is not None:
@@ -98,7 +125,7 @@ class KernelDied(Exception):
     pass
 
 
-def read_requests(inbox, requests, manager):
+def read_requests(inbox: BinaryIO, requests: queue.Queue[dict[str, Any] | None], manager: Any) -> None:
     """Requests from the server: an interrupt acts at once (a cell may be running), the rest queue."""
     for line in inbox:
         try:
@@ -113,7 +140,10 @@ def read_requests(inbox, requests, manager):
     requests.put(None)
 
 
-def execute(manager, client, request, send, python):
+Send = Callable[[dict[str, Any]], None]
+
+
+def execute(manager: Any, client: Any, request: dict[str, Any], send: Send, python: bool) -> None:
     n, env = request["id"], request.get("env") or {}
     if env and python:
         quiet(manager, client, ENV_SET.format(env=json.dumps(env)))
@@ -149,13 +179,13 @@ ENV_RESTORE = (
 )
 
 
-def quiet(manager, client, code):
+def quiet(manager: Any, client: Any, code: str) -> None:
     msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False)
     for _ in messages(manager, client, msg_id):
         pass
 
 
-def messages(manager, client, msg_id):
+def messages(manager: Any, client: Any, msg_id: str) -> Iterator[dict[str, Any]]:
     """The iopub messages of one request until its kernel is idle again."""
     while True:
         try:
@@ -171,7 +201,7 @@ def messages(manager, client, msg_id):
         yield msg
 
 
-def drain_shell(client):
+def drain_shell(client: Any) -> None:
     """Drop the replies on the shell channel (the iopub messages carried everything)."""
     while True:
         try:
