@@ -20,6 +20,7 @@ from e2b import NotFoundException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 from e2b_code_interpreter.constants import DEFAULT_TEMPLATE, JUPYTER_PORT
 from test_e2b import API_KEY, eventually, point_sdk
+from test_readme import block, python
 
 from agentbox.e2b.sandboxes import CODE_INTERPRETER_TEMPLATE
 from agentbox.machines.images import Image
@@ -221,3 +222,8 @@ def test_an_output_flood_ends_with_the_limit_error(sbx: Sandbox) -> None:
     assert str(MAX_OUTPUT_BYTES) in flood.error.value
     assert sum(map(len, flood.logs.stdout)) <= MAX_OUTPUT_BYTES
     assert sbx.run_code("kept", context=context).text == "7"
+
+
+def test_the_readmes_code_interpreter_example(code_env: Server) -> None:
+    out = python(block("from e2b_code_interpreter import Sandbox").text, code_env)
+    assert out.splitlines() == ["42", "['text', 'png']", "'/tmp'"], out
