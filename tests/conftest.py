@@ -985,3 +985,24 @@ KERNEL_IMAGE = "kernel"
 def kernel_image() -> Image:
     """A small image whose sandboxes can run code contexts (`agentbox.workspace.kernels`)."""
     return built_image(KERNEL_IMAGE, "base", KERNEL_PACKAGES)
+
+
+#: The machine of `kernel_server`: a sandbox on the kernel image, network off.
+KERNEL_MACHINE = "kernels"
+
+
+@pytest.fixture(scope="session")
+def kernel_server(tmp_path_factory: pytest.TempPathFactory, kernel_image: Image) -> Iterator[Server]:
+    """A real server whose default machine's sandboxes can run code contexts."""
+    home = traversable(tmp_path_factory.mktemp("srv-kernel"), tmp_path_factory) / "home"
+    home.mkdir()
+    config = home.parent / "agentbox.toml"
+    config.write_text(
+        f'default_machine = "{KERNEL_MACHINE}"\n'
+        f'[machines.{KERNEL_MACHINE}]\nkind = "sandbox"\nimage = "{KERNEL_IMAGE}"\nnetwork = "off"\n'
+    )
+    server = start_server(
+        home, {"AGENTBOX_CONFIG": str(config), "AGENTBOX_IMAGES": str(kernel_image.path.parent)}
+    )
+    yield server
+    stop_server(server)

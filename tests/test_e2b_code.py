@@ -1,7 +1,7 @@
 """The stock `e2b-code-interpreter` SDK (sync and async) against a real `agentbox serve`.
 
-The server's default machine is a sandbox on the `kernel` test image (a Jupyter kernel and
-matplotlib); the SDK is pointed at it as `tests/test_e2b.py` does, and creates its sandboxes
+The server (`kernel_server`) has a default machine on the `kernel` test image (a Jupyter
+kernel and matplotlib); the SDK is pointed at it as `tests/test_e2b.py` does, and creates its sandboxes
 with its own default template, `code-interpreter-v1`.
 """
 
@@ -15,51 +15,27 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import KERNEL_IMAGE, Server, host_pid_of, start_server, stop_server, traversable
+from conftest import Server, host_pid_of
 from e2b import NotFoundException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 from e2b_code_interpreter.constants import DEFAULT_TEMPLATE, JUPYTER_PORT
-from test_e2b import API_KEY, eventually, point_sdk
+from test_e2b import eventually, point_sdk
 from test_readme import block, python
 
 from agentbox.e2b.sandboxes import CODE_INTERPRETER_TEMPLATE
-from agentbox.machines.images import Image
 from agentbox.workspace.kernels import MAX_OUTPUT_BYTES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-#: The machine of the module's server.
-MACHINE = "kernels"
 #: Seconds of the SDK's execution timeout in the timeout test, and of the cell it stops.
 SDK_TIMEOUT = 2
 LONG_SLEEP = 60
 
 
 @pytest.fixture(scope="module")
-def code_server(tmp_path_factory: pytest.TempPathFactory, kernel_image: Image) -> Iterator[Server]:
-    home = traversable(tmp_path_factory.mktemp("e2b-code"), tmp_path_factory) / "home"
-    home.mkdir()
-    config = home.parent / "agentbox.toml"
-    config.write_text(
-        f'default_machine = "{MACHINE}"\n'
-        f'[machines.{MACHINE}]\nkind = "sandbox"\nimage = "{KERNEL_IMAGE}"\nnetwork = "off"\n'
-    )
-    server = start_server(
-        home,
-        env={
-            "AGENTBOX_API_KEY": API_KEY,
-            "AGENTBOX_CONFIG": str(config),
-            "AGENTBOX_IMAGES": str(kernel_image.path.parent),
-        },
-    )
-    yield server
-    stop_server(server)
-
-
-@pytest.fixture(scope="module")
-def code_env(code_server: Server) -> Iterator[Server]:
+def code_env(kernel_server: Server) -> Iterator[Server]:
     with pytest.MonkeyPatch.context() as mp:
-        point_sdk(mp, code_server)
-        yield code_server
+        point_sdk(mp, kernel_server)
+        yield kernel_server
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -73,8 +74,9 @@ STDERR_TAIL_BYTES = 4096
 MAX_QUEUED_EVENTS = 256
 #: Bytes read from the runner at a time.
 READ_CHUNK = 65536
-#: Characters of a context id (hex).
+#: Bytes of a context id the interpreter makes (hex), and what an id a caller names must be.
 CONTEXT_ID_BYTES = 8
+CONTEXT_ID_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 Kind = Literal["stdout", "stderr", "result", "error", "count"]
 
@@ -102,10 +104,12 @@ class Output:
     traceback: tuple[str, ...] = ()
     count: int = 0
     """The kernel's execution count (`kind == "count"`)."""
+    stopped: bool = False
+    """An error of the interpreter's own (a limit hit, the kernel gone), not one the code raised."""
 
     @staticmethod
     def failure(name: str, value: str) -> Output:
-        return Output("error", name=name, value=value)
+        return Output("error", name=name, value=value, stopped=True)
 
     def size(self) -> int:
         """Bytes it counts against the execution's output limit."""
@@ -391,6 +395,12 @@ class Context:
     cwd: str
     kernel: Kernel | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    """Held by the execution running in it (one at a time)."""
+    starting: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    """Held while its kernel starts (an execution and a caller that waits for the kernel)."""
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    """When it was made, and when an execution in it last ended (epoch seconds)."""
 
     def view(self) -> dict[str, str]:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -420,21 +430,31 @@ class CodeInterpreter:
         """Language -> the context an execution naming only the language runs in."""
         self.last_used = time.monotonic()
         self._idle: asyncio.Task[None] | None = None
+        self._defaulting = asyncio.Lock()
         self._closed = False
 
     # ------------------------------------------------------------------ contexts
 
-    async def create(self, language: str | None = None, cwd: str | None = None) -> Context:
-        """A new context with its kernel started (so a language without one fails here)."""
+    async def create(
+        self, language: str | None = None, cwd: str | None = None, context_id: str | None = None
+    ) -> Context:
+        """A new context (named `context_id`, else a fresh id) with its kernel started, so a
+        language without one fails here."""
         language = (language or DEFAULT_LANGUAGE).lower()
+        if context_id is not None and not CONTEXT_ID_RULE.fullmatch(context_id):
+            raise error(
+                "bad_request", f"a context id is 1-64 letters, digits, '.', '_' or '-', not {context_id!r}"
+            )
         if language not in KERNELS:
             raise error("bad_request", f"no kernel for language {language!r}: one of {', '.join(KERNELS)}")
+        where = await self._cwd(cwd)
+        if context_id is not None and context_id in self.contexts:
+            raise error("already_exists", f"context {context_id!r} exists")
         if len(self.contexts) >= self.max_contexts:
             raise error(
                 "capacity_exceeded", f"at most {self.max_contexts} code contexts at once; remove one first"
             )
-        where = await self._cwd(cwd)
-        context = Context(secrets.token_hex(CONTEXT_ID_BYTES), language, where)
+        context = Context(context_id or secrets.token_hex(CONTEXT_ID_BYTES), language, where)
         self.contexts[context.id] = context
         try:
             await self.started(context)
@@ -461,10 +481,11 @@ class CodeInterpreter:
         if context_id:
             return self.get(context_id)
         language = (language or DEFAULT_LANGUAGE).lower()
-        default = self.contexts.get(self.defaults.get(language, ""))
-        if default is None:
-            default = await self.create(language)
-            self.defaults[language] = default.id
+        async with self._defaulting:  # two first executions make one default context
+            default = self.contexts.get(self.defaults.get(language, ""))
+            if default is None:
+                default = await self.create(language)
+                self.defaults[language] = default.id
         return default
 
     def list(self) -> list[Context]:
@@ -488,18 +509,20 @@ class CodeInterpreter:
     # ------------------------------------------------------------------ kernels
 
     async def started(self, context: Context) -> Kernel:
-        """The context's running kernel, started when it has none."""
-        if self._closed:
-            raise error("kernel_unavailable", "the code interpreter of this machine is closed")
-        if context.kernel is None or not context.kernel.alive:
-            if context.kernel is not None:
-                await context.kernel.close()
-            kernel_name = KERNELS[context.language]
-            context.kernel = await Kernel.start(
-                self.machine, kernel_name, context.cwd, MAX_LINE_BYTES, self.start_seconds
-            )
-            self._watch_idle()
-        return context.kernel
+        """The context's running kernel, started when it has none (once, however many ask)."""
+        async with context.starting:
+            if self._closed:
+                raise error("kernel_unavailable", "the code interpreter of this machine is closed")
+            if context.kernel is None or not context.kernel.alive:
+                if context.kernel is not None:
+                    await context.kernel.close()
+                kernel_name = KERNELS[context.language]
+                context.kernel = await Kernel.start(
+                    self.machine, kernel_name, context.cwd, MAX_LINE_BYTES, self.start_seconds
+                )
+                self.last_used = time.monotonic()
+                self._watch_idle()
+            return context.kernel
 
     @staticmethod
     async def _stop(context: Context) -> None:
@@ -529,20 +552,29 @@ class CodeInterpreter:
                     yield output
             finally:
                 self.last_used = time.monotonic()
+                context.last_used = time.time()
 
     def _watch_idle(self) -> None:
         if self._idle is None or self._idle.done():
             self._idle = asyncio.ensure_future(self._stop_when_idle())
 
     async def _stop_when_idle(self) -> None:
+        """Stop every kernel once no cell has run for `idle_seconds` (the contexts stay)."""
         while not self._closed:
             quiet = time.monotonic() - self.last_used
-            if quiet >= self.idle_seconds and not any(c.lock.locked() for c in self.contexts.values()):
-                for context in self.contexts.values():
-                    async with context.lock:
-                        await self._stop(context)
+            if any(c.lock.locked() for c in self.contexts.values()):
+                await asyncio.sleep(self.idle_seconds)  # a cell runs: it ends as a use
+                continue
+            if quiet < self.idle_seconds:
+                await asyncio.sleep(self.idle_seconds - quiet)
+                continue
+            for context in list(self.contexts.values()):
+                async with context.lock:
+                    if time.monotonic() - self.last_used < self.idle_seconds:
+                        break  # used meanwhile: watch on
+                    await self._stop(context)
+            else:
                 return
-            await asyncio.sleep(max(self.idle_seconds - quiet, 1.0))
 
     def running(self) -> int:
         """Kernels running now."""
@@ -554,5 +586,4 @@ class CodeInterpreter:
         if self._idle is not None:
             self._idle.cancel()
         contexts, self.contexts, self.defaults = list(self.contexts.values()), {}, {}
-        for context in contexts:
-            await self._stop(context)
+        await asyncio.gather(*(self._stop(c) for c in contexts))  # each runner gets its grace at once
