@@ -254,3 +254,22 @@ async def test_refusals_are_typed(box: SandboxMachine) -> None:
         assert interpreter.list() == [context]  # the refused ones left nothing
     finally:
         await interpreter.close()
+
+
+async def test_restart_and_remove_do_not_wait_for_a_running_cell(box: SandboxMachine) -> None:
+    interpreter = CodeInterpreter(box)
+    try:
+        for stop in (interpreter.restart, interpreter.remove):
+            context = await interpreter.create()
+            running = asyncio.ensure_future(
+                outputs(interpreter, context, f"import time; time.sleep({LONG_SLEEP})")
+            )
+            await until(context.lock.locked, "the cell to run")
+            started = time.monotonic()
+            await stop(context.id)
+            assert time.monotonic() - started < LONG_SLEEP / 4
+            assert [e.name for e in errors(await running)] == ["KernelDied"]
+        assert value(await outputs(interpreter, interpreter.list()[0], "1 + 1")) == "2"  # the restarted one
+        assert len(interpreter.list()) == 1  # the removed one is gone
+    finally:
+        await interpreter.close()

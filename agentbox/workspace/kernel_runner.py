@@ -20,9 +20,12 @@ pipes, one JSON object a line:
                {"event": "done", "id": n}
                {"event": "died"}                (the kernel exited; the runner exits too)
 
-The runner moves its channel off fds 0 and 1 and the kernel gets /dev/null there, so
-nothing a cell writes to a raw descriptor can forge a line (ipykernel relays fd output as
-stream messages). Standard library and jupyter_client only: it runs on the image's Python.
+The runner moves its channel off fds 0 and 1 and the kernel gets /dev/null there, so what a
+cell writes to a raw descriptor does not break the protocol (ipykernel relays fd output as
+stream messages). The runner is the sandbox's own process all the same (a cell could reach
+its descriptors through /proc), so the server reads its lines as untrusted output: bounded,
+type-checked, and able to change only what this sandbox's executions report. Standard
+library and jupyter_client only: it runs on the image's Python.
 """
 
 from __future__ import annotations

@@ -492,18 +492,20 @@ class CodeInterpreter:
         return list(self.contexts.values())
 
     async def restart(self, context_id: str) -> Context:
-        """A fresh kernel for the context: what its cells defined is gone."""
+        """A fresh kernel for the context: what its cells defined is gone. A cell running in it
+        is not waited for: it ends with a `KernelDied` error."""
         context = self.get(context_id)
-        async with context.lock:
+        async with context.starting:
             await self._stop(context)
         await self.started(context)
         return context
 
     async def remove(self, context_id: str) -> None:
+        """Forget the context and stop its kernel (a cell running in it ends with `KernelDied`)."""
         context = self.get(context_id)
         del self.contexts[context_id]
         self.defaults = {k: v for k, v in self.defaults.items() if v != context_id}
-        async with context.lock:
+        async with context.starting:
             await self._stop(context)
 
     # ------------------------------------------------------------------ kernels
@@ -513,6 +515,8 @@ class CodeInterpreter:
         async with context.starting:
             if self._closed:
                 raise error("kernel_unavailable", "the code interpreter of this machine is closed")
+            if self.contexts.get(context.id) is not context:
+                raise error("not_found", f"context {context.id!r} was removed")
             if context.kernel is None or not context.kernel.alive:
                 if context.kernel is not None:
                     await context.kernel.close()
