@@ -2,7 +2,9 @@
 
 An E2B sandbox is the default machine's per-session sandbox of a session whose id is the
 sandbox id (`ses_<ulid>`), so `/sandboxes/<id>/v2/...` of agentbox's own API reaches the same
-sandbox. Beside the session this table keeps what E2B adds: the template, `metadata`,
+sandbox. A template names the default machine's image: `base`, that image's name, or
+`code-interpreter-v1` (what `e2b-code-interpreter` asks for; its code contexts need a Jupyter
+kernel in the image). Beside the session this table keeps what E2B adds: the template, `metadata`,
 `envVars` (the sandbox's environment, given to the registry as an env provider so every
 process sees them), the `envdAccessToken` envd checks, and the end of its lifetime.
 
