@@ -33,6 +33,9 @@ fi
 # The data image (about 3 GB, 3 minutes the first time): tests use every tool it has. Cached by
 # its request, so a rerun on the same machine skips it.
 .venv/bin/agentbox image build data --profile data
+# The code interpreter's test image (base with a Jupyter kernel and matplotlib, about 3 minutes
+# the first time): conftest's `kernel_image`, built here so that no test's time limit waits on it.
+.venv/bin/agentbox image build kernel --include python3-ipykernel,python3-matplotlib
 # The AIO SDK declares a heavy cloud SDK it does not import; install it without dependencies.
 .venv/bin/python -m pip install -q --no-deps "agent-sandbox==0.0.30"
 .venv/bin/ruff check agentbox tests bench

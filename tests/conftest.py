@@ -976,7 +976,8 @@ def browser_server(tmp_path_factory: pytest.TempPathFactory, data_image: Image) 
 # -------------------------------------------------------------------- the code interpreter
 
 #: What the code interpreter's test image adds to the base profile (the data image has both):
-#: a Jupyter kernel with jupyter_client, and matplotlib for figures. Built once (about 3 min).
+#: a Jupyter kernel with jupyter_client, and matplotlib for figures. scripts/test.sh builds it
+#: (185 s the first time, 1.4 GB), so no test's time limit waits on the build.
 KERNEL_PACKAGES = ("python3-ipykernel", "python3-matplotlib")
 KERNEL_IMAGE = "kernel"
 

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from conftest import KERNEL_IMAGE, host_pid_of, image_sandbox_host, sandbox_factory, traversable
+from conftest import (
+    KERNEL_IMAGE,
+    host_pid_of,
+    image_sandbox_host,
+    sandbox_factory,
+    traversable,
+)
 
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.images import Image

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Server, host_pid_of
+from conftest import KERNEL_IMAGE, KERNEL_PACKAGES, Server, host_pid_of
 from e2b import NotFoundException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 from e2b_code_interpreter.constants import DEFAULT_TEMPLATE, JUPYTER_PORT
@@ -48,6 +48,11 @@ def sbx(code_env: Server) -> Iterator[Sandbox]:
 
 def test_the_sdk_default_template_is_served() -> None:
     assert DEFAULT_TEMPLATE == CODE_INTERPRETER_TEMPLATE
+
+
+def test_setup_builds_the_kernel_image_the_tests_use() -> None:
+    script = (Path(__file__).parent.parent / "scripts" / "test.sh").read_text()
+    assert f"image build {KERNEL_IMAGE} --include {','.join(KERNEL_PACKAGES)}\n" in script
 
 
 def test_state_is_kept_between_cells(sbx: Sandbox) -> None:
