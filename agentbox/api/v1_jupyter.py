@@ -165,7 +165,14 @@ async def session(
     if session_id is None:
         return await interpreter.context_for(None, language)
     existing = interpreter.contexts.get(session_id)
-    return existing or await interpreter.create(language, cwd, session_id)
+    if existing is not None:
+        return existing
+    try:
+        return await interpreter.create(language, cwd, session_id)
+    except WorkspaceError as exc:
+        if exc.error_type != "already_exists":
+            raise
+        return interpreter.get(session_id)  # a request naming it at the same time made it
 
 
 def sdk_failure(exc: WorkspaceError, **required: Any) -> JSONResponse:

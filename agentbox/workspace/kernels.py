@@ -205,9 +205,9 @@ class Kernel:
             await self.close()
             if reply.get("reason") == "no_kernel":
                 raise error("bad_request", f"this machine has no Jupyter kernel {kernel!r}")
-            raise error(
-                "kernel_unavailable", f"the {kernel} kernel did not start: {reply.get('message', '')}"
-            )
+            said = self.stderr_tail.decode(errors="replace").strip()[-1000:]
+            why = "; ".join(filter(None, (str(reply.get("message", "")), said)))
+            raise error("kernel_unavailable", f"the {kernel} kernel did not start: {why}")
         return self
 
     @property
