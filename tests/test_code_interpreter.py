@@ -279,3 +279,20 @@ async def test_restart_and_remove_do_not_wait_for_a_running_cell(box: SandboxMac
         assert len(interpreter.list()) == 1  # the removed one is gone
     finally:
         await interpreter.close()
+
+
+async def test_an_image_without_jupyter_is_kernel_unavailable(
+    base_image: Image, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    host = image_sandbox_host(base_image, tmp_path_factory)
+    make, made = sandbox_factory(host, traversable(tmp_path_factory.mktemp("no-kernel"), tmp_path_factory))
+    interpreter = CodeInterpreter(await make(SandboxConfig(network=False, image="base", image_required=True)))
+    try:
+        with pytest.raises(WorkspaceError) as refused:
+            await interpreter.create()
+        assert refused.value.error_type == "kernel_unavailable" and refused.value.retryable
+        assert "jupyter_client" in refused.value.message and interpreter.list() == []
+    finally:
+        await interpreter.close()
+        for m in made:
+            await m.stop()
