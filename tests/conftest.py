@@ -256,8 +256,9 @@ def images_dir() -> Path:
     return Path(os.environ.get("AGENTBOX_TEST_IMAGES") or default_home() / "images")
 
 
-def built_image(name: str, profile: str) -> Image:
-    """The image `name` of `profile`, built if setup did not (a no-op when it is up to date)."""
+def built_image(name: str, profile: str, include: tuple[str, ...] = ()) -> Image:
+    """The image `name` of `profile` (with the Debian packages `include` added), built if setup
+    did not (a no-op when it is up to date)."""
     from agentbox.machines.images import ImageStore
     from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID
 
@@ -265,7 +266,7 @@ def built_image(name: str, profile: str) -> Image:
         (DEFAULT_SANDBOX_UID, DEFAULT_SANDBOX_UID) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
     )
     store = ImageStore(images_dir(), uid, gid)
-    return store.build(store.request(name, profile))
+    return store.build(store.request(name, profile, include))
 
 
 @pytest.fixture(scope="session")
@@ -967,6 +968,41 @@ def browser_server(tmp_path_factory: pytest.TempPathFactory, data_image: Image) 
     )
     server = start_server(
         home, {"AGENTBOX_CONFIG": str(config), "AGENTBOX_IMAGES": str(data_image.path.parent)}
+    )
+    yield server
+    stop_server(server)
+
+
+# -------------------------------------------------------------------- the code interpreter
+
+#: The image code contexts run on in the tests: the `data` profile, which has a Jupyter kernel
+#: and matplotlib (what a user of the code interpreter runs it on). scripts/test.sh builds it,
+#: so no test's time limit waits on the build.
+KERNEL_IMAGE = "data"
+
+
+@pytest.fixture(scope="session")
+def kernel_image(data_image: Image) -> Image:
+    """The image whose sandboxes run code contexts (`agentbox.workspace.kernels`)."""
+    return data_image
+
+
+#: The machine of `kernel_server`: a sandbox on the kernel image, network off.
+KERNEL_MACHINE = "kernels"
+
+
+@pytest.fixture(scope="session")
+def kernel_server(tmp_path_factory: pytest.TempPathFactory, kernel_image: Image) -> Iterator[Server]:
+    """A real server whose default machine's sandboxes can run code contexts."""
+    home = traversable(tmp_path_factory.mktemp("srv-kernel"), tmp_path_factory) / "home"
+    home.mkdir()
+    config = home.parent / "agentbox.toml"
+    config.write_text(
+        f'default_machine = "{KERNEL_MACHINE}"\n'
+        f'[machines.{KERNEL_MACHINE}]\nkind = "sandbox"\nimage = "{KERNEL_IMAGE}"\nnetwork = "off"\n'
+    )
+    server = start_server(
+        home, {"AGENTBOX_CONFIG": str(config), "AGENTBOX_IMAGES": str(kernel_image.path.parent)}
     )
     yield server
     stop_server(server)

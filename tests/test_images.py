@@ -197,6 +197,6 @@ def test_the_data_profile_is_built_once_per_machine() -> None:
     data = built_image("data", "data")  # scripts/test.sh built it; here a no-op
     assert time.monotonic() - started < 5
     for package in ("python3-pandas", "python3-openpyxl", "libreoffice-writer-nogui", "pandoc", "texlive-xetex", "texlive-lang-cjk", "ffmpeg",
-                    "tesseract-ocr-chi-sim", "nodejs", "fonts-noto-cjk"):  # fmt: skip
+                    "tesseract-ocr-chi-sim", "nodejs", "fonts-noto-cjk", "python3-ipykernel"):  # fmt: skip
         assert package in data.manifest.packages, package
     assert data.manifest.size > 1e9

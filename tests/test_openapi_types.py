@@ -28,7 +28,9 @@ UNTYPED_KEYS = {"title", "description"}
 #: Body media types whose content a route validates (and answers 422 or 400 with `errors` for).
 VALIDATED_BODIES = {"application/json", "multipart/form-data"}
 #: The v1 routes of AIO's sandbox API, which answer failures with HTTP 200 (`success: false`).
-V1_SANDBOX_PREFIXES = ("/v1/file/", "/v1/shell/", "/v1/bash/", "/v1/sandbox/", "/v1/browser/")
+V1_SANDBOX_PREFIXES = (
+    "/v1/file/", "/v1/shell/", "/v1/bash/", "/v1/sandbox/", "/v1/browser/", "/v1/jupyter/", "/v1/code/",
+)  # fmt: skip
 #: What a v1 route's 200 names for a failure: the envelope, or (the terminal URL, which always
 #: fails) its own model.
 FAILURES_AT_200 = ("Failure", "NoTerminal")

@@ -161,6 +161,7 @@ ELSEWHERE: dict[str, str] = {
     "bash scripts/test.sh": ".ci/run (scripts/test.sh runs scripts/setup.sh first)",
     "pip install --no-deps agent-sandbox": "tests/test_packaging.py::test_readmes_sdk_install_line_gives_an_importable_sdk",
     "agentbox image build data": ".ci/run builds the data image; list and rm: tests/test_images.py::test_list_and_rm",
+    "from e2b_code_interpreter import Sandbox": "tests/test_e2b_code.py::test_the_readmes_code_interpreter_example",
 }
 
 #: Blocks this machine cannot run: marker -> why.

@@ -29,7 +29,9 @@ from agentbox.api import (
     cdp,
     v1_bash,
     v1_browser,
+    v1_code,
     v1_file,
+    v1_jupyter,
     v1_sandbox,
     v1_shell,
     v2_commands,
@@ -63,7 +65,10 @@ from agentbox.mcp import McpHttp
 from agentbox.system import opened_system
 from agentbox.workspace.errors import WorkspaceError, translate
 
-ROUTERS = [v2_fs, v2_watch, v2_commands, v2_sandbox, v1_file, v1_shell, v1_bash, v1_sandbox, v1_browser, cdp]
+ROUTERS = [
+    v2_fs, v2_watch, v2_commands, v2_sandbox, v1_file, v1_shell, v1_bash, v1_sandbox, v1_browser, v1_jupyter,
+    v1_code, cdp,
+]  # fmt: skip
 #: Paths served without an API key. `/metrics` is not one: it needs the key when one is set
 #: (route and machine names, counts). `/ready` is, like `/health`: probes carry no key.
 #: The console's page, assets and login routes are open too (they carry no data, see

@@ -66,6 +66,7 @@ STATUS_BY_TYPE = {
     "method_not_allowed": 405,
     "timeout": 504,
     "browser_unavailable": 503,
+    "kernel_unavailable": 503,
     "io_error": 500,
 }
 #: Error types that refuse the request itself: their status on v1 routes too (not AIO's 200).

@@ -2,7 +2,8 @@
 
 One `agentbox serve` port serves both sides of E2B: the control plane (`control.py`,
 `/sandboxes`, `/v2/sandboxes`) and envd (`envd.py`, every request carrying an
-`E2b-Sandbox-Id` header, and signed file URLs). `E2BDispatch` sits in front of agentbox's own routes and sends
+`E2b-Sandbox-Id` header, and signed file URLs), with the code interpreter (`code.py`, the
+requests for port 49999) beside envd. `E2BDispatch` sits in front of agentbox's own routes and sends
 those requests here; everything else goes on to agentbox. Point the SDK at it with
 
     E2B_API_URL=http://127.0.0.1:8080      # the control plane

@@ -100,6 +100,8 @@ def sandbox_view(sandbox: E2BSandbox) -> dict[str, Any]:
         "clientID": CLIENT_ID,
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": sandbox.access_token,
+        # The code interpreter's calls carry this one (some carry no envd token): the same secret.
+        "trafficAccessToken": sandbox.access_token,
     }
 
 

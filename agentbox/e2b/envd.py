@@ -13,6 +13,7 @@ both, then hands the request to one of:
                              is the one whose token made the signature
     GET  /health             204
 
+and, for requests with `E2b-Sandbox-Port: 49999`, E2B's code interpreter (`code.py`).
 The services live beside this module: `process.py` (over the machine's command manager),
 `filesystem.py` (over `file_ops` and the watch hub), `files.py` (the HTTP routes), and what
 they share in `rpc.py`. Not served yet: PTYs, `StreamInput`, `Update`, file metadata, and
@@ -27,6 +28,7 @@ from connectrpc.code import Code
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from agentbox.e2b.code import CODE_PORT, CodeHttp
 from agentbox.e2b.envd_gen.filesystem.filesystem_connect import FilesystemASGIApplication
 from agentbox.e2b.envd_gen.process.process_connect import ProcessASGIApplication
 from agentbox.e2b.files import FILES_PATH, FilesHttp, http_error
@@ -37,6 +39,8 @@ from agentbox.e2b.sandboxes import E2BError, SandboxTable, SignedUrl
 
 #: The header naming the sandbox of an envd request, and envd's file route.
 SANDBOX_HEADER = b"e2b-sandbox-id"
+#: The header naming the sandbox port a request is for (envd's own when absent).
+PORT_HEADER = "e2b-sandbox-port"
 
 
 class Envd:
@@ -47,6 +51,7 @@ class Envd:
         self.process: ASGIApp = ProcessASGIApplication(ProcessService(table), codecs=CODECS)
         self.filesystem: ASGIApp = FilesystemASGIApplication(FilesystemService(table), codecs=CODECS)
         self.http: ASGIApp = FilesHttp(table).app()
+        self.code: ASGIApp = CodeHttp(table).app()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -61,7 +66,9 @@ class Envd:
         if refused is not None:
             await refused(scope, receive, send)
             return
-        if path.startswith("/process.Process/"):
+        if header(scope, PORT_HEADER) == CODE_PORT:
+            await self.code(scope, receive, send)
+        elif path.startswith("/process.Process/"):
             await self.process(scope, receive, send)
         elif path.startswith("/filesystem.Filesystem/"):
             await self.filesystem(scope, receive, send)
@@ -83,7 +90,10 @@ class Envd:
         if sandbox.state == "paused":
             message = f"sandbox {sandbox_id!r} is paused; connect to it to resume it"
             return rpc_error(Code.UNAVAILABLE, 502, message) if rpc else http_error(502, message)
-        if path != "/health" and not sandbox.token_ok(headers.get("x-access-token")):
+        given = [headers.get("x-access-token")]
+        if headers.get(PORT_HEADER) == CODE_PORT:  # the SDK sends the traffic token on every call
+            given.append(headers.get("e2b-traffic-access-token"))
+        if path != "/health" and not any(sandbox.token_ok(token) for token in given):
             message = "missing or invalid X-Access-Token"
             return rpc_error(Code.UNAUTHENTICATED, 401, message) if rpc else http_error(401, message)
         return None
@@ -105,6 +115,11 @@ class Envd:
         if sandbox is None or sandbox.state != "running":
             return http_error(401, "the signature is invalid or expired")
         return {**scope, "headers": [*scope["headers"], (SANDBOX_HEADER, sandbox.id.encode())]}
+
+
+def header(scope: Scope, name: str) -> str | None:
+    wanted = name.encode()
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == wanted), None)
 
 
 def has_header(scope: Scope, name: bytes) -> bool:

@@ -2,7 +2,9 @@
 
 An E2B sandbox is the default machine's per-session sandbox of a session whose id is the
 sandbox id (`ses_<ulid>`), so `/sandboxes/<id>/v2/...` of agentbox's own API reaches the same
-sandbox. Beside the session this table keeps what E2B adds: the template, `metadata`,
+sandbox. A template names the default machine's image: `base`, that image's name, or
+`code-interpreter-v1` (what `e2b-code-interpreter` asks for; its code contexts need a Jupyter
+kernel in the image). Beside the session this table keeps what E2B adds: the template, `metadata`,
 `envVars` (the sandbox's environment, given to the registry as an env provider so every
 process sees them), the `envdAccessToken` envd checks, and the end of its lifetime.
 
@@ -52,6 +54,9 @@ DEFAULT_TIMEOUT_SECONDS = 300
 MAX_TIMEOUT_SECONDS = 24 * 3600
 #: The template a sandbox gets without `templateID`: the image agentbox sandboxes run on.
 DEFAULT_TEMPLATE = "base"
+#: The template `e2b-code-interpreter`'s `Sandbox.create()` asks for: an alias of the default
+#: machine's image, whose code contexts need `python3-ipykernel` there (the `data` image has it).
+CODE_INTERPRETER_TEMPLATE = "code-interpreter-v1"
 #: The envd version agentbox claims: the SDK turns features on by it (0.5.7: octet-stream
 #: uploads; not 0.6.2, whose file metadata as xattrs is not served).
 ENVD_VERSION = "0.5.7"
@@ -241,8 +246,11 @@ class SandboxTable:
         if not config.per_session:
             raise E2BError(503, f"the default machine {config.name!r} is not a per-session sandbox")
         image = str(config.options.get("image", DEFAULT_TEMPLATE))
-        if template not in (DEFAULT_TEMPLATE, image):
-            raise E2BError(404, f"template {template!r} not found; this server has {image!r}")
+        if template not in (DEFAULT_TEMPLATE, CODE_INTERPRETER_TEMPLATE, image):
+            raise E2BError(
+                404,
+                f"template {template!r} not found; this server has {image!r} (alias {CODE_INTERPRETER_TEMPLATE!r})",
+            )
         if len(self._sandboxes) >= MAX_E2B_SANDBOXES:
             raise E2BError(429, f"at most {MAX_E2B_SANDBOXES} sandboxes at once; kill one first")
         now = datetime.now(UTC)

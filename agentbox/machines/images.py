@@ -61,12 +61,13 @@ VARIANT = "apt"
 #: What each profile adds to the variant. `base` is what a coding agent needs first; `data` is
 #: the data-analysis and document toolset (Python's scientific stack with Excel files, Node.js,
 #: LibreOffice with fonts metric-compatible to Office's, pandoc, LaTeX with xeCJK, ffmpeg,
-#: English and Chinese OCR, and Chromium for the `browser` tool).
+#: English and Chinese OCR, Chromium for the `browser` tool, and a Jupyter kernel for code
+#: contexts).
 PROFILES: dict[str, tuple[str, ...]] = {
     "base": ("python3", "python3-venv", "ca-certificates", "procps", "git", "curl"),
     "data": (
         "python3", "python3-venv", "python3-pip", "ca-certificates", "procps", "git", "curl",
-        "python3-pandas", "python3-numpy", "python3-matplotlib", "nodejs", "npm",
+        "python3-pandas", "python3-numpy", "python3-matplotlib", "python3-ipykernel", "nodejs", "npm",
         "python3-openpyxl", "libreoffice-nogui", "fonts-liberation2", "fonts-crosextra-carlito",
         "fonts-crosextra-caladea", "pandoc", "texlive-latex-recommended", "texlive-xetex",
         "texlive-lang-cjk", "texlive-lang-chinese", "ffmpeg", "tesseract-ocr", "tesseract-ocr-eng", "tesseract-ocr-chi-sim",

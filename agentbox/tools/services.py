@@ -1,6 +1,6 @@
 """What each machine has beside it for its whole life: one watch hub, one command manager, one
 editor history, (opened on first search) one knowledge index and (made on first use) one
-browser.
+browser and one code interpreter.
 
 The HTTP API, the turn loop's tools and MCP all reach a machine's services through the one
 `Services` table the composition root (`agentbox.system`) builds, so a command the agent runs
@@ -25,6 +25,7 @@ from agentbox.workspace.browser import Browser
 from agentbox.workspace.browser_cdp import Cdp
 from agentbox.workspace.commands import Command, CommandManager
 from agentbox.workspace.editor import Editor
+from agentbox.workspace.kernels import CodeInterpreter
 from agentbox.workspace.watch import WatchHub
 
 #: Sessions whose machine `Services.routes` remembers at most (then it starts over).
@@ -47,6 +48,7 @@ class MachineServices:
     _shell: str | None = field(default=None, repr=False)
     _browser: Browser | None = field(default=None, repr=False)
     _cdp: Cdp | None = field(default=None, repr=False)
+    _code: CodeInterpreter | None = field(default=None, repr=False)
 
     @classmethod
     def of(
@@ -86,7 +88,16 @@ class MachineServices:
             self._cdp = Cdp(self.browser())
         return self._cdp
 
+    def code(self) -> CodeInterpreter:
+        """The machine's code contexts (`agentbox.workspace.kernels`): kernels start on first use."""
+        if self._code is None:
+            self._code = CodeInterpreter(self.machine)
+        return self._code
+
     async def close(self) -> None:
+        if self._code is not None:
+            await self._code.close()
+            self._code = None
         if self._browser is not None:
             await self._browser.close()
             self._browser = None

@@ -21,6 +21,8 @@
     │                         dialog waiting to be handled, a browser the user took over)
     ├── timeout               the operation did not finish in its time (a page that never loads)
     ├── browser_unavailable   no Chromium on the machine, or its browser stopped (503, retryable)
+    ├── kernel_unavailable    a code context's Jupyter kernel could not start (no jupyter_client
+    │                         in the image, a kernel that never answered; 503, retryable)
     └── io_error              anything else the OS reports; retryable when transient
 
 The fields are exactly the `data` object of the AIO error envelope; `retry_after` (seconds,
