@@ -25,6 +25,7 @@ from agentbox.machines.base import TRASH_DIR, ExecRequest, Machine
 from agentbox.machines.local import LocalMachine
 from agentbox.tools import knowledge as kn
 from agentbox.tools.base import Action, FileStore, Operation, TodoStore, ToolConfig, ToolResult
+from agentbox.tools.documents import docx_blocks
 from agentbox.tools.knowledge import (
     CHUNK_CHARS,
     CHUNK_OVERLAP_CHARS,
@@ -41,6 +42,7 @@ from agentbox.tools.knowledge import (
     SearchParams,
     index_path,
 )
+from agentbox.tools.read import READ, ReadParams
 from agentbox.tools.services import MachineServices
 from agentbox.workspace.watch import WatchHub
 
@@ -265,8 +267,8 @@ async def test_docx_cited_by_block_and_heading(index: KnowledgeIndex, root: Path
         ],
     )
     await index.refresh()
-    blocks = kn.docx_blocks(docx.Document(str(root / "spec.docx")))
-    assert [(b.number, b.heading_level) for b in blocks] == [
+    blocks = docx_blocks((root / "spec.docx").read_bytes())
+    assert [(b.number, b.level) for b in blocks] == [
         (1, 0),
         (2, 1),
         (3, None),
@@ -284,6 +286,32 @@ async def test_docx_cited_by_block_and_heading(index: KnowledgeIndex, root: Path
         in result.as_text()
     )
     assert result.data["results"][0]["unit"] == "block"
+
+
+async def test_a_search_hit_names_the_block_read_returns_after_an_empty_table(
+    index: KnowledgeIndex, root: Path
+) -> None:
+    """One extractor for both: an empty table (no block) and a merged cell do not shift numbers."""
+    document = docx.Document()
+    document.add_heading("Alpha", level=1)  # block 1
+    document.add_paragraph("Before the grid.")  # block 2
+    document.add_table(rows=2, cols=2)  # empty: no block
+    document.add_heading("Beta", level=1)  # block 3
+    document.add_paragraph("After the empty grid: zeppelin.")  # block 4
+    merged = document.add_table(rows=1, cols=2)  # block 5, its one cell once
+    merged.cell(0, 0).merge(merged.cell(0, 1)).text = "Spanning"
+    document.add_heading("Gamma", level=1)  # block 6
+    document.add_paragraph("Past the merged row: dirigible.")  # block 7
+    path = root / "grid.docx"
+    document.save(str(path))
+    await index.refresh()
+    for word, span, block in (("zeppelin", (3, 5), 4), ("dirigible", (6, 7), 7)):
+        [hit] = (await index.search(word)).hits
+        assert (hit.first, hit.last) == span
+        result = await READ.run(Ctx(index.machine), ReadParams(path=str(path), block=block))
+        assert not result.is_error and word in result.as_text(), result.as_text()
+    spanning = await READ.run(Ctx(index.machine), ReadParams(path=str(path), block=5))
+    assert "Spanning" in spanning.as_text() and "Spanning | Spanning" not in spanning.as_text()
 
 
 async def test_cjk_text_is_found_by_word_and_snippet_reads_naturally(

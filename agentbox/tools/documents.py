@@ -6,8 +6,8 @@ numbers `read` accepts: `pdf_pages` and `docx_blocks` are the one definition of 
 - PDF (pypdf): one text per page, numbered from 1. A page without a text layer says so
   instead of coming back empty, so a model knows it is looking at a scan.
 - DOCX (python-docx): the body's paragraphs and tables in document order, numbered from 1
-  as structural blocks. Empty paragraphs are not blocks (they carry no content and would
-  shift numbers whenever someone adds a blank line). A heading's section runs from the
+  as structural blocks. Empty paragraphs and tables are not blocks (they carry no content and
+  would shift numbers whenever someone adds a blank line or an empty grid). A heading's section runs from the
   heading to the next heading of the same or a higher level (seed 001).
 - Images: recognised by their bytes, not their name (a `.png` that is not a PNG is refused).
   SVG is refused: it is a vector format that cannot be handed to a vision model as pixels.
@@ -170,11 +170,20 @@ class Block:
     level: int | None = None
 
 
-def docx_blocks(data: bytes) -> list[Block]:
-    """The body's non-empty paragraphs and its tables, numbered from 1 in document order."""
+@dataclass(frozen=True)
+class DocxBody:
+    """A DOCX file's blocks and its core properties' keywords (the knowledge index's tags)."""
+
+    blocks: list[Block]
+    keywords: str | None
+
+
+def read_docx(data: bytes) -> DocxBody:
+    """The body's non-empty paragraphs and tables, numbered from 1 in document order."""
     try:
         document = docx.Document(io.BytesIO(data))
         items = list(document.iter_inner_content())
+        keywords = document.core_properties.keywords or None
     except Exception as exc:  # untrusted bytes: BadZipFile, KeyError, ValueError, lxml errors, ...
         raise DocumentError(f"the file is not a readable DOCX ({type(exc).__name__}: {exc})") from exc
     blocks: list[Block] = []
@@ -182,13 +191,30 @@ def docx_blocks(data: bytes) -> list[Block]:
         block = to_block(item, len(blocks) + 1)
         if block is not None:
             blocks.append(block)
-    return blocks
+    return DocxBody(blocks, keywords)
+
+
+def docx_blocks(data: bytes) -> list[Block]:
+    """`read_docx`'s blocks: the numbers `read block=N` takes and the knowledge index cites."""
+    return read_docx(data).blocks
+
+
+def table_text(table: Table) -> str:
+    """A row per line, its cells joined by ` | ` (a merged cell once, empty cells kept so the
+    columns line up); empty rows left out."""
+    rows = []
+    for row in table.rows:
+        cells = list({id(cell._tc): cell for cell in row.cells}.values())  # a merged cell repeats
+        texts = [cell.text.strip() for cell in cells]
+        if any(texts):
+            rows.append(" | ".join(texts))
+    return "\n".join(rows)
 
 
 def to_block(item: Paragraph | Table, number: int) -> Block | None:
     if isinstance(item, Table):
-        rows = [" | ".join(cell.text.strip() for cell in row.cells) for row in item.rows]
-        return Block(number, "table", "\n".join(rows))
+        text = table_text(item)
+        return Block(number, "table", text) if text else None
     text = item.text.strip()
     if not text:
         return None

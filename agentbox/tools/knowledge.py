@@ -69,6 +69,7 @@ from agentbox.config import default_home
 from agentbox.machines.base import TRASH_DIR, Machine
 from agentbox.machines.errors import MachineError
 from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult
+from agentbox.tools.documents import read_docx
 from agentbox.tools.note_files import NoteFiles, NoteStat, note_files
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.watch import (
@@ -178,15 +179,6 @@ class Chunk:
 class Extracted:
     chunks: list[Chunk]
     tags: set[str]
-
-
-@dataclass(frozen=True)
-class DocBlock:
-    """One structural block of a docx: a non-empty paragraph or a table, numbered from 1."""
-
-    number: int
-    text: str
-    heading_level: int | None  # 0 for Title, 1..9 for Heading N, None for body text
 
 
 def file_type(name: str) -> FileType | None:
@@ -382,48 +374,22 @@ def extract_pdf(data: bytes) -> Extracted:
     return Extracted(chunks, keyword_tags(str(keywords) if keywords else None))
 
 
-def docx_blocks(document: Any) -> list[DocBlock]:
-    """The body's non-empty paragraphs and tables in order, numbered from 1 (a table row is a line,
-    its cells joined by ` | `)."""
-    from docx.table import Table
-
-    blocks: list[DocBlock] = []
-    for item in document.iter_inner_content():
-        level: int | None = None
-        if isinstance(item, Table):
-            rows = []
-            for row in item.rows:
-                cells = list(dict.fromkeys(c.text.strip() for c in row.cells))  # merged cells repeat
-                rows.append(" | ".join(c for c in cells if c))
-            text = "\n".join(r for r in rows if r)
-        else:
-            text = item.text.strip()
-            style = (item.style.name if item.style is not None else "") or ""
-            if style == "Title":
-                level = 0
-            elif (m := re.fullmatch(r"Heading (\d)", style)) is not None:
-                level = int(m.group(1))
-        if text:
-            blocks.append(DocBlock(len(blocks) + 1, _clean(text), level))
-    return blocks
-
-
 def extract_docx(data: bytes) -> Extracted:
-    """Blocks grouped under their heading; a chunk's first/last are block numbers."""
-    import docx
-
-    document = docx.Document(io.BytesIO(data))
+    """Blocks grouped under their heading; a chunk's first/last are block numbers, the ones
+    `read block=N` takes (`documents.read_docx` is the one extractor of both)."""
+    body = read_docx(data)
     pieces: list[Piece] = []
     heading: str | None = None
-    for block in docx_blocks(document):
-        if block.heading_level is not None:
-            heading = block.text
-        starts = block.heading_level is not None
-        parts = [block.text] if len(block.text) <= CHUNK_CHARS else windows(block.text)
+    for block in body.blocks:
+        text = _clean(block.text)
+        if block.level is not None:
+            heading = text
+        starts = block.level is not None
+        parts = [text] if len(text) <= CHUNK_CHARS else windows(text)
         pieces.extend(
             Piece(p, block.number, block.number, heading, starts and i == 0) for i, p in enumerate(parts)
         )
-    return Extracted(pack(pieces), keyword_tags(document.core_properties.keywords))
+    return Extracted(pack(pieces), keyword_tags(body.keywords))
 
 
 def extract(data: bytes, kind: FileType) -> Extracted:
