@@ -41,6 +41,7 @@ ERROR_CODES: dict[str, tuple[Code, int]] = {
     "no_space_left": (Code.RESOURCE_EXHAUSTED, 507),
     "capacity_exceeded": (Code.RESOURCE_EXHAUSTED, 429),
     "machine_unavailable": (Code.UNAVAILABLE, 503),
+    "unsupported": (Code.UNIMPLEMENTED, 501),
 }
 
 
