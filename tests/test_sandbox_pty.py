@@ -29,6 +29,8 @@ from agentbox.machines.base import (
 )
 from agentbox.machines.errors import TerminalUnsupported
 from agentbox.machines.local import LocalMachine
+from agentbox.workspace.commands import MAX_BUFFERED_OUTPUT, CommandManager
+from agentbox.workspace.errors import WorkspaceError
 
 #: Seconds a terminal's output may take to show what a test waits for.
 DEADLINE = 20.0
@@ -139,3 +141,41 @@ async def test_a_kind_on_pipes_refuses_a_terminal(tmp_path: Path) -> None:
     local = LocalMachine("here", tmp_path)
     with pytest.raises(TerminalUnsupported, match="pipes only"):
         await local.spawn(ExecRequest(command="true", pty=SIZE))
+
+
+# -- through the command manager (what envd and /v2/commands stand on) -------------------------
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+async def test_a_terminals_output_has_the_commands_cap(
+    make_image_sandbox: SandboxFactory, extra: int
+) -> None:
+    manager = CommandManager(await make_image_sandbox())
+    try:
+        written = MAX_BUFFERED_OUTPUT + extra
+        cmd = await manager.start(f"head -c {written} /dev/zero", pty=SIZE)  # NULs pass a tty as they are
+        await manager.wait(cmd.id, timeout=DEADLINE)
+        assert (cmd.status, cmd.exit_code, cmd.stdout.total, cmd.stderr.total) == ("completed", 0, written, 0)
+        assert cmd.stdout.truncated is bool(extra)
+        assert len(cmd.stdout.getvalue()) == MAX_BUFFERED_OUTPUT
+    finally:
+        await manager.close()
+
+
+async def test_the_manager_resizes_only_a_running_terminal(make_image_sandbox: SandboxFactory) -> None:
+    manager = CommandManager(await make_image_sandbox())
+    try:
+        piped = await manager.start("sleep 600")
+        with pytest.raises(WorkspaceError, match="does not run on a terminal"):
+            manager.resize(piped.id, SIZE)
+        cmd = await manager.start("read x; stty size", pty=SIZE)
+        bigger = TerminalSize(rows=40, cols=120)
+        assert manager.resize(cmd.id, bigger).pty == bigger
+        await manager.write_stdin(cmd.id, b"\n")
+        await manager.wait(cmd.id, timeout=DEADLINE)
+        assert cmd.stdout.getvalue().splitlines()[-1] == b"40 120"
+        with pytest.raises(WorkspaceError, match="has ended") as ended:
+            manager.resize(cmd.id, SIZE)
+        assert ended.value.error_type == "bad_request"
+    finally:
+        await manager.close()
