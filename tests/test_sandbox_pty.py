@@ -123,17 +123,20 @@ async def test_a_program_that_does_not_exist_fails_as_on_pipes(agent_machine: Ma
     assert result.stdout == b"alive\n"
 
 
-async def test_a_finished_terminal_leaves_no_descriptor_on_the_server(
-    make_image_sandbox: SandboxFactory,
+@pytest.mark.parametrize("pty", [SIZE, None], ids=["pty", "pipes"])
+async def test_a_finished_command_leaves_no_descriptor_on_the_server(
+    make_image_sandbox: SandboxFactory, pty: TerminalSize | None
 ) -> None:
+    """Its input end (and a terminal's master) is closed at its exit, though nobody closed stdin."""
     machine = await make_image_sandbox()
-    await machine.exec(ExecRequest(command="true", pty=SIZE))  # the agent's first pty: fcntl loaded
+    request = ExecRequest(command="read x; echo $x", interactive=True, pty=pty)
+    await collect(await machine.spawn(ExecRequest(command="true", pty=SIZE)), 1, DEADLINE)  # fcntl loaded
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
-        process = await machine.spawn(ExecRequest(command="read x; echo $x", pty=SIZE))
+        process = await machine.spawn(request)
         await process.write_stdin(b"typed\n")
         result = await collect(process, 1 << 16, DEADLINE)
-        assert result.stdout.splitlines()[-1] == b"typed"
+        assert result.stdout.splitlines()[-1].rstrip(b"\r") == b"typed"
     assert len(os.listdir("/proc/self/fd")) == before
 
 

@@ -9,7 +9,8 @@ directory); what happens on the socket does not, and lives here:
   stdin read end), and waits for `P` (its pid) or `E` (an errno); with a terminal size it
   sends `T` instead and `P` brings the master of the pty the agent opened inside: the command's
   output is read from it, its input written to it, its size set on it (`TIOCSWINSZ`);
-- `X` ends the command's `AgentProcess`; `K` / `G` signal its process group;
+- `X` ends the command's `AgentProcess` and closes the server's input end (and pty master
+  copies) it held; `K` / `G` signal its process group;
 - `R`, once, hands over the directories that exist only inside the machine: they are
   attached to the machine's `HostView`, and `ready` resolves;
 - EOF (the agent, or all of the machine, is gone) fails `ready` if it was pending and calls
@@ -149,19 +150,17 @@ class AgentProcess:
             pipe.close()
         if not self.stderr.at_eof():
             self.stderr.feed_eof()
-        self._close_terminal()
-        if self._stdin is not None:
-            os.close(self._stdin)
-            self._stdin = None
+        self._ended()
 
-    def _close_terminal(self) -> None:
-        """At the command's end: no more input or resizes (its output is still read to EIO)."""
+    def _ended(self) -> None:
+        """At the command's exit: no more input, no more resizes, and no descriptor kept for
+        them (its output is still read to its end). A child it left that reads stdin sees EOF."""
         if self._tty is not None:
             os.close(self._tty)
             self._tty = None
-            if self._stdin is not None:
-                os.close(self._stdin)
-                self._stdin = None
+        if self._stdin is not None:
+            os.close(self._stdin)
+            self._stdin = None
 
 
 def _reader(loop: asyncio.AbstractEventLoop) -> asyncio.StreamReader:
@@ -273,7 +272,7 @@ class AgentChannel:
             proc = self._procs.pop(int(rest[0]), None)
             if proc is not None:
                 self.running -= 1
-                proc._close_terminal()
+                proc._ended()
                 if not proc.exited.done():
                     proc.exited.set_result(int(rest[1]))
             self.touch()
