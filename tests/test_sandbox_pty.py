@@ -3,7 +3,8 @@
 A sandbox's pty is opened by its exec agent inside the sandbox (its own devpts), made the
 command's controlling terminal and sized there; the server holds only the master. The docker
 kind shares the agent, so the same checks run in a container of the session's dockerd. Kinds
-that run commands on pipes only refuse with `TerminalUnsupported`.
+that run commands on pipes only (local, and ssh on the loopback sshd) refuse with
+`TerminalUnsupported`. The last tests go through the `CommandManager`, as envd does.
 """
 
 from __future__ import annotations
@@ -140,10 +141,24 @@ async def test_a_finished_command_leaves_no_descriptor_on_the_server(
     assert len(os.listdir("/proc/self/fd")) == before
 
 
-async def test_a_kind_on_pipes_refuses_a_terminal(tmp_path: Path) -> None:
-    local = LocalMachine("here", tmp_path)
+@pytest.fixture(params=["local", "ssh"])
+def make_pipes_machine(request: pytest.FixtureRequest, tmp_path: Path) -> MachineFactory:
+    """Starts a machine of each kind that runs its commands on pipes only."""
+    if request.param == "ssh":
+        factory: MachineFactory = request.getfixturevalue("make_ssh")
+        return factory
+
+    async def local() -> Machine:
+        return LocalMachine("here", tmp_path)
+
+    return local
+
+
+async def test_a_kind_on_pipes_refuses_a_terminal(make_pipes_machine: MachineFactory) -> None:
+    machine = await make_pipes_machine()
     with pytest.raises(TerminalUnsupported, match="pipes only"):
-        await local.spawn(ExecRequest(command="true", pty=SIZE))
+        await machine.spawn(ExecRequest(command="true", pty=SIZE))
+    assert (await machine.exec(ExecRequest(command="test -t 0 || echo pipes"))).stdout == b"pipes\n"
 
 
 # -- through the command manager (what envd and /v2/commands stand on) -------------------------
