@@ -18,7 +18,9 @@ kind gives no terminals (ssh, local, e2b) answers UNIMPLEMENTED. Each side of a 
 `StreamInput` (client streaming; the SDK's `commands.stream_input` / `pty.stream_input`):
 a start event naming the process, then data events written in order and keepalives; input
 before the start, or a second start, is INVALID_ARGUMENT. Input to a process that has ended
-is NOT_FOUND, as envd forgets ended processes.
+is NOT_FOUND, as envd forgets ended processes. Each message is within connectrpc's request
+cap (4 MiB) and is written before the next is read, waiting for the process to take it (the
+command manager's stdin timeout), so a long stream holds one message at a time.
 
 Not served: running as a named user (`user` is accepted and ignored: commands run as the
 sandbox's own root).

@@ -23,8 +23,8 @@ machine's own devpts: its slave becomes the child's controlling terminal (`setsi
 `TIOCSCTTY`) and its stdin, stdout and stderr, sized with `TIOCSWINSZ` first; the master goes
 to the server with `P`, which reads, writes and resizes it from then on. The child is forked
 (posix_spawn cannot make a controlling terminal); its exec failure comes back on a
-close-on-exec pipe as `E`. Only this path imports `fcntl`. Each command leads its own session and process group. When the
-socket closes, the agent kills every command and exits, and the sandbox ends with it.
+close-on-exec pipe as `E`. Only this path imports `fcntl` and `termios`. Each command leads
+its own session and process group. When the socket closes, the agent kills every command and exits, and the sandbox ends with it.
 
 The agent is the sandbox's pid 1 (bwrap `--as-pid-1`), so it also reaps what commands
 leave behind: every child, its own commands and orphans alike, is collected with
@@ -54,9 +54,6 @@ MAX_MESSAGE = 1 << 20
 MSG_CMSG_CLOEXEC = 0x40000000
 FD_SIZE = 4
 PR_SET_DUMPABLE = 4
-#: Linux's ioctls that make a tty the caller's controlling terminal and set its window size.
-TIOCSCTTY = 0x540E
-TIOCSWINSZ = 0x5414
 
 
 class _Int(_ctypes._SimpleCData):
@@ -144,6 +141,7 @@ def main():
     def spawn_terminal(fields):
         """Fork the command onto a new pty of the asked size; hand its master to the server."""
         import fcntl
+        import termios
 
         cid, cwd, rows, cols, argc = fields[1], fields[2], int(fields[3]), int(fields[4]), int(fields[5])
         argv = fields[6 : 6 + argc]
@@ -153,7 +151,7 @@ def main():
         try:
             master, slave = os.openpty()
             opened += [master, slave]
-            fcntl.ioctl(master, TIOCSWINSZ, size)
+            fcntl.ioctl(master, termios.TIOCSWINSZ, size)
             failed_r, failed_w = os.pipe2(os.O_CLOEXEC)
             opened += [failed_r, failed_w]
             pid = os.fork()
@@ -165,7 +163,7 @@ def main():
         if pid == 0:  # the child: nothing but system calls until exec
             try:
                 os.setsid()
-                fcntl.ioctl(slave, TIOCSCTTY, 0)
+                fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
                 for fd in (0, 1, 2):
                     os.dup2(slave, fd)
                 _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)

@@ -362,7 +362,8 @@ class SshMachine:
 
     async def spawn(self, request: ExecRequest) -> SshProcess:
         """A remote command on its own session channel; a pty is refused (`TerminalUnsupported`):
-        the channel's pipes carry the group-leader marker this kind's kill stands on."""
+        the pid marker this kind's kill stands on comes on the channel's stdout, which a
+        terminal would echo into and rewrite (CRLF), and stderr would merge into it."""
         pipes_only(request, f"the ssh machine {self.name!r}")
         facts = await self.ready()
         cwd = inside_path(facts.root, request.cwd or facts.root)
