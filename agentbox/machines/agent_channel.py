@@ -42,6 +42,8 @@ from agentbox.machines.hostview import HostView
 PIPE_CHUNK = 65536
 #: The exit code a command reports when its machine stopped under it (SIGKILL's).
 KILLED_EXIT = 137
+#: Seconds between two tries to write input the command has not taken yet.
+STDIN_RETRY_SECONDS = 0.005
 
 
 class Pipe:
@@ -112,15 +114,17 @@ class AgentProcess:
         self._tty = os.dup(master)
 
     async def write_stdin(self, data: bytes) -> None:
-        if self._stdin is None:
-            raise BrokenPipeError("stdin is closed")
+        """Write all of `data` as the command takes it, never blocking the loop (the input end
+        is non-blocking); the command's exit while it waits is a BrokenPipeError."""
         view = memoryview(data)
         while view:
+            if self._stdin is None:
+                raise BrokenPipeError("stdin is closed")
             try:
                 n = os.write(self._stdin, view)
                 view = view[n:]
             except BlockingIOError:
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(STDIN_RETRY_SECONDS)
 
     async def close_stdin(self) -> None:
         if self._stdin is not None:
@@ -334,6 +338,7 @@ class AgentChannel:
         stdin_w = None
         if stdin is not None or interactive:
             in_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+            os.set_blocking(stdin_w, False)  # a command that does not read must not stop the server
             fds.append(in_r)
         proc = AgentProcess(self, cid, Pipe(out_r, self.loop), Pipe(err_r, self.loop), stdin_w)
         return await self._started(proc, argv, [b"S", cid, cwd, len(argv), *argv, *pairs], fds, stdin)
