@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import SandboxFactory
 
+from agentbox.machines.agent_channel import AgentProcess
 from agentbox.machines.base import (
     MAX_TERMINAL_SIDE,
     ExecRequest,
@@ -82,6 +83,16 @@ async def test_the_terminal_is_the_commands_controlling_terminal(agent_machine: 
     result = await collect(process, 1 << 16, DEADLINE)
     ctty, sid, pid = result.stdout.decode().split()
     assert (ctty, sid) == ("ctty", pid)
+
+
+async def test_the_pty_is_of_the_machines_own_devpts(agent_machine: Machine) -> None:
+    """The server holds a master of a devpts that is not the host's: the agent opened it inside."""
+    process = await agent_machine.spawn(ExecRequest(command="read x", pty=SIZE))
+    assert isinstance(process, AgentProcess) and process._tty is not None  # what resize sets the size on
+    hosts = {os.stat(path).st_dev for path in ("/dev/ptmx", "/dev/pts/ptmx")}
+    assert os.fstat(process._tty).st_dev not in hosts
+    process.kill()
+    await asyncio.wait_for(process.wait(), DEADLINE)
 
 
 async def test_input_is_typed_into_the_terminal_and_resize_sends_sigwinch(agent_machine: Machine) -> None:
