@@ -943,6 +943,40 @@ def e2b_entry(endpoint: Server, **overrides: object) -> dict[str, object]:
     return {**base, **overrides}
 
 
+def start_e2b_client(home: Path, endpoint: Server) -> Server:
+    """A server whose default machine is an e2b machine on `endpoint`, its key stored sealed."""
+    import json
+
+    from agentbox.secrets import SecretBox
+
+    sealed = e2b_entry(endpoint, api_key=SecretBox(home).encrypt(E2B_API_KEY))
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in sealed.items())
+    config = home.parent / "agentbox.toml"
+    config.write_text(f'default_machine = "cloud"\n[machines.cloud]\nkind = "e2b"\nmemory_mb = 0\n{lines}')
+    return start_server(home, {"AGENTBOX_CONFIG": str(config)})
+
+
+def point_e2b_sdk(mp: pytest.MonkeyPatch, server: Server) -> None:
+    """The stock `e2b` SDK's environment as a user sets it for a self-hosted server."""
+    mp.setenv("E2B_API_URL", server.url)
+    mp.setenv("E2B_SANDBOX_URL", server.url)
+    mp.setenv("E2B_API_KEY", server.api_key or "unchecked")  # the SDK wants one; a keyless server ignores it
+    mp.delenv("E2B_DEBUG", raising=False)
+
+
+#: Seconds between two looks of `eventually`.
+POLL_SECONDS = 0.1
+
+
+def eventually(check: Callable[[], bool], what: str, within: float = SANDBOX_DEADLINE) -> None:
+    """Wait (blocking) until `check()` holds; fail after `within` seconds."""
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {within}s for {what}")
+        time.sleep(POLL_SECONDS)
+
+
 # -------------------------------------------------------------------- the browser
 
 #: The machine of `browser_server`: a sandbox on the data image (which has Chromium) with the

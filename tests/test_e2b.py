@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -27,12 +27,19 @@ from e2b.sandbox.filesystem.filesystem import WriteEntry
 from agentbox.api.app import create_app
 from agentbox.config import Settings
 from agentbox.e2b import CONTROL_PATH
-from tests.conftest import Server, start_server, stop_server, traversable
+from tests.conftest import (
+    POLL_SECONDS,
+    Server,
+    eventually,
+    point_e2b_sdk,
+    start_server,
+    stop_server,
+    traversable,
+)
 
 API_KEY = "e2b-test-key"
 #: Seconds a condition (a sandbox ending at its timeout) may take before a test fails.
 DEADLINE_SECONDS = 20.0
-POLL_SECONDS = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +56,8 @@ def e2b_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def e2b_env(e2b_server: Server) -> Iterator[Server]:
     """The SDK's environment pointed at the server, for the module's tests."""
     with pytest.MonkeyPatch.context() as mp:
-        point_sdk(mp, e2b_server)
+        point_e2b_sdk(mp, e2b_server)
         yield e2b_server
-
-
-def point_sdk(mp: pytest.MonkeyPatch, server: Server) -> None:
-    """The SDK's environment as a user sets it for a self-hosted server."""
-    mp.setenv("E2B_API_URL", server.url)
-    mp.setenv("E2B_SANDBOX_URL", server.url)
-    mp.setenv("E2B_API_KEY", API_KEY)
-    mp.delenv("E2B_DEBUG", raising=False)
 
 
 @pytest.fixture
@@ -293,7 +292,7 @@ def test_a_sandbox_outlives_a_server_restart(
     home.mkdir()
     first = start_server(home, env={"AGENTBOX_API_KEY": API_KEY})
     try:
-        point_sdk(monkeypatch, first)
+        point_e2b_sdk(monkeypatch, first)
         kept = Sandbox.create(metadata={"owner": "restart"}, envs={"KEPT": "env too"}, timeout=600)
         kept.files.write("/workspace/kept.txt", "across a restart")
         ended = Sandbox.create(timeout=60)
@@ -305,7 +304,7 @@ def test_a_sandbox_outlives_a_server_restart(
     time.sleep(2)  # past `ended`'s end: a fixed wait, since no server runs to be asked
     second = start_server(home, env={"AGENTBOX_API_KEY": API_KEY})
     try:
-        point_sdk(monkeypatch, second)
+        point_e2b_sdk(monkeypatch, second)
         again = Sandbox.connect(kept.sandbox_id)
         assert again.files.read("/workspace/kept.txt") == "across a restart"
         assert again.commands.run("echo $KEPT").stdout == "env too\n"
@@ -377,14 +376,6 @@ def test_the_sandbox_ends_at_its_timeout(e2b_env: Server) -> None:
     with pytest.raises(NotFoundException):
         Sandbox.get_info(short.sandbox_id)
     assert not (e2b_env.home / "sessions" / short.sandbox_id).exists()
-
-
-def eventually(check: Callable[[], bool], what: str, within: float = DEADLINE_SECONDS) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {within}s for {what}")
-        time.sleep(POLL_SECONDS)
 
 
 async def test_the_async_client(e2b_env: Server) -> None:

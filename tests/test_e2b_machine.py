@@ -24,14 +24,13 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
-from conftest import E2B_API_KEY, Server, e2b_entry, start_server, stop_server, traversable
+from conftest import Server, e2b_entry, start_e2b_client, stop_server, traversable
 from test_api_v2 import Aio
 
 from agentbox.machines.base import ExecRequest, Lifetime, WatchChange, Watching
 from agentbox.machines.e2b import EXTRA, REQUEST_TIMEOUT, E2BMachine, E2BOptions, sdk
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.kinds import KINDS
-from agentbox.secrets import SecretBox
 from agentbox.workspace import files, remote_files
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.fileops import RemoteOps, file_ops
@@ -419,21 +418,12 @@ async def test_a_paused_sandbox_is_killed_when_its_session_closes(endpoint: Serv
 # --- a server whose sessions run on e2b -----------------------------------------------------
 
 
-def start_client(home: Path, endpoint: Server) -> Server:
-    """A server whose default machine is an e2b machine on `endpoint`, its key stored sealed."""
-    sealed = entry(endpoint, api_key=SecretBox(home).encrypt(E2B_API_KEY))
-    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in sealed.items())
-    config = home.parent / "agentbox.toml"
-    config.write_text(f'default_machine = "cloud"\n[machines.cloud]\nkind = "e2b"\nmemory_mb = 0\n{lines}')
-    return start_server(home, {"AGENTBOX_CONFIG": str(config)})
-
-
 async def test_a_session_on_an_e2b_machine_survives_a_server_restart(
     endpoint: Server, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     home = traversable(tmp_path_factory.mktemp("e2b-client"), tmp_path_factory) / "home"
     home.mkdir()
-    client = start_client(home, endpoint)
+    client = start_e2b_client(home, endpoint)
     session = f"ses_{uuid.uuid4().hex[:12]}"
     try:
         sb = Aio(client, session)
@@ -456,7 +446,7 @@ async def test_a_session_on_an_e2b_machine_survives_a_server_restart(
         assert len(e2b_ids) == 1
     finally:
         stop_server(client)
-    client = start_client(home, endpoint)
+    client = start_e2b_client(home, endpoint)
     try:
         sb = Aio(client, session)
         assert sb.get("/v2/fs/read", path="notes/a.md")["content"] == "# kept\n"

@@ -299,6 +299,21 @@ async def test_commands_inherit_only_their_standard_streams(make_sandbox: Sandbo
     assert result.stdout == b"[]\n", "descriptors beyond 0-2 leak into commands: " + result.stdout.decode()
 
 
+async def test_input_a_command_does_not_read_never_stops_the_server(make_sandbox: SandboxFactory) -> None:
+    """A full stdin pipe makes the write wait, not the event loop (the command sleeps 2 s: a
+    blocked loop would come back only then); the command's exit ends the wait as a broken pipe."""
+    machine = await make_sandbox()
+    process = await machine.spawn(ExecRequest(command="sleep 2", interactive=True))
+    loop = asyncio.get_running_loop()
+    writing = asyncio.ensure_future(process.write_stdin(bytes(1 << 20)))  # far past a pipe's 64 KiB
+    started = loop.time()
+    await asyncio.sleep(0.1)
+    assert loop.time() - started < 1.0 and not writing.done()
+    process.kill()
+    with pytest.raises(BrokenPipeError):
+        await asyncio.wait_for(writing, SANDBOX_DEADLINE)
+
+
 async def test_failures_of_the_command_are_ordinary_results(make_sandbox: SandboxFactory) -> None:
     m = await make_sandbox()
     result = await sh(m, "echo out; echo err >&2; exit 3")

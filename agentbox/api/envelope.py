@@ -63,6 +63,7 @@ STATUS_BY_TYPE = {
     "machine_denied": 403,
     "machine_unavailable": 503,
     "session_deleted": 410,
+    "unsupported": 501,
     "method_not_allowed": 405,
     "timeout": 504,
     "browser_unavailable": 503,

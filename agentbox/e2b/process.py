@@ -2,9 +2,28 @@
 
 A process is a command of the machine's `CommandManager` (so `/v2/commands` lists it too);
 its pid is a number the sandbox's table hands out, not the kernel's. `Start` streams the
-start event, stdout / stderr data as it comes, keepalives while quiet, then the end. Not
-served yet: PTYs (`Update`, PTY input), `StreamInput`, and running as a named user
-(`user` is accepted and ignored: commands run as the sandbox's own root).
+start event, stdout / stderr data as it comes, keepalives while quiet, then the end.
+
+PTYs: `Start` with `pty` runs the command on a pseudo-terminal of `pty.size`, opened inside
+the sandbox by its exec agent (`ExecRequest.pty`), as the command's controlling terminal;
+its output comes as `pty` data (never stdout / stderr), under the command manager's output
+caps. `SendInput` and `StreamInput` type `pty` input into it, `Update` with `pty.size`
+resizes it (the command gets SIGWINCH; an `Update` without `pty` changes nothing), and
+`Connect`, `List` (its config as started: the proto's `ProcessInfo` has no PTY field),
+`SendSignal` and `CloseStdin` treat it as any process. Input of the other kind (`stdin` to a
+PTY, `pty` to a pipe process) is FAILED_PRECONDITION, as envd refuses it; a machine whose
+kind gives no terminals (ssh, local, e2b) answers UNIMPLEMENTED. Each side of a size is
+1..`MAX_TERMINAL_SIDE` (the kernel's `winsize`); others are INVALID_ARGUMENT.
+
+`StreamInput` (client streaming; the SDK's `commands.stream_input` / `pty.stream_input`):
+a start event naming the process, then data events written in order and keepalives; input
+before the start, or a second start, is INVALID_ARGUMENT. Input to a process that has ended
+is NOT_FOUND, as envd forgets ended processes. Each message is within connectrpc's request
+cap (4 MiB) and is written before the next is read, waiting for the process to take it (the
+command manager's stdin timeout), so a long stream holds one message at a time.
+
+Not served: running as a named user (`user` is accepted and ignored: commands run as the
+sandbox's own root).
 """
 
 from __future__ import annotations
@@ -22,6 +41,7 @@ from agentbox.e2b.envd_gen.process import process_pb as pr
 from agentbox.e2b.envd_gen.process.process_connect import Process
 from agentbox.e2b.rpc import inside_path, keepalive_of, oneof, rpc_errors, sandbox_id_of
 from agentbox.e2b.sandboxes import E2BSandbox, Launched, SandboxTable
+from agentbox.machines.base import MAX_TERMINAL_SIDE, TerminalSize
 from agentbox.tools.services import MachineServices
 from agentbox.workspace.commands import MAX_TIMEOUT_SECONDS, Command
 
@@ -94,18 +114,21 @@ class ProcessService(Process):
         config = request.process
         if config is None or not config.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
-        if request.pty is not None:
-            raise ConnectError(Code.UNIMPLEMENTED, "PTY processes are not served yet")
+        size = terminal_size(request.pty)
         root = services.machine.root
         cwd = inside_path(root, config.cwd) if config.cwd else None
         stdin = True if request.stdin is None else request.stdin
+        line = shlex.join([config.cmd, *config.args])
         with rpc_errors("exec", cwd):
             cmd = await services.commands.start(
-                shlex.join([config.cmd, *config.args]),
+                # On a terminal the program itself leads the session (no shell between it and
+                # its tty), so a kill of its group reaches the shell the SDK starts there.
+                f"exec {line}" if size is not None else line,
                 cwd=cwd,
                 env=dict(config.envs),
                 stdin=stdin,
                 timeout=process_deadline(ctx),
+                pty=size,
             )
         pid = sandbox.new_pid(Launched(cmd.id, config, request.tag))
         yield pr.StartResponse(event=started(pid))
@@ -124,31 +147,35 @@ class ProcessService(Process):
         async for event in follow(services, cmd, cmd.stdout.total, cmd.stderr.total, keepalive_of(ctx)):
             yield pr.ConnectResponse(event=event)
 
+    async def _running(
+        self, ctx: RequestContext[Any, Any], selector: pr.ProcessSelector | None
+    ) -> tuple[MachineServices, Command]:
+        """The selected process's command while it runs; one that has ended is NOT_FOUND, as
+        envd forgets its ended processes."""
+        sandbox, services = await self._opened(ctx)
+        launched = self._launched(sandbox, selector)
+        with rpc_errors("exec"):
+            cmd = services.commands.get(launched.command_id)
+        if cmd.finished:
+            raise ConnectError(Code.NOT_FOUND, "the process has ended")
+        return services, cmd
+
     async def send_signal(
         self, request: pr.SendSignalRequest, ctx: RequestContext[Any, Any]
     ) -> pr.SendSignalResponse:
-        sandbox, services = await self._opened(ctx)
-        launched = self._launched(sandbox, request.process)
+        services, cmd = await self._running(ctx, request.process)
         sig = SIGNALS.get(request.signal)
         if sig is None:
             raise ConnectError(Code.INVALID_ARGUMENT, f"signal {request.signal!r} is not one envd sends")
         with rpc_errors("kill"):
-            cmd = services.commands.get(launched.command_id)
-            if cmd.finished:
-                raise ConnectError(Code.NOT_FOUND, "the process has ended")
             services.commands.kill(cmd.id, sig)
         return pr.SendSignalResponse()
 
     async def send_input(
         self, request: pr.SendInputRequest, ctx: RequestContext[Any, Any]
     ) -> pr.SendInputResponse:
-        sandbox, services = await self._opened(ctx)
-        launched = self._launched(sandbox, request.process)
-        given = request.input.input if request.input is not None else None
-        if given is None or given.field != "stdin":
-            raise ConnectError(Code.UNIMPLEMENTED, "only stdin input is served (no PTYs yet)")
-        with rpc_errors("stdin"):
-            await services.commands.write_stdin(launched.command_id, bytes(given.value))
+        services, cmd = await self._running(ctx, request.process)
+        await write_input(services, cmd, request.input)
         return pr.SendInputResponse()
 
     async def close_stdin(
@@ -160,11 +187,72 @@ class ProcessService(Process):
             await services.commands.close_stdin(launched.command_id)
         return pr.CloseStdinResponse()
 
-    def stream_input(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
-        raise ConnectError(Code.UNIMPLEMENTED, "StreamInput is not served yet")
+    async def stream_input(
+        self, request: AsyncIterator[pr.StreamInputRequest], ctx: RequestContext[Any, Any]
+    ) -> pr.StreamInputResponse:
+        """A start event naming the process, then its input in order; keepalives are skipped."""
+        target: tuple[MachineServices, Command] | None = None
+        async for message in request:
+            event = message.event
+            if event is None or event.field == "keepalive":
+                continue
+            if event.field == "start":
+                if target is not None:
+                    raise ConnectError(Code.INVALID_ARGUMENT, "the input stream has started already")
+                target = await self._running(ctx, event.value.process)
+                continue
+            if target is None:
+                raise ConnectError(
+                    Code.INVALID_ARGUMENT, "input came before the start event naming the process"
+                )
+            services, cmd = target
+            if cmd.finished:
+                raise ConnectError(Code.NOT_FOUND, "the process has ended")
+            await write_input(services, cmd, event.value.input)
+        if target is None:
+            raise ConnectError(Code.INVALID_ARGUMENT, "the input stream named no process")
+        return pr.StreamInputResponse()
 
     async def update(self, request: pr.UpdateRequest, ctx: RequestContext[Any, Any]) -> pr.UpdateResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "PTY processes are not served yet")
+        services, cmd = await self._running(ctx, request.process)
+        size = terminal_size(request.pty)
+        if size is None:
+            return pr.UpdateResponse()  # envd's Update changes only what it names
+        if cmd.pty is None:
+            raise ConnectError(Code.FAILED_PRECONDITION, "the process has no pty to resize")
+        with rpc_errors("resize"):
+            services.commands.resize(cmd.id, size)
+        return pr.UpdateResponse()
+
+
+def terminal_size(pty: pr.PTY | None) -> TerminalSize | None:
+    """The terminal a `pty` field asks for: None without one; its size is required."""
+    if pty is None:
+        return None
+    if pty.size is None:
+        raise ConnectError(Code.INVALID_ARGUMENT, "pty.size is required")
+    try:
+        return TerminalSize(rows=pty.size.rows, cols=pty.size.cols)
+    except ValueError:
+        raise ConnectError(
+            Code.INVALID_ARGUMENT,
+            f"pty.size must be 1..{MAX_TERMINAL_SIDE} rows and cols, got {pty.size.rows}x{pty.size.cols}",
+        ) from None
+
+
+async def write_input(services: MachineServices, cmd: Command, given: pr.ProcessInput | None) -> None:
+    """Write `stdin` input to a pipe process, `pty` input to a terminal; the other kind is refused."""
+    value = given.input if given is not None else None
+    if value is None:
+        raise ConnectError(Code.INVALID_ARGUMENT, "input is empty: give stdin or pty bytes")
+    wanted = "pty" if cmd.pty is not None else "stdin"
+    if value.field != wanted:
+        raise ConnectError(
+            Code.FAILED_PRECONDITION,
+            f"the process {'runs' if cmd.pty else 'does not run'} on a pty: send {wanted} input",
+        )
+    with rpc_errors("stdin"):
+        await services.commands.write_stdin(cmd.id, bytes(value.value))
 
 
 def started(pid: int) -> pr.ProcessEvent:
@@ -174,14 +262,16 @@ def started(pid: int) -> pr.ProcessEvent:
 async def follow(
     services: MachineServices, cmd: Command, out: int, err: int, keepalive: float
 ) -> AsyncIterator[pr.ProcessEvent]:
-    """The command's output from these offsets as data events, keepalives while it is quiet, then its end."""
+    """The command's output from these offsets as data events (a terminal's as `pty` data),
+    keepalives while it is quiet, then its end."""
+    out_kind = "pty" if cmd.pty is not None else "stdout"
     while True:
         with rpc_errors("exec"):
             cmd = await services.commands.wait_output(cmd.id, out, err, timeout=keepalive)
         stdout, stderr = cmd.stdout.read(out), cmd.stderr.read(err)
         out, err = stdout.next_offset, stderr.next_offset
         if stdout.data:
-            yield data_event(oneof("stdout", stdout.data))
+            yield data_event(oneof(out_kind, stdout.data))
         if stderr.data:
             yield data_event(oneof("stderr", stderr.data))
         if stdout.data or stderr.data:

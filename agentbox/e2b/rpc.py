@@ -42,6 +42,7 @@ ERROR_CODES: dict[str, tuple[Code, int]] = {
     "capacity_exceeded": (Code.RESOURCE_EXHAUSTED, 429),
     "machine_unavailable": (Code.UNAVAILABLE, 503),
     "kernel_unavailable": (Code.UNAVAILABLE, 503),
+    "unsupported": (Code.UNIMPLEMENTED, 501),
 }
 
 

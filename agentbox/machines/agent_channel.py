@@ -6,14 +6,18 @@ its socket reaches the server differ (an inherited socketpair end, a unix socket
 directory); what happens on the socket does not, and lives here:
 
 - `AgentChannel.spawn` makes a command's pipes, sends `S` with their write ends (and a
-  stdin read end), and waits for `P` (its pid) or `E` (an errno);
-- `X` ends the command's `AgentProcess`; `K` / `G` signal its process group;
+  stdin read end), and waits for `P` (its pid) or `E` (an errno); with a terminal size it
+  sends `T` instead and `P` brings the master of the pty the agent opened inside: the command's
+  output is read from it, its input written to it, its size set on it (`TIOCSWINSZ`);
+- `X` ends the command's `AgentProcess` and closes the server's input end (and pty master
+  copies) it held; `K` / `G` signal its process group;
 - `R`, once, hands over the directories that exist only inside the machine: they are
   attached to the machine's `HostView`, and `ready` resolves;
 - EOF (the agent, or all of the machine, is gone) fails `ready` if it was pending and calls
   the machine's `gone`; `abandon` then fails every command still waiting.
 
-The server reads each command's pipes itself (`Pipe`), so no output passes through the agent.
+The server reads each command's pipes (or pty master) itself (`Pipe`), so no output passes
+through the agent.
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import os
 import signal
 import socket
+import struct
+import termios
 from collections.abc import Callable, Sequence
 
+from agentbox.machines.base import TerminalSize
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.exec_agent import MAX_MESSAGE
 from agentbox.machines.hostview import HostView
@@ -34,15 +42,19 @@ from agentbox.machines.hostview import HostView
 PIPE_CHUNK = 65536
 #: The exit code a command reports when its machine stopped under it (SIGKILL's).
 KILLED_EXIT = 137
+#: Seconds between two tries to write input the command has not taken yet.
+STDIN_RETRY_SECONDS = 0.005
 
 
 class Pipe:
     """Feed a StreamReader from a pipe with `add_reader`: cheaper than a transport per command."""
 
-    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, fd: int, loop: asyncio.AbstractEventLoop, reader: asyncio.StreamReader | None = None
+    ) -> None:
         self.fd = fd
         self.loop = loop
-        self.reader = asyncio.StreamReader(limit=2**31, loop=loop)
+        self.reader = reader or asyncio.StreamReader(limit=2**31, loop=loop)
         os.set_blocking(fd, False)
         loop.add_reader(fd, self._readable)
 
@@ -51,7 +63,7 @@ class Pipe:
             data = os.read(self.fd, PIPE_CHUNK)
         except BlockingIOError:
             return
-        except OSError:
+        except OSError:  # EIO: a pty master whose every slave is closed
             data = b""
         if data:
             self.reader.feed_data(data)
@@ -67,31 +79,52 @@ class Pipe:
 
 
 class AgentProcess:
-    """A command started by an exec agent."""
+    """A command started by an exec agent: on pipes (`stdin` its write end, or None), or on a
+    pty (`terminal`) whose master arrives with its pid (`attach_terminal`)."""
 
     def __init__(
-        self, channel: AgentChannel, cid: int, stdout: Pipe, stderr: Pipe, stdin: int | None
+        self,
+        channel: AgentChannel,
+        cid: int,
+        stdout: Pipe | None,
+        stderr: Pipe | None,
+        stdin: int | None,
+        *,
+        terminal: bool = False,
     ) -> None:
         self.channel = channel
         self.cid = cid
         self.pid = 0
-        self._out, self._err = stdout, stderr
-        self.stdout = stdout.reader
-        self.stderr = stderr.reader
+        self._pipes = [pipe for pipe in (stdout, stderr) if pipe is not None]
+        self.stdout = stdout.reader if stdout is not None else _reader(channel.loop)
+        self.stderr = stderr.reader if stderr is not None else _reader(channel.loop)
         self._stdin = stdin
+        self.terminal = terminal
+        self._tty: int | None = None
+        """The pty master (a descriptor of its own) that `resize` sets the size on."""
         self.argv0 = ""
         self.exited: asyncio.Future[int] = channel.loop.create_future()
 
+    def attach_terminal(self, master: int) -> None:
+        """Read the output from the pty's master, write the input to it and resize it; its
+        stderr stays empty (everything the command writes comes through the terminal)."""
+        self._pipes.append(Pipe(master, self.channel.loop, self.stdout))
+        self.stderr.feed_eof()
+        self._stdin = os.dup(master)
+        self._tty = os.dup(master)
+
     async def write_stdin(self, data: bytes) -> None:
-        if self._stdin is None:
-            raise BrokenPipeError("stdin is closed")
+        """Write all of `data` as the command takes it, never blocking the loop (the input end
+        is non-blocking); the command's exit while it waits is a BrokenPipeError."""
         view = memoryview(data)
         while view:
+            if self._stdin is None:
+                raise BrokenPipeError("stdin is closed")
             try:
                 n = os.write(self._stdin, view)
                 view = view[n:]
             except BlockingIOError:
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(STDIN_RETRY_SECONDS)
 
     async def close_stdin(self) -> None:
         if self._stdin is not None:
@@ -100,6 +133,13 @@ class AgentProcess:
 
     async def wait(self) -> int:
         return await asyncio.shield(self.exited)
+
+    def resize(self, size: TerminalSize) -> None:
+        """Set the pty's window size; the kernel sends SIGWINCH to its foreground group."""
+        if self._tty is None:
+            raise OSError(errno.ENOTTY, "the command has no terminal (or it has ended)")
+        packed = struct.pack("HHHH", size.rows, size.cols, 0, 0)
+        fcntl.ioctl(self._tty, termios.TIOCSWINSZ, packed)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the command's process group, also after its leader exited (children remain)."""
@@ -110,11 +150,25 @@ class AgentProcess:
                 self.channel.send([b"G", self.pid, int(sig)])
 
     def _close_pipes(self) -> None:
-        self._out.close()
-        self._err.close()
+        for pipe in self._pipes:
+            pipe.close()
+        if not self.stderr.at_eof():
+            self.stderr.feed_eof()
+        self._ended()
+
+    def _ended(self) -> None:
+        """At the command's exit: no more input, no more resizes, and no descriptor kept for
+        them (its output is still read to its end). A child it left that reads stdin sees EOF."""
+        if self._tty is not None:
+            os.close(self._tty)
+            self._tty = None
         if self._stdin is not None:
             os.close(self._stdin)
             self._stdin = None
+
+
+def _reader(loop: asyncio.AbstractEventLoop) -> asyncio.StreamReader:
+    return asyncio.StreamReader(limit=2**31, loop=loop)
 
 
 class AgentChannel:
@@ -150,6 +204,7 @@ class AgentChannel:
         self.ready: asyncio.Future[None] = loop.create_future()
         self._next = 0
         self._pending: dict[int, asyncio.Future[int]] = {}
+        """Spawns waiting for their pid, by command id."""
         self._procs: dict[int, AgentProcess] = {}
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._on_control)
@@ -181,7 +236,7 @@ class AgentChannel:
             return
         fds: list[int] = []
         try:
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, len(self.shared))
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, max(len(self.shared), 1))
         except BlockingIOError:
             return
         except OSError:
@@ -196,8 +251,10 @@ class AgentChannel:
             self.gone()
             return
         op, *rest = data.split(b"\0")
+        if op == b"P" and fds:
+            fds = self._take_terminal(int(rest[0]), fds)
         if op != b"R":
-            for fd in fds:  # only `R` carries descriptors
+            for fd in fds:  # only `R` and a pty's `P` carry descriptors
                 os.close(fd)
         if op == b"R":
             for inside, fd in zip(self.shared, fds, strict=False):
@@ -219,9 +276,18 @@ class AgentChannel:
             proc = self._procs.pop(int(rest[0]), None)
             if proc is not None:
                 self.running -= 1
+                proc._ended()
                 if not proc.exited.done():
                     proc.exited.set_result(int(rest[1]))
             self.touch()
+
+    def _take_terminal(self, cid: int, fds: list[int]) -> list[int]:
+        """Give a pty's master to the command that asked for one; the descriptors left over."""
+        proc = self._procs.get(cid)
+        if proc is None or not proc.terminal or cid not in self._pending:
+            return fds
+        proc.attach_terminal(fds[0])
+        return fds[1:]
 
     def close(self) -> None:
         """Close the socket: the agent kills every command and exits (and its machine ends)."""
@@ -249,35 +315,58 @@ class AgentChannel:
     # commands -------------------------------------------------------------------------
 
     async def spawn(
-        self, argv: Sequence[str], cwd: str, env: dict[str, str], stdin: bytes | None, interactive: bool
+        self,
+        argv: Sequence[str],
+        cwd: str,
+        env: dict[str, str],
+        stdin: bytes | None,
+        interactive: bool,
+        pty: TerminalSize | None = None,
     ) -> AgentProcess:
-        """Start `argv` in `cwd` with exactly `env`; `stdin` (or `interactive`) gives it a stdin pipe."""
+        """Start `argv` in `cwd` with exactly `env`; `stdin` (or `interactive`) gives it a stdin
+        pipe; `pty` runs it on a terminal of that size instead (`stdin` is then typed into it)."""
+        self._next += 1
+        cid = self._next
+        pairs = [f"{k}={v}" for k, v in env.items()]
+        if pty is not None:
+            proc = AgentProcess(self, cid, None, None, None, terminal=True)
+            message: list[bytes | str | int] = [b"T", cid, cwd, pty.rows, pty.cols, len(argv), *argv, *pairs]
+            return await self._started(proc, argv, message, [], stdin)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         fds = [out_w, err_w]
         stdin_w = None
         if stdin is not None or interactive:
             in_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+            os.set_blocking(stdin_w, False)  # a command that does not read must not stop the server
             fds.append(in_r)
-        self._next += 1
-        cid = self._next
-        fut: asyncio.Future[int] = self.loop.create_future()
-        self._pending[cid] = fut
         proc = AgentProcess(self, cid, Pipe(out_r, self.loop), Pipe(err_r, self.loop), stdin_w)
+        return await self._started(proc, argv, [b"S", cid, cwd, len(argv), *argv, *pairs], fds, stdin)
+
+    async def _started(
+        self,
+        proc: AgentProcess,
+        argv: Sequence[str],
+        message: Sequence[bytes | str | int],
+        fds: list[int],
+        stdin: bytes | None,
+    ) -> AgentProcess:
+        """Send the spawn (`fds` are the command's ends, closed here) and wait for its pid."""
+        fut: asyncio.Future[int] = self.loop.create_future()
+        self._pending[proc.cid] = fut
         proc.argv0 = argv[0]
-        self._procs[cid] = proc
+        self._procs[proc.cid] = proc
         self.running += 1
         try:
             try:
-                pairs = [f"{k}={v}" for k, v in env.items()]
-                self.send([b"S", cid, cwd, len(argv), *argv, *pairs], fds)
+                self.send(message, fds)
             finally:
                 for fd in fds:
                     os.close(fd)
             proc.pid = await fut
         except BaseException:  # a failed send as much as a failed spawn: nothing stays counted
-            self._procs.pop(cid, None)
-            self._pending.pop(cid, None)
+            self._procs.pop(proc.cid, None)
+            self._pending.pop(proc.cid, None)
             self.running -= 1
             proc._close_pipes()
             raise

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from agentbox.machines.errors import PathEscape
+from agentbox.machines.errors import PathEscape, TerminalUnsupported
 
 OS = Literal["linux", "darwin", "windows"]
 
@@ -37,6 +37,22 @@ TRASH_DIR = ".agentbox-trash"
 TRASH_COVER_BYTES = 4096
 #: Largest rest of a file `Machine.read` returns when the caller names no `length`.
 MAX_MACHINE_READ_BYTES = 64 * 1024 * 1024
+#: Most rows (and, separately, columns) a terminal may have: the kernel's `struct winsize`
+#: holds each in an unsigned short.
+MAX_TERMINAL_SIDE = 65535
+
+
+@dataclass(frozen=True)
+class TerminalSize:
+    """A pseudo-terminal's window, in character cells; each side 1..MAX_TERMINAL_SIDE."""
+
+    rows: int
+    cols: int
+
+    def __post_init__(self) -> None:
+        for side in (self.rows, self.cols):
+            if not 1 <= side <= MAX_TERMINAL_SIDE:
+                raise ValueError(f"a terminal's rows and cols must be 1..{MAX_TERMINAL_SIDE}, got {side}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,11 @@ class ExecRequest:
     output_limit: int = DEFAULT_OUTPUT_LIMIT
     interactive: bool = False
     """Keep a stdin pipe open for `Process.write_stdin` (otherwise stdin is /dev/null)."""
+    pty: TerminalSize | None = None
+    """Run on a pseudo-terminal of this size, allocated inside the machine, as the command's
+    controlling terminal and its stdin, stdout and stderr: everything it writes arrives on
+    `stdout` (`stderr` ends at once), `write_stdin` types into it, and the process is a
+    `Terminal` (`resize`). A kind that cannot raises `TerminalUnsupported`."""
 
     def args(self) -> list[str]:
         return list(self.argv) if self.argv else ["/bin/sh", "-c", self.command]
@@ -108,6 +129,15 @@ class Process(Protocol):
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the command's whole process group."""
+        ...
+
+
+@runtime_checkable
+class Terminal(Process, Protocol):
+    """A process spawned with `ExecRequest.pty`."""
+
+    def resize(self, size: TerminalSize) -> None:
+        """Set the terminal's window size: the command's foreground group gets SIGWINCH."""
         ...
 
 
@@ -241,6 +271,14 @@ def inside_path(root: str, path: str) -> str:
     joined = path if path.startswith("/") else posixpath.join(root, path)
     normal = posixpath.normpath(joined)
     return "/" + normal.lstrip("/") if normal != "/" else "/"
+
+
+def pipes_only(request: ExecRequest, machine: str) -> None:
+    """Refuse a pseudo-terminal on a kind whose commands run on pipes only (local, ssh, e2b)."""
+    if request.pty is not None:
+        raise TerminalUnsupported(
+            f"{machine} runs commands on pipes only, not on a pseudo-terminal: use a sandbox or docker machine"
+        )
 
 
 async def collect(process: Process, limit: int, timeout: float | None) -> ExecResult:

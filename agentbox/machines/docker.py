@@ -764,7 +764,7 @@ class DockerMachine(HostFiles):
         self.last_used = time.monotonic()
         cwd = self.view.absolute(request.cwd or self.root)
         return await self._channel.spawn(
-            request.args(), cwd, self.command_env(request), request.stdin, request.interactive
+            request.args(), cwd, self.command_env(request), request.stdin, request.interactive, request.pty
         )
 
     async def exec(self, request: ExecRequest) -> ExecResult:

@@ -14,6 +14,7 @@
     ├── CapacityExceeded      the server already runs max_sandboxes sandboxes (or their memory
     │                         limits would pass max_sandbox_memory_mb): 503, retry after a while
     ├── OwnerUnsupported      `?user=` names an owner this machine cannot set
+    ├── TerminalUnsupported   a command asked for a pseudo-terminal on a kind that gives none
     └── ImageError            an image (`images.py`) that is not built (ImageNotFound), held by
                               a running sandbox (ImageInUse), asked for wrongly
                               (InvalidImageSpec) or that failed to build (ImageBuildFailed)
@@ -72,6 +73,10 @@ class CapacityExceeded(MachineError):
 
 class OwnerUnsupported(MachineError):
     pass
+
+
+class TerminalUnsupported(MachineError):
+    """The machine's kind runs commands on pipes only (`ExecRequest.pty` is refused)."""
 
 
 class ImageError(MachineError):

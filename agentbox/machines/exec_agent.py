@@ -7,7 +7,8 @@ are NUL-separated fields, so the agent needs no json import (its start-up time i
 every sandbox's cold start):
 
     server -> agent   S id cwd argc argv... KEY=VALUE...   + fds: stdout, stderr[, stdin]
-    agent -> server   P id pid        spawned
+                      T id cwd rows cols argc argv... KEY=VALUE...   the same on a new pty
+    agent -> server   P id pid        spawned                 + fd, after T: the pty's master
                       E id errno msg  could not spawn
                       X id code       exited (128+N for signal N)
     server -> agent   K id signal     signal the command's process group
@@ -17,8 +18,13 @@ every sandbox's cold start):
                                                                  line, opened here (O_PATH)
 
 The server creates each command's pipes and reads them itself, so output never passes
-through this process. Each command leads its own session and process group. When the
-socket closes, the agent kills every command and exits, and the sandbox ends with it.
+through this process. A `T` command gets a pseudo-terminal instead, opened here, in the
+machine's own devpts: its slave becomes the child's controlling terminal (`setsid`, then
+`TIOCSCTTY`) and its stdin, stdout and stderr, sized with `TIOCSWINSZ` first; the master goes
+to the server with `P`, which reads, writes and resizes it from then on. The child is forked
+(posix_spawn cannot make a controlling terminal); its exec failure comes back on a
+close-on-exec pipe as `E`. Only this path imports `fcntl` and `termios`. Each command leads
+its own session and process group. When the socket closes, the agent kills every command and exits, and the sandbox ends with it.
 
 The agent is the sandbox's pid 1 (bwrap `--as-pid-1`), so it also reaps what commands
 leave behind: every child, its own commands and orphans alike, is collected with
@@ -132,6 +138,56 @@ def main():
         by_id[cid] = pid
         send(b"P", cid, pid)
 
+    def spawn_terminal(fields):
+        """Fork the command onto a new pty of the asked size; hand its master to the server."""
+        import fcntl
+        import termios
+
+        cid, cwd, rows, cols, argc = fields[1], fields[2], int(fields[3]), int(fields[4]), int(fields[5])
+        argv = fields[6 : 6 + argc]
+        env = dict(kv.split(b"=", 1) for kv in fields[6 + argc :] if b"=" in kv)
+        size = b"".join(n.to_bytes(2, sys.byteorder) for n in (rows, cols, 0, 0))
+        opened = []
+        try:
+            master, slave = os.openpty()
+            opened += [master, slave]
+            fcntl.ioctl(master, termios.TIOCSWINSZ, size)
+            failed_r, failed_w = os.pipe2(os.O_CLOEXEC)
+            opened += [failed_r, failed_w]
+            pid = os.fork()
+        except OSError as exc:  # no pty left, no process left: the command's failure, not ours
+            for fd in opened:
+                os.close(fd)
+            send(b"E", cid, exc.errno or 0, exc.strerror or str(exc))
+            return
+        if pid == 0:  # the child: nothing but system calls until exec
+            try:
+                os.setsid()
+                fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+                for fd in (0, 1, 2):
+                    os.dup2(slave, fd)
+                _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
+                os.chdir(cwd)
+                os.execvpe(argv[0], argv, env)
+            except OSError as exc:
+                os.write(failed_w, b"%d\0%s" % (exc.errno or 0, (exc.strerror or str(exc)).encode()))
+            finally:
+                os._exit(127)
+        os.close(slave)
+        os.close(failed_w)
+        failure = os.read(failed_r, 4096)  # EOF at the child's exec
+        os.close(failed_r)
+        if failure:
+            os.close(master)
+            number, _, message = failure.partition(b"\0")
+            send(b"E", cid, number, message)  # the child is reaped as an orphan
+            return
+        by_pid[pid] = cid
+        by_id[cid] = pid
+        rights = master.to_bytes(FD_SIZE, sys.byteorder)
+        ctl.sendmsg([b"P\0%s\0%d" % (cid, pid)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
+        os.close(master)
+
     def reap():
         """Collect every exited child; report the commands, drop the orphans."""
         while True:
@@ -182,6 +238,8 @@ def main():
             fields = data.split(b"\0")
             if fields[0] == b"S":
                 spawn(fields, fds)
+            elif fields[0] == b"T":
+                spawn_terminal(fields)
             elif fields[0] == b"G":  # a group whose leader already exited (children remain)
                 try:
                     os.killpg(int(fields[1]), int(fields[2]))

@@ -14,7 +14,7 @@ import os
 import signal
 from pathlib import Path
 
-from agentbox.machines.base import OS, ExecRequest, ExecResult, collect
+from agentbox.machines.base import OS, ExecRequest, ExecResult, collect, pipes_only
 from agentbox.machines.binaries import ripgrep_binary
 from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.hostview import HostView, Mount
@@ -76,6 +76,9 @@ class LocalMachine(HostFiles):
         return {**base, **self.env, **request.env}
 
     async def spawn(self, request: ExecRequest) -> HostProcess:
+        """A host process on pipes; a pty is refused (`TerminalUnsupported`): the host's own
+        terminals are not handed out through agentbox."""
+        pipes_only(request, f"the local machine {self.name!r}")
         cwd = self.view.absolute(request.cwd or self.root)
         proc = await asyncio.create_subprocess_exec(
             *request.args(),

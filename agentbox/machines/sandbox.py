@@ -989,7 +989,7 @@ class SandboxMachine(HostFiles):
         self.last_used = time.monotonic()
         cwd = self.view.absolute(request.cwd or self.root)
         return await self._channel.spawn(
-            request.args(), cwd, self.command_env(request), request.stdin, request.interactive
+            request.args(), cwd, self.command_env(request), request.stdin, request.interactive, request.pty
         )
 
     async def exec(self, request: ExecRequest) -> ExecResult:

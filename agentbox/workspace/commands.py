@@ -54,7 +54,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from agentbox.ids import COMMAND, new_id
-from agentbox.machines.base import ExecRequest, Machine, Process
+from agentbox.machines.base import ExecRequest, Machine, Process, Terminal, TerminalSize
 from agentbox.workspace.errors import WorkspaceError, bad_request, operation
 from agentbox.workspace.files import limit_exceeded
 
@@ -329,6 +329,8 @@ class Command:
     kill_signal: int | None = None
     #: Why the record is `failed`.
     error: str | None = None
+    #: The size of the pseudo-terminal it runs on (its output is all on `stdout`), or None.
+    pty: TerminalSize | None = None
     _process: Process | None = field(default=None, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -446,19 +448,23 @@ class CommandManager:
         stdin: bool = True,
         keep_background: bool = False,
         input: bytes | None = None,
+        pty: TerminalSize | None = None,
     ) -> Command:
         """Start and return at once (async mode), status `running`.
 
         No deadline unless `timeout` is given: a server started this way runs until it is
         killed or the manager closes. `stdin=True` keeps a pipe open for `write_stdin`
         (a command that reads stdin then waits for input or `close_stdin`); `input` is
-        written to it first and then it is closed.
+        written to it first and then it is closed. `pty` runs it on a pseudo-terminal of
+        that size instead (the machine's kind may refuse): `write_stdin` types into it,
+        `resize` changes it, and all its output is `stdout`, under the same caps.
         """
         deadline = None if timeout is None else _check_timeout(timeout)
         _check_input(input)
         cmd = await self._launch(
-            command, cwd, env, deadline, session_id, stdin or input is not None, keep_background
-        )
+            command, cwd, env, deadline, session_id, stdin or input is not None or pty is not None,
+            keep_background, pty,
+        )  # fmt: skip
         self._feed(cmd, input)
         return cmd
 
@@ -485,6 +491,7 @@ class CommandManager:
         session_id: str | None,
         stdin: bool,
         keep_background: bool,
+        pty: TerminalSize | None = None,
     ) -> Command:
         self._check_open("exec")
         _check_command(command, cwd)
@@ -493,7 +500,7 @@ class CommandManager:
             raise _too_many("running commands", MAX_RUNNING_COMMANDS, "exec")
         session = self._session_for(session_id) if session_id is not None else None
         cwd = cwd or (session.working_dir if session else None)
-        request = ExecRequest(command=command, cwd=cwd, env=clean_env, interactive=stdin)
+        request = ExecRequest(command=command, cwd=cwd, env=clean_env, interactive=stdin, pty=pty)
         self._starting += 1
         spawning = asyncio.ensure_future(self.machine.spawn(request))
         try:
@@ -506,7 +513,9 @@ class CommandManager:
             raise
         finally:
             self._starting -= 1
-        cmd = Command(new_id(COMMAND), command, cwd, clean_env, timeout, session_id, stdin_open=stdin)
+        cmd = Command(
+            new_id(COMMAND), command, cwd, clean_env, timeout, session_id, stdin_open=stdin, pty=pty
+        )
         cmd._process = process
         self._commands[cmd.id] = cmd
         self._running += 1
@@ -608,6 +617,21 @@ class CommandManager:
         cmd._process.kill(sig)
         if sig == signal.SIGKILL:
             cmd._sigkilled.set()
+        return cmd
+
+    def resize(self, command_id: str, size: TerminalSize) -> Command:
+        """Set the window size of a running command's pseudo-terminal (it gets SIGWINCH)."""
+        cmd = self.get(command_id)
+        process = cmd._process
+        if cmd.finished or process is None:
+            raise bad_request("resize", f"Command {cmd.id} has ended")
+        if cmd.pty is None or not isinstance(process, Terminal):
+            raise bad_request("resize", f"Command {cmd.id} does not run on a terminal")
+        try:
+            process.resize(size)
+        except OSError as exc:  # it ended a moment ago: its terminal is closed
+            raise bad_request("resize", f"Command {cmd.id} has no terminal any more ({exc})") from exc
+        cmd.pty = size
         return cmd
 
     async def write_stdin(self, command_id: str, data: bytes, *, close: bool = False) -> Command:

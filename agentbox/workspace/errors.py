@@ -16,6 +16,8 @@
     ├── machine_unavailable   the machine could not start or its transport broke (503, retryable)
     ├── session_deleted       the id names a session that was deleted: its sandbox is gone for good
     │                         (410 on every route, v1 too: the request itself is refused)
+    ├── unsupported           the machine's kind cannot do what was asked (a pseudo-terminal on
+    │                         a kind that runs commands on pipes only; 501)
     ├── method_not_allowed    a known path asked with a method it does not serve (405, `Allow`)
     ├── conflict              the target is in a state that refuses the request now (a page
     │                         dialog waiting to be handled, a browser the user took over)
@@ -48,6 +50,7 @@ from agentbox.machines.errors import (
     PathEscape,
     PermissionRequired,
     SessionDeleted,
+    TerminalUnsupported,
 )
 
 #: How the machine errors read in the envelope: (family, error_type, retryable).
@@ -56,6 +59,7 @@ MACHINE_ERRORS: tuple[tuple[type[MachineError], str, bool], ...] = (
     (MachineDenied, "machine_denied", False),
     (MachineUnavailable, "machine_unavailable", True),
     (SessionDeleted, "session_deleted", False),
+    (TerminalUnsupported, "unsupported", False),
 )
 
 ERRNO_TYPES: dict[int, str] = {

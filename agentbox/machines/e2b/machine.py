@@ -29,6 +29,7 @@ from agentbox.machines.base import (
     FileStat,
     collect,
     inside_path,
+    pipes_only,
 )
 from agentbox.machines.e2b.options import DEFAULT_ROOT, HELPER_USER, REQUEST_TIMEOUT, E2BOptions, sdk
 from agentbox.machines.e2b.process import E2BProcess, connect_error, oneof
@@ -334,6 +335,7 @@ class E2BMachine:
     async def spawn(self, request: ExecRequest, *, user: str | None = None) -> E2BProcess:
         from e2b.envd.process import process_pb
 
+        pipes_only(request, f"the e2b machine {self.name!r}")  # its `sandbox.pty` is not used yet
         self._running()
         cwd = inside_path(self.root, request.cwd or self.root)
         piped = request.stdin is not None or request.interactive

@@ -30,6 +30,7 @@ from agentbox.machines.base import (
     FileStat,
     collect,
     inside_path,
+    pipes_only,
 )
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.local import BASE_PATH
@@ -360,6 +361,10 @@ class SshMachine:
     # commands -----------------------------------------------------------------------------
 
     async def spawn(self, request: ExecRequest) -> SshProcess:
+        """A remote command on its own session channel; a pty is refused (`TerminalUnsupported`):
+        the pid marker this kind's kill stands on comes on the channel's stdout, which a
+        terminal would echo into and rewrite (CRLF), and stderr would merge into it."""
+        pipes_only(request, f"the ssh machine {self.name!r}")
         facts = await self.ready()
         cwd = inside_path(facts.root, request.cwd or facts.root)
         piped = request.stdin is not None or request.interactive
