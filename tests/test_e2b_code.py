@@ -15,11 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import KERNEL_IMAGE, Server, host_pid_of
+from conftest import KERNEL_IMAGE, Server, eventually, host_pid_of, point_e2b_sdk
 from e2b import NotFoundException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 from e2b_code_interpreter.constants import DEFAULT_TEMPLATE, JUPYTER_PORT
-from test_e2b import eventually, point_sdk
 from test_readme import block, python
 
 from agentbox.e2b.sandboxes import CODE_INTERPRETER_TEMPLATE
@@ -35,7 +34,7 @@ LONG_SLEEP = 60
 @pytest.fixture(scope="module")
 def code_env(kernel_server: Server) -> Iterator[Server]:
     with pytest.MonkeyPatch.context() as mp:
-        point_sdk(mp, kernel_server)
+        point_e2b_sdk(mp, kernel_server)
         yield kernel_server
 
 
