@@ -36,10 +36,11 @@ fi
 # An older e2b SDK release, the last line that speaks the v1 control-plane routes, in a venv of
 # its own (two releases cannot share one): tests/test_e2b_sdk_releases.py drives agentbox with it.
 E2B_OLD_SDK=2.45.1
-if ! .venv-e2b-old/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('e2b') != '$E2B_OLD_SDK')" 2>/dev/null; then
+E2B_OLD_CODE_SDK=2.10.0
+if ! .venv-e2b-old/bin/python -c "import importlib.metadata as m, sys; sys.exit((m.version('e2b'), m.version('e2b-code-interpreter')) != ('$E2B_OLD_SDK', '$E2B_OLD_CODE_SDK'))" 2>/dev/null; then
   rm -rf .venv-e2b-old
   .venv/bin/python -m venv .venv-e2b-old
-  .venv-e2b-old/bin/python -m pip install -q "e2b==$E2B_OLD_SDK"
+  .venv-e2b-old/bin/python -m pip install -q "e2b==$E2B_OLD_SDK" "e2b-code-interpreter==$E2B_OLD_CODE_SDK"
 fi
 # The AIO SDK declares a heavy cloud SDK it does not import; install it without dependencies.
 .venv/bin/python -m pip install -q --no-deps "agent-sandbox==0.0.30"

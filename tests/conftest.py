@@ -1025,18 +1025,22 @@ def kernel_image(data_image: Image) -> Image:
 KERNEL_MACHINE = "kernels"
 
 
-@pytest.fixture(scope="session")
-def kernel_server(tmp_path_factory: pytest.TempPathFactory, kernel_image: Image) -> Iterator[Server]:
-    """A real server whose default machine's sandboxes can run code contexts."""
-    home = traversable(tmp_path_factory.mktemp("srv-kernel"), tmp_path_factory) / "home"
-    home.mkdir()
+def kernel_machine_env(home: Path, kernel_image: Image) -> dict[str, str]:
+    """A server's environment (for `start_server` on `home`) whose default machine's sandboxes
+    run on the kernel image, network off."""
     config = home.parent / "agentbox.toml"
     config.write_text(
         f'default_machine = "{KERNEL_MACHINE}"\n'
         f'[machines.{KERNEL_MACHINE}]\nkind = "sandbox"\nimage = "{KERNEL_IMAGE}"\nnetwork = "off"\n'
     )
-    server = start_server(
-        home, {"AGENTBOX_CONFIG": str(config), "AGENTBOX_IMAGES": str(kernel_image.path.parent)}
-    )
+    return {"AGENTBOX_CONFIG": str(config), "AGENTBOX_IMAGES": str(kernel_image.path.parent)}
+
+
+@pytest.fixture(scope="session")
+def kernel_server(tmp_path_factory: pytest.TempPathFactory, kernel_image: Image) -> Iterator[Server]:
+    """A real server whose default machine's sandboxes can run code contexts."""
+    home = traversable(tmp_path_factory.mktemp("srv-kernel"), tmp_path_factory) / "home"
+    home.mkdir()
+    server = start_server(home, kernel_machine_env(home, kernel_image))
     yield server
     stop_server(server)

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 from e2b import AsyncSandbox, CommandExitException, Sandbox, SandboxQuery
+from e2b_code_interpreter import Sandbox as CodeSandbox
 
 #: Seconds the watch and listing steps wait for what they expect.
 DEADLINE_SECONDS = 20.0
@@ -107,6 +108,22 @@ def lifecycle(tag: str) -> dict[str, Any]:
     return observed
 
 
+def code_interpreter() -> dict[str, Any]:
+    """`e2b-code-interpreter`'s own `Sandbox` (template `code-interpreter-v1`): state kept
+    between cells, an exception as an error with its traceback."""
+    sbx = CodeSandbox.create()
+    try:
+        sbx.run_code("x = 21")
+        answer = sbx.run_code("x * 2").text
+        failed = sbx.run_code("1 / 0").error
+    finally:
+        sbx.kill()
+    return {
+        "answer": answer,
+        "error": None if failed is None else [failed.name, "ZeroDivisionError" in failed.traceback],
+    }
+
+
 async def async_client() -> dict[str, Any]:
     sbx = await AsyncSandbox.create(envs={"GREETING": "async hi"})
     try:
@@ -122,7 +139,9 @@ def main() -> None:
     tag = sys.argv[1]
     report = {
         "version": importlib.metadata.version("e2b"),
+        "code_version": importlib.metadata.version("e2b-code-interpreter"),
         "sync": lifecycle(tag),
+        "code": code_interpreter(),
         "async": asyncio.run(async_client()),
     }
     print(json.dumps(report))

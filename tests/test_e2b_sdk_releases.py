@@ -20,13 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server, start_server, stop_server, traversable
+from agentbox.machines.images import Image
+from tests.conftest import Server, kernel_machine_env, start_server, stop_server, traversable
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIO = REPO / "tests" / "e2b_sdk_scenario.py"
-#: The older release, and where `scripts/test.sh` installs it (AGENTBOX_E2B_OLD_SDK_PYTHON
-#: names another interpreter that has it).
+#: The older release, with the code interpreter SDK release of its line, and where
+#: `scripts/test.sh` installs them (AGENTBOX_E2B_OLD_SDK_PYTHON names another interpreter).
 OLD_SDK_VERSION = "2.45.1"
+OLD_CODE_SDK_VERSION = "2.10.0"
 OLD_SDK_VENV = REPO / ".venv-e2b-old"
 #: Releases before 2.63 check the key's shape before sending it: `e2b_` and 40 hex digits.
 API_KEY = "e2b_" + "0123456789abcdef" * 2 + "01234567"
@@ -39,17 +41,20 @@ def old_sdk_python() -> str:
     path = Path(named) if named else OLD_SDK_VENV / "bin" / "python"
     if not path.exists():
         raise AssertionError(
-            f"no interpreter with e2b {OLD_SDK_VERSION} at {path}: scripts/test.sh makes it "
-            f"(python -m venv {OLD_SDK_VENV} && {OLD_SDK_VENV}/bin/pip install e2b=={OLD_SDK_VERSION})"
+            f"no interpreter with e2b {OLD_SDK_VERSION} at {path}: scripts/test.sh makes it (python -m "
+            f"venv {OLD_SDK_VENV} && {OLD_SDK_VENV}/bin/pip install e2b=={OLD_SDK_VERSION} "
+            f"e2b-code-interpreter=={OLD_CODE_SDK_VERSION})"
         )
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def keyed_server(tmp_path_factory: pytest.TempPathFactory, kernel_image: Image) -> Iterator[Server]:
+    """A server with an API key whose default machine's image has a Jupyter kernel."""
     home = traversable(tmp_path_factory.mktemp("e2b-releases"), tmp_path_factory) / "home"
     home.mkdir()
-    server = start_server(home, env={"AGENTBOX_API_KEY": API_KEY}, args=["--log-level", "info"])
+    env = {"AGENTBOX_API_KEY": API_KEY, **kernel_machine_env(home, kernel_image)}
+    server = start_server(home, env=env, args=["--log-level", "info"])
     yield server
     stop_server(server)
 
@@ -95,14 +100,13 @@ def log_size(server: Server) -> int:
 
 @pytest.mark.parametrize("release", ["current", "old"])
 def test_a_whole_session_with_each_pinned_release(release: str, keyed_server: Server) -> None:
-    python, expected = (
-        (sys.executable, importlib.metadata.version("e2b"))
-        if release == "current"
-        else (old_sdk_python(), OLD_SDK_VERSION)
-    )
+    current = (importlib.metadata.version("e2b"), importlib.metadata.version("e2b-code-interpreter"))
+    old = (OLD_SDK_VERSION, OLD_CODE_SDK_VERSION)
+    python, expected = (sys.executable, current) if release == "current" else (old_sdk_python(), old)
     tag = f"{release}-{uuid.uuid4().hex[:8]}"
     report = run_scenario(python, keyed_server, tag)
-    assert report["version"] == expected
+    assert (report["version"], report["code_version"]) == expected
+    assert report["code"] == {"answer": "42", "error": ["ZeroDivisionError", True]}
     sync = report["sync"]
     assert isinstance(sync, dict)
     assert sync["commands"] == {
