@@ -488,6 +488,20 @@ async def test_an_idle_stream_sends_heartbeats(client: httpx.AsyncClient) -> Non
     assert bad.status_code == 400
 
 
+async def test_a_turn_that_only_plans_never_starts_the_sandbox(client: httpx.AsyncClient) -> None:
+    """todo_write works on the session, not the machine: no sandbox starts for it."""
+    todo = {"name": "todo_write", "input": {"todos": [{"content": "look around", "status": "pending"}]}}
+    sid = await create(client, [{"tool_calls": [todo]}, {"text": "planned"}])
+    await post(client, sid)
+    streamed = await until_turn_end(client, sid)
+    types = [f.event for f in streamed]
+    assert types[-1] == "turn.completed" and "agent.tool_result" in types
+    results = [f.data for f in streamed if f.event == "agent.tool_result" and f.data]
+    assert [r["is_error"] for r in results] == [False], results
+    assert "sandbox.ready" not in types
+    assert (await client.get(f"/v1/sessions/{sid}")).json()["sandbox"] is None
+
+
 async def test_a_session_in_plan_mode_cannot_apply_its_change_sets(client: httpx.AsyncClient) -> None:
     script = [{"tool_calls": [write("plan.md", "# Plan\n")]}, {"text": "proposed"}]
     sid = await create(client, script, permission_mode="workspace-write")

@@ -494,6 +494,7 @@ async def test_researcher_gets_the_web_only_where_the_parent_has_it(
     }
     child = [{"tool_calls": [fetch]}, forbidden] if parent == Tier.WORKSPACE_WRITE else [{"text": "no need"}]
     tools, events = session_tools(machine, db, parent), Events()
+    tools.config = replace(tools.config, web_search_url="http://127.0.0.1:9/search")  # web_search exists
     model = Recording(root(task_call("researcher", child)))
     delegate(tools, model, events)
     result = await task(tools, "toolu_s0_0", "researcher")

@@ -37,6 +37,13 @@ class SessionToolHost:
         tool = self.tools.toolset.get(name)
         return tool is not None and tool.read_only
 
+    def touches_machine(self, name: str) -> bool:
+        """Whether a call of `name` needs the machine opened (a sandbox started or resumed):
+        not for tools that work elsewhere (`todo_write`, the web tools, `Tool.machine` false);
+        `task` does, for its child's tools. An unknown name opens nothing: it is an error."""
+        tool = self.tools.toolset.get(name)
+        return tool is not None and (tool.machine or tool.action == Action.TASK)
+
     def parallel(self, call: ToolCall) -> bool:
         tool = self.tools.toolset.get(call.name)
         agent = call.input.get("agent")
@@ -49,8 +56,9 @@ class SessionToolHost:
         problem = invalid_arguments(call)  # a provider sent arguments that are not JSON
         if problem is not None:
             return ToolResult.error(problem)
-        services = await self.open_services()
-        self.tools.machine = services.machine if services is not None else None
-        self.tools.services = services
+        if self.touches_machine(call.name):
+            services = await self.open_services()
+            self.tools.machine = services.machine if services is not None else None
+            self.tools.services = services
         with calling(call.id):
             return await self.tools.call(call.name, call.input, preapproved=preapproved, tool_use_id=call.id)
