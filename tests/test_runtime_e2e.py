@@ -139,16 +139,21 @@ async def anthropic_llm() -> AsyncIterator[Loopback]:
         yield loopback
 
 
-@pytest.fixture
-def listed(sandbox_tmp: Path, llm: Loopback, anthropic_llm: Loopback) -> Iterator[Server]:
-    """A server whose operator lists the two loopback models as endpoints sessions may use."""
+def serving(sandbox_tmp: Path, endpoints: list[str]) -> Iterator[Server]:
+    """A server whose operator lists `endpoints` as model endpoints sessions may use."""
     home = sandbox_tmp / "home"
     home.mkdir()
     config = sandbox_tmp / "agentbox.toml"
-    config.write_text(f'model_endpoints = ["{llm.url}/v1", "{anthropic_llm.url}"]\n')
+    config.write_text(f"model_endpoints = {json.dumps(endpoints)}\n")
     started = start_server(home, {"AGENTBOX_CONFIG": str(config)})
     yield started
     stop_server(started)
+
+
+@pytest.fixture
+def listed(sandbox_tmp: Path, llm: Loopback, anthropic_llm: Loopback) -> Iterator[Server]:
+    """A server whose operator lists the two loopback models as endpoints sessions may use."""
+    yield from serving(sandbox_tmp, [f"{llm.url}/v1", anthropic_llm.url])
 
 
 async def test_an_openai_compatible_model_edits_runs_delivers_and_survives_compaction(
@@ -275,13 +280,7 @@ async def quiet_llm() -> AsyncIterator[Loopback]:
 
 @pytest.fixture
 def quiet_server(sandbox_tmp: Path, quiet_llm: Loopback) -> Iterator[Server]:
-    home = sandbox_tmp / "home"
-    home.mkdir()
-    config = sandbox_tmp / "agentbox.toml"
-    config.write_text(f'model_endpoints = ["{quiet_llm.url}/v1"]\n')
-    started = start_server(home, {"AGENTBOX_CONFIG": str(config)})
-    yield started
-    stop_server(started)
+    yield from serving(sandbox_tmp, [f"{quiet_llm.url}/v1"])
 
 
 async def test_the_skill_tools_are_offered_once_there_is_something_for_them(
