@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 
 from agentbox.machines.errors import ImageBuildFailed, ImageInUse, ImageNotFound, InvalidImageSpec
-from agentbox.machines.images import MANIFEST, MAX_INCLUDES, MOUNT_POINTS, Image, ImageStore, remove_tree
+from agentbox.machines.images import (
+    MANIFEST,
+    MAX_INCLUDES,
+    MOUNT_POINTS,
+    Image,
+    ImageStore,
+    LowWater,
+    build_failure,
+    remove_tree,
+)
 from tests.conftest import built_image
 
 MS_BIND = 4096
@@ -128,6 +137,21 @@ def test_a_package_debian_does_not_have_fails_clearly_and_leaves_nothing(tmp_pat
     assert leftovers(store.root) == []
     with pytest.raises(ImageNotFound):
         store.get("x")
+
+
+def test_a_build_that_ran_out_of_space_says_so_whatever_apt_printed(tmp_path: Path) -> None:
+    """A full disk can reach apt as a truncated InRelease, which it reports as unsigned."""
+    symptom = [
+        "E: The repository 'http://deb.debian.org/debian-security bookworm-security InRelease' is not signed."
+    ]
+    assert "the disk is full (E: The repository" in build_failure(25, symptom, ran_out=True)
+    assert "disk is full" not in build_failure(25, symptom, ran_out=False)
+    assert (
+        build_failure(1, ["E: write: No space left on device"], ran_out=True).count("the disk is full") == 1
+    )
+    space = LowWater(tmp_path)
+    assert 0 < space.lowest < sys.maxsize and not space.ran_out
+    assert LowWater(tmp_path / "gone").lowest == sys.maxsize  # unknown is not full
 
 
 def test_a_full_disk_during_a_build_fails_clearly_and_leaves_nothing(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ import re
 import shutil
 import stat as stat_mod
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -88,6 +89,9 @@ BUILD_TIMEOUT = 3600
 STOP_GRACE = 20
 #: Bytes of tar's error output kept for the "unpacking failed" message.
 DIAGNOSTICS_TAIL = 2000
+#: Free bytes on the build's file system at or below which a failed build is reported as a
+#: full disk, whatever symptom apt printed.
+FULL_DISK_BYTES = 1024 * 1024
 #: Bytes read from mmdebstrap's tar stream at a time.
 CHUNK = 1 << 20
 #: Format of the manifest and of the tree's conventions; a change rebuilds every image.
@@ -431,7 +435,8 @@ def _build_in(request: Request, image: Path, tmp: Path, progress: Progress) -> M
         )  # fmt: skip
     assert debootstrap.stdout and debootstrap.stderr and tar.stdin
     log: list[str] = []
-    reader = threading.Thread(target=_follow, args=(debootstrap.stderr, log, progress), daemon=True)
+    space = LowWater(tmp)
+    reader = threading.Thread(target=_follow, args=(debootstrap.stderr, log, progress, space), daemon=True)
     reader.start()
     digest = hashlib.sha256()
     timer = threading.Timer(BUILD_TIMEOUT, _stop, (debootstrap,))
@@ -457,7 +462,7 @@ def _build_in(request: Request, image: Path, tmp: Path, progress: Progress) -> M
         reader.join(timeout=5)
     tar_error = _tail(tar_log)
     if code != 0:
-        raise ImageBuildFailed(f"mmdebstrap failed (exit {code}): {_reason(log)}")
+        raise ImageBuildFailed(build_failure(code, log, space.ran_out))
     if tar_code != 0:
         raise ImageBuildFailed(f"unpacking the image failed: {_disk_hint(tar_error)}")
     progress("preparing the tree for sandboxes")
@@ -487,8 +492,9 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def _follow(stream: object, log: list[str], progress: Progress) -> None:
+def _follow(stream: object, log: list[str], progress: Progress, space: LowWater) -> None:
     for raw in stream:  # type: ignore[attr-defined]
+        space.sample()
         line = raw.decode(errors="replace").rstrip()
         if line:
             log.append(line)
@@ -496,11 +502,46 @@ def _follow(stream: object, log: list[str], progress: Progress) -> None:
             progress(line)
 
 
+def _free_bytes(path: Path) -> int:
+    """Free bytes where `path` is, for an unprivileged writer; unknown (gone) counts as plenty."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return sys.maxsize
+    return st.f_bavail * st.f_frsize
+
+
+class LowWater:
+    """The least free space seen on the build's file system, sampled at each line mmdebstrap
+    prints: a build that ran out of space may say so only as a symptom (apt reads a truncated
+    InRelease as "not signed"), and mmdebstrap frees its tree before it exits."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lowest = _free_bytes(path)
+
+    def sample(self) -> None:
+        self.lowest = min(self.lowest, _free_bytes(self.path))
+
+    @property
+    def ran_out(self) -> bool:
+        return self.lowest <= FULL_DISK_BYTES
+
+
 def _tail(path: Path, limit: int = DIAGNOSTICS_TAIL) -> str:
     """The last `limit` bytes of a log file, as text."""
     with open(path, "rb") as f:
         f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
         return f.read().decode(errors="replace").strip()
+
+
+def build_failure(code: int, log: list[str], ran_out: bool) -> str:
+    """Why mmdebstrap failed: apt's own words, and a full disk named as such when the build's
+    file system ran out of space, whatever symptom apt printed."""
+    reason = _reason(log)
+    if ran_out and not reason.startswith("the disk is full"):
+        reason = f"the disk is full ({reason[-300:]})"
+    return f"mmdebstrap failed (exit {code}): {reason}"
 
 
 def _reason(log: list[str]) -> str:
