@@ -56,7 +56,7 @@ from agentbox.tools.changes import (
 )
 from agentbox.tools.fingerprint import ABSENT, CHUNK
 from agentbox.tools.runner import SessionTools
-from agentbox.tools.tiers import EACH_CALL, Decision, Tier, decide
+from agentbox.tools.tiers import EACH_CALL, Decision, Tier, decide, outside_root_write
 from agentbox.tools.toolsets import canonical_tools
 
 #: Seconds a test waits for a condition (an approval requested, a row written) before failing.
@@ -1032,10 +1032,13 @@ async def test_writes_outside_the_root(machine: LocalMachine, ws: Path, tmp_path
     target = str(outside / "new.txt")
     args = {"path": target, "content": "out"}
 
+    # The host is not isolated: full-auto asks too, then writes at once.
     full_auto = tools_for(machine, db, Tier.FULL_AUTO, real("write"))
+    Answerer(full_auto.approvals, "allow")
     assert not (await full_auto.call("write", args)).is_error
     assert (outside / "new.txt").read_text() == "out"
-    assert await full_auto.approvals.repo.of_session(SESSION) == []
+    [asked_auto] = await full_auto.approvals.repo.of_session(SESSION)
+    assert asked_auto.detail["paths"] == [target] and asked_auto.status == "allowed"
     (outside / "new.txt").unlink()
 
     workspace_write = tools_for(machine, db, Tier.WORKSPACE_WRITE, real("write"))
@@ -1046,7 +1049,7 @@ async def test_writes_outside_the_root(machine: LocalMachine, ws: Path, tmp_path
     Answerer(full_ask.approvals, "deny", message="keep it in the workspace")
     denied = await full_ask.call("write", args)
     assert denied.is_error and "keep it in the workspace" in denied.as_text()
-    [asked] = await full_ask.approvals.repo.of_session(SESSION)
+    [_, asked] = await full_ask.approvals.repo.of_session(SESSION)
     assert asked.action == "write" and asked.detail["paths"] == [target]
 
     full_ask.approvals.listeners.clear()
@@ -1058,6 +1061,18 @@ async def test_writes_outside_the_root(machine: LocalMachine, ws: Path, tmp_path
     [done] = await full_ask.changes.apply(machine, [op["id"]])
     assert done.status == "applied" and (outside / "new.txt").read_text() == "out"
     assert any("outside the workspace root" in w for w in done.warnings)
+
+
+@pytest.mark.parametrize(
+    ("tier", "isolated", "decision"),
+    [(Tier.FULL_AUTO, True, Decision.ALLOW), (Tier.FULL_AUTO, False, Decision.ASK),
+     (Tier.FULL_ASK, True, Decision.ASK), (Tier.FULL_ASK, False, Decision.ASK),
+     (Tier.WORKSPACE_WRITE, True, Decision.FORBID), (Tier.READ_ONLY, False, Decision.FORBID)],
+)  # fmt: skip
+def test_a_write_outside_the_root_is_free_only_in_an_isolated_full_auto_machine(
+    tier: Tier, isolated: bool, decision: Decision
+) -> None:
+    assert outside_root_write(tier, isolated) == decision
 
 
 async def test_bad_arguments_unknown_tools_and_crashes_become_error_results(

@@ -288,10 +288,11 @@ class SessionTools:
     async def _outside_root_gate(
         self, machine: Machine, tool: str, operations: Sequence[Operation], outside: list[str]
     ) -> str | None:
-        if outside_root_write(self.tier) == Decision.ALLOW:
+        decision = outside_root_write(self.tier, machine.isolated)
+        if decision == Decision.ALLOW:
             return None
         where = ", ".join(outside)
-        if self.tier != Tier.FULL_ASK:
+        if decision == Decision.FORBID:
             return (
                 f"{where} is outside the workspace root {machine.root}; {self.tier} only changes the "
                 "workspace and this cannot be approved."

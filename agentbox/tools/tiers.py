@@ -16,7 +16,7 @@
 change application; in the two full tiers it still allows read-only external research
 (web, external reads, browser read snapshots), asking in full-ask. What the first two tiers
 forbid can never be allowed by a single approval. Seed 004 adds: writes outside the
-machine's root always need approval except in full-auto.
+machine's root need approval, except in full-auto on an isolated machine (`outside_root_write`).
 
 Which tier a session gets is `session_tier`, the one decision every entry point (the sessions
 API, `agentbox run`, `agentbox mcp`, `/mcp`) makes: the tier asked for, else the machine's
@@ -106,9 +106,14 @@ def session_tier(machine: MachineConfig | None, requested: Tier | None = None) -
     return requested
 
 
-def outside_root_write(tier: Tier) -> Decision:
-    """Seed 004: a write outside the machine's root asks, except in full-auto."""
-    return Decision.ALLOW if tier == Tier.FULL_AUTO else Decision.ASK
+def outside_root_write(tier: Tier, isolated: bool) -> Decision:
+    """A write outside the machine's root. Seed 004: the file tools raise a permission question
+    instead of failing, in full-auto too on a machine that is not isolated (the host, an ssh
+    host); inside an isolated sandbox the whole sandbox is the agent's, so full-auto writes
+    anywhere in it. The tiers that only change the workspace never can."""
+    if tier == Tier.FULL_AUTO:
+        return Decision.ALLOW if isolated else Decision.ASK
+    return Decision.ASK if tier == Tier.FULL_ASK else Decision.FORBID
 
 
 def intersect(parent: Tier, child: Tier) -> Tier:
