@@ -73,7 +73,7 @@ from agentbox.system import System, opened_system
 from agentbox.tools.approvals import Approvals
 from agentbox.tools.base import Action, Block, ImageBlock, Tool, ToolResult
 from agentbox.tools.runner import SessionTools
-from agentbox.tools.tiers import EACH_CALL, Decision, FullAutoRefused, Tier, decide, session_tier
+from agentbox.tools.tiers import Decision, FullAutoRefused, Tier, decide, session_tier
 from agentbox.tools.toolsets import DEFAULT_TOOLSET, TOOLSETS
 from agentbox.tools.toolsets import toolset as make_toolset
 
@@ -146,7 +146,7 @@ class Unattended(Approvals):
     async def request_and_wait(
         self, session_id: str, turn_id: str | None, tool: str, action: str, detail: dict[str, Any]
     ) -> tuple[bool, str | None]:
-        if action not in EACH_CALL and await self.repo.granted(session_id, tool, action):
+        if await self.granted(session_id, tool, action):
             return True, None
         return False, NOBODY_TO_ASK.format(tier=self.tier)
 

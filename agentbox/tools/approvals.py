@@ -44,12 +44,17 @@ class Approvals:
         self, session_id: str, turn_id: str | None, tool: str, action: str, detail: dict[str, Any]
     ) -> tuple[bool, str | None]:
         """(allowed, the user's message) once answered; at once if the session already granted it."""
-        if action not in EACH_CALL and await self.repo.granted(session_id, tool, action):
+        if await self.granted(session_id, tool, action):
             return True, None
         approval = await self.repo.request(session_id, turn_id, tool, action, detail)
         self._events.setdefault(approval.id, asyncio.Event())
         await self._notify("approval.requested", approval)
         return await self.wait(approval.id)
+
+    async def granted(self, session_id: str, tool: str, action: str) -> bool:
+        """Whether an answer for the session lets (tool, action) through without asking; never
+        for the `EACH_CALL` actions, whatever an older answer recorded."""
+        return action not in EACH_CALL and await self.repo.granted(session_id, tool, action)
 
     async def wait(self, approval_id: str) -> tuple[bool, str | None]:
         """Wait for an approval (also one left pending by an earlier process) to be answered."""
