@@ -17,6 +17,7 @@ import pytest
 
 from agentbox.machines.errors import ImageBuildFailed, ImageInUse, ImageNotFound, InvalidImageSpec
 from agentbox.machines.images import (
+    FULL_DISK_BYTES,
     MANIFEST,
     MAX_INCLUDES,
     MOUNT_POINTS,
@@ -152,6 +153,10 @@ def test_a_build_that_ran_out_of_space_says_so_whatever_apt_printed(tmp_path: Pa
     space = LowWater(tmp_path)
     assert 0 < space.lowest < sys.maxsize and not space.ran_out
     assert LowWater(tmp_path / "gone").lowest == sys.maxsize  # unknown is not full
+    space.lowest = FULL_DISK_BYTES
+    assert space.ran_out
+    space.lowest = FULL_DISK_BYTES + 1
+    assert not space.ran_out
 
 
 def test_a_full_disk_during_a_build_fails_clearly_and_leaves_nothing(tmp_path: Path) -> None:
