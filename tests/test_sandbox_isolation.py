@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOX_DEADLINE, IsolatedFactory, SandboxFactory, Server, sandbox_host_pid
 
+from agentbox.machines import sysroot
 from agentbox.machines.base import ExecRequest, ExecResult, Machine
 from agentbox.machines.sandbox import AGENT_USR, SandboxConfig, SandboxHost
 from agentbox.machines.sysroot import HUMAN_IDS, copy_curated_etc
@@ -311,6 +312,26 @@ def test_curated_etc_leaves_out_secrets_identity_and_people(tmp_path: Path) -> N
     assert "alice" not in (dst / "passwd").read_text()
     assert "nobody" in (dst / "passwd").read_text()
     assert "alice" not in (dst / "group").read_text()
+
+
+
+def test_an_etc_entry_gone_since_the_listing_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """useradd's lock files come and go in the host's /etc while a server builds its base."""
+    src, dst = tmp_path / "etc", tmp_path / "curated"
+    src.mkdir()
+    (src / "os-release").write_text("ID=debian\n")
+    real_walk = os.walk
+
+    def walk_listing_ghosts(top: Path) -> Iterator[tuple[str, list[str], list[str]]]:
+        for dirpath, dirnames, filenames in real_walk(top):
+            yield dirpath, [*dirnames, "gone.d"], [*filenames, "subgid.lock"]
+
+    monkeypatch.setattr(sysroot.os, "walk", walk_listing_ghosts)
+    copy_curated_etc(src, dst)
+    assert (dst / "os-release").read_text() == "ID=debian\n"
+    assert not (dst / "subgid.lock").exists() and not (dst / "gone.d").exists()
 
 
 # ---------------------------------------------------------------- network

@@ -18,7 +18,15 @@ from conftest import SANDBOX_DEADLINE, RegistryFactory, SandboxFactory, sandbox_
 from agentbox.machines.base import ExecRequest, ExecResult
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.registry import ACTIVITY_FILE
-from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
+from agentbox.machines.sandbox import (
+    LAYER_MAKING_SECONDS,
+    OWNER_FILE,
+    SandboxConfig,
+    SandboxHost,
+    SandboxMachine,
+    owner_token,
+    release_orphaned_layers,
+)
 
 #: "Promptly": how long a killed command's processes may take to disappear.
 KILL_SECONDS = 2.0
@@ -354,3 +362,20 @@ async def test_a_sandbox_that_cannot_start_fails_fast(sandbox_host: SandboxHost,
     finally:
         await m.stop()
     assert time.monotonic() - started < FAIL_FAST_SECONDS + 1
+
+
+def test_a_sweep_leaves_a_layer_directory_another_server_is_making(tmp_path: Path) -> None:
+    """Two root servers share the runtime dir: one's start-up sweep must not take the other's
+    directory in the moment between its mkdir and its owner file (that start then fails)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    making, stale, dead, live = (tmp_path / n for n in (".sbx_a.new", ".sbx_b.new", "sbx_c", "sbx_d"))
+    for d in (making, stale, dead, live):
+        d.mkdir()
+    (dead / OWNER_FILE).write_text("1-gone")
+    (live / OWNER_FILE).write_text(owner_token())
+    old = time.time() - LAYER_MAKING_SECONDS - 1
+    os.utime(stale, (old, old))
+    release_orphaned_layers(tmp_path, libc)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".sbx_a.new", "sbx_d"]

@@ -134,6 +134,10 @@ LAYER_DIR_MODE = 0o710
 MNT_DETACH = 2
 #: File in a system layer's mount directory naming the server that owns it (`owner_token`).
 OWNER_FILE = "owner"
+#: Seconds a layer directory may be under its dot name without an owner file before a sweep
+#: takes it for a leftover: its maker writes the owner and renames it within microseconds, and
+#: nothing is mounted in it before then, so an older one is only an empty directory.
+LAYER_MAKING_SECONDS = 60.0
 #: Mount points a layer directory may hold (the death watch's list is the same).
 LAYER_POINTS = ("usr", "sys", "root", "tmp", "home")
 #: Bytes of bwrap's and the agent's own stderr kept for the "exited during start" error.
@@ -726,12 +730,7 @@ class SandboxMachine(HostFiles):
         else:
             args = ["--ro-bind", "/usr", "/usr", "--ro-bind-fd", str(fd_of(host.base.etc)), "/etc"]
             args += ["--bind-fd", str(fd_of(self.run / "var")), "/var"]
-        for d in ("bin", "sbin", "lib", "lib64"):
-            if Path(f"/{d}").is_symlink():
-                args += ["--symlink", os.readlink(f"/{d}"), f"/{d}"]
-            elif Path(f"/{d}").is_dir():
-                args += ["--ro-bind", f"/{d}", f"/{d}"]
-        return args
+        return args + host_program_dirs()
 
     def _agent_program(self, data_fd: Any) -> list[str]:
         """`-c` arguments: the compiled agent when its python is the server's version, else the source."""
@@ -1073,6 +1072,18 @@ def _read_info(fd: int) -> dict[str, Any]:
     return {}
 
 
+def host_program_dirs() -> list[str]:
+    """bwrap arguments for the host's /bin, /sbin, /lib, /lib64 beside its /usr: the merged-/usr
+    symlinks as symlinks, real directories bound read-only."""
+    args: list[str] = []
+    for d in ("bin", "sbin", "lib", "lib64"):
+        if Path(f"/{d}").is_symlink():
+            args += ["--symlink", os.readlink(f"/{d}"), f"/{d}"]
+        elif Path(f"/{d}").is_dir():
+            args += ["--ro-bind", f"/{d}", f"/{d}"]
+    return args
+
+
 def owner_token(pid: int | None = None) -> str:
     """`<pid>-<start time>`: names a process for good, also once its pid is reused."""
     pid = os.getpid() if pid is None else pid
@@ -1137,11 +1148,20 @@ def release_orphaned_layers(root: Path, libc: Any) -> None:
         try:
             owner = (d / OWNER_FILE).read_text()
         except FileNotFoundError:
+            if d.name.startswith(".") and being_made(d):
+                continue  # another server's `_layer_dir`, between its mkdir and its owner file
             owner = ""  # a teardown cut short after its owner file went: nobody's
         except OSError:
             continue
         if not owner_alive(owner):
             release_layer(d, libc)
+
+
+def being_made(d: Path) -> bool:
+    try:
+        return time.time() - d.lstat().st_mtime < LAYER_MAKING_SECONDS
+    except FileNotFoundError:
+        return False
 
 
 def release_layer(d: Path, libc: Any) -> None:

@@ -122,7 +122,21 @@ def _unreadable(directory: str, names: list[str]) -> set[str]:
     return {n for n in names if not os.access(os.path.join(directory, n), os.R_OK)}
 
 
+def copy_etc_entry(p: Path, target: Path) -> None:
+    """One /etc entry: a symlink as itself, a world-readable file copied, anything else left out."""
+    st = p.lstat()
+    if stat_mod.S_ISLNK(st.st_mode):
+        target.symlink_to(os.readlink(p))
+    elif stat_mod.S_ISREG(st.st_mode) and st.st_mode & 0o004:
+        shutil.copy2(p, target)
+
+
 def copy_curated_etc(src: Path, dst: Path) -> None:
+    """The host's /etc, world-readable entries only, without ETC_DENY and human accounts.
+
+    The host's /etc changes under a running server (useradd's lock files, a package upgrade):
+    an entry that vanishes between the listing and its copy is left out, never fatal.
+    """
     dst.mkdir(parents=True, exist_ok=True)
     for dirpath, dirnames, filenames in os.walk(src):
         rel = Path(dirpath).relative_to(src)
@@ -134,7 +148,10 @@ def copy_curated_etc(src: Path, dst: Path) -> None:
             if p.is_symlink():
                 filenames.append(d)
                 continue
-            mode = p.stat().st_mode
+            try:
+                mode = p.stat().st_mode
+            except FileNotFoundError:
+                continue
             if mode & 0o005 == 0o005:
                 (dst / rel / d).mkdir(exist_ok=True)
                 keep.append(d)
@@ -143,12 +160,8 @@ def copy_curated_etc(src: Path, dst: Path) -> None:
             p = Path(dirpath) / f
             if f in ETC_DENY and rel == Path("."):
                 continue
-            target = dst / rel / f
-            st = p.lstat()
-            if stat_mod.S_ISLNK(st.st_mode):
-                target.symlink_to(os.readlink(p))
-            elif stat_mod.S_ISREG(st.st_mode) and st.st_mode & 0o004:
-                shutil.copy2(p, target)
+            with contextlib.suppress(FileNotFoundError):  # gone since the listing: skipped
+                copy_etc_entry(p, dst / rel / f)
     for name in ("passwd", "group"):
         if (src / name).exists():
             (dst / name).write_text(without_humans((src / name).read_text()))
