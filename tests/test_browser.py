@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -239,6 +240,9 @@ async def test_the_browsers_processes_live_in_the_sandboxs_cgroup(
 async def test_a_crashed_browser_is_an_error_then_starts_again(browser: Browser, box: SandboxMachine) -> None:
     await act(browser, "page.navigate", url=f"{SITE}/form.html")
     await box.exec(ExecRequest(command="pkill -KILL -f chromium", timeout=10))
+    deadline = time.monotonic() + 10  # the kill is sent, not done: on a loaded host it lags
+    while await chromium_processes(box) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     error = await refused(browser, "page.text.snapshot")
     assert error.error_type == "browser_unavailable" and error.retryable
     assert "Form" in await act(browser, "page.navigate", url=f"{SITE}/form.html")

@@ -212,7 +212,11 @@ class Browser:
         async with self._starting:
             if self.running:
                 return
+            died = self._browser is not None  # every stop of ours forgets it first (`_reset`)
             await self._reset()
+            if died:  # a fresh browser would answer with a blank page as if it were the old one
+                raise error("browser_unavailable", "the browser stopped (it crashed or was killed) and its tabs "
+                            "are gone; the next action starts a new one", retryable=True)  # fmt: skip
             if self._closed:
                 raise error("browser_unavailable", "the browser of this machine was closed")
             argv = self.machine.browser_driver() if isinstance(self.machine, Browsing) else None
