@@ -30,7 +30,7 @@ from agentbox.tools.pdf import (
     read_pdf,
 )
 from agentbox.tools.read import ReadParams
-from agentbox.tools.reading_order import Glyph, coverage, page_paragraphs
+from agentbox.tools.reading_order import Char, Layout, layout
 from agentbox.tools.runner import validation_problems
 from agentbox.tools.toolsets import TOOLSETS, toolset
 
@@ -93,25 +93,29 @@ async def test_two_columns_read_left_column_then_right(host_box: Box) -> None:
     assert result.data["warnings"] == [] and "Warning" not in body
 
 
-async def test_paragraphs_from_glyphs_at_known_positions() -> None:
+async def test_paragraphs_from_character_boxes_at_known_positions() -> None:
     """The order from boxes alone: two columns of two lines each, drawn right column first."""
 
-    def word(text: str, x: float, y: float) -> list[Glyph]:
-        return [Glyph(c, x + 6 * i, y, x + 6 * (i + 1), y + 12) for i, c in enumerate(text)]
+    def word(text: str, x: float, y: float) -> list[Char]:
+        return [(c, x + 6 * i, y, x + 6 * (i + 1), y + 12) for i, c in enumerate(text)]
 
-    glyphs = (
-        word("right", 300, 700) + word("column", 300, 686) + word("left", 50, 700) + word("side", 50, 686)
-    )
-    assert page_paragraphs(glyphs, 595, 842) == ["left\nside", "right\ncolumn"]
+    chars = word("right", 300, 700) + word("column", 300, 686) + word("left", 50, 700) + word("side", 50, 686)
+    assert layout(chars, 595, 842, MIN_GLYPH_COVERAGE).paragraphs == ["left\nside", "right\ncolumn"]
+    spaced = [*word("two", 50, 700), *word("words", 50 + 6 * 3 + 3, 700)]  # a gap of a quarter line
+    assert layout(spaced, 595, 842, MIN_GLYPH_COVERAGE).paragraphs == ["two words"]
 
 
-async def test_coverage_counts_visible_characters_with_a_usable_box() -> None:
-    good = [Glyph("a", 10, 10, 16, 22)] * 9
-    flat = Glyph("b", 10, 10, 10, 10)  # no size: cannot be placed
-    off = Glyph("c", 900, 10, 906, 22)  # off the page
-    assert coverage([*good, flat], 595, 842) == 0.9  # at MIN_GLYPH_COVERAGE: still rebuilt
-    assert coverage([*good, flat, off], 595, 842) < MIN_GLYPH_COVERAGE
-    assert coverage([Glyph(" ", 0, 0, 0, 0)], 595, 842) == 1.0  # whitespace does not count
+async def test_poor_coverage_is_under_ninety_percent_of_visible_characters_placed() -> None:
+    good: list[Char] = [("a", 10.0 + 6 * i, 10.0, 16.0 + 6 * i, 22.0) for i in range(9)]
+    flat: Char = ("b", 10, 10, 10, 10)  # no size: cannot be placed
+    off: Char = ("c", 900, 10, 906, 22)  # off the page
+    at = layout([*good, flat, (" ", 0, 0, 0, 0)], 595, 842, MIN_GLYPH_COVERAGE)  # whitespace does not count
+    assert at.coverage == MIN_GLYPH_COVERAGE == 0.9 and at.paragraphs == [
+        "aaaaaaaaa"
+    ]  # at the floor: rebuilt
+    under = layout([*good, flat, off], 595, 842, MIN_GLYPH_COVERAGE)
+    assert under.coverage < MIN_GLYPH_COVERAGE and under.paragraphs is None  # stream order instead
+    assert layout([], 595, 842, MIN_GLYPH_COVERAGE) == Layout([], 1.0)
 
 
 async def test_past_the_page_budget_falls_back_to_stream_order_with_a_warning(local: Box) -> None:
@@ -124,6 +128,21 @@ async def test_past_the_page_budget_falls_back_to_stream_order_with_a_warning(lo
     assert f"{LAYOUT_MAX_PAGES + 1} pages" in warning and "order the file draws it" in warning
     assert f"[Warning: {warning}]" in text_of(over)  # the model sees it
     assert "[block 201] Page number 201 here." in text_of(over)  # blocks still numbered
+
+
+async def test_a_page_with_poor_coverage_keeps_stream_order_with_a_warning(local: Box) -> None:
+    pdf = FPDF()
+    pdf.set_font("helvetica", size=12)
+    pdf.add_page()
+    pdf.text(20, 20, "Laid out fine.")
+    pdf.add_page()
+    pdf.text(20, 20, "On the page.")
+    pdf.text(-150, 40, "Drawn off the page, left of its edge.")  # most characters have no place
+    local.write("off.pdf", bytes(pdf.output()))
+    result = await read(local.ctx(), local.p("off.pdf"), includeImages="none")
+    [warning] = result.data["warnings"]
+    assert "page(s) 2:" in warning and "under 90%" in warning and f"[Warning: {warning}]" in text_of(result)
+    assert "[block 2] On the page.\nDrawn off the page" in text_of(result)  # pypdf's text, kept
 
 
 # --- blocks ---------------------------------------------------------------------------------------

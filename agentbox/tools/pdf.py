@@ -37,7 +37,8 @@ import pypdfium2
 import pypdfium2.raw as pdfium_c
 
 from agentbox.tools.documents import Block, DocumentError
-from agentbox.tools.reading_order import Glyph, coverage, page_paragraphs
+from agentbox.tools.reading_order import Char
+from agentbox.tools.reading_order import layout as page_order
 
 #: Largest PDF whose reading order is rebuilt from glyph positions (a call per character).
 LAYOUT_MAX_BYTES = 4 * 1024 * 1024
@@ -165,27 +166,25 @@ def layout(data: bytes, count: int, warnings: list[str]) -> list[list[str] | Non
 
 def page_layout(page: Any) -> list[str] | None:
     width, height = page.get_size()
-    glyphs = page_glyphs(page)
-    if coverage(glyphs, width, height) < MIN_GLYPH_COVERAGE:
-        return None
-    return page_paragraphs(glyphs, width, height)
+    return page_order(page_chars(page), width, height, MIN_GLYPH_COVERAGE).paragraphs
 
 
-def page_glyphs(page: Any) -> list[Glyph]:
-    """The characters PDFium read from the page's content (not the spaces and line breaks it
-    adds itself), with their loose boxes: a box per font size, so a row's glyphs line up."""
+def page_chars(page: Any) -> Iterator[Char]:
+    """The characters PDFium read from the page, in drawing order, with their loose boxes (a
+    box per font size, so a line's characters line up; a character without one gets an empty
+    box: counted, never placed). Raw calls with one reused rectangle: this runs per character."""
     text = page.get_textpage()
     try:
-        glyphs = []
-        for i in range(text.count_chars()):
-            if pdfium_c.FPDFText_IsGenerated(text, i) == 1:
+        raw = text.raw
+        rect = pdfium_c.FS_RECTF()
+        for i in range(pdfium_c.FPDFText_CountChars(raw)):
+            code = pdfium_c.FPDFText_GetUnicode(raw, i)
+            if not 0 < code <= 0x10FFFF:
                 continue
-            code = pdfium_c.FPDFText_GetUnicode(text, i)
-            if not code or code > 0x10FFFF:
-                continue
-            x0, y0, x1, y1 = text.get_charbox(i, loose=True)
-            glyphs.append(Glyph(chr(code), x0, y0, x1, y1))
-        return glyphs
+            if pdfium_c.FPDFText_GetLooseCharBox(raw, i, rect):
+                yield chr(code), rect.left, rect.bottom, rect.right, rect.top
+            else:
+                yield chr(code), 0.0, 0.0, 0.0, 0.0
     finally:
         text.close()
 

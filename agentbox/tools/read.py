@@ -5,8 +5,11 @@ Text comes in windows of `READ_WINDOW_CHARS` characters from `offset` (seed 001)
 inclusive) as `cat -n` numbered lines, within the same character budget. Flue's
 `offset`/`limit` in lines is deliberately not offered: `offset` means characters here,
 in every toolset, so one name never means two things. PDFs are read by `page` /
-`pageEnd`, DOCX files by `block` or `heading` (see documents.py); their text is windowed
-by `offset` too. Images come back as image blocks. Binary files get a short descriptor.
+`pageEnd` or `block` (pdf.py: reading order, blocks), DOCX files by `block` or `heading`
+(documents.py); their text is windowed by `offset` too. `includeImages` adds rendered pages,
+DOCX pictures and a note's images (document_images.py); a Markdown note's result lists its
+image references (markdown_images.py). Images come back as image blocks. Binary files get a
+short descriptor.
 
 Every file tool shares the path rules defined here (`resolve`, `escapes`, `external_refusal`,
 `problem`): paths go through the machine's files (`file_ops`: the descriptor view of a machine
@@ -606,9 +609,14 @@ READ = Tool(
         "Read a file. Text comes in windows of 6000 characters from `offset` (default 0); when there is "
         "more, the result ends with a note and gives `nextOffset`: call read again with offset=nextOffset. "
         "Or read lines `startLine`..`endLine` (1-based, inclusive), shown with line numbers; the note then "
-        "says which startLine continues. PDFs: `page`, or `page` and `pageEnd` for a range; the result "
-        "names pages and the page count. DOCX: `block` (a numbered paragraph, heading or table) or "
-        "`heading` (that heading's section); without them the whole document, with block numbers. "
+        "says which startLine continues. PDFs: `page`, or `page` and `pageEnd` for a range, or `block` "
+        "(a numbered paragraph); the text is in reading order (two columns: left, then right), with "
+        "page and block numbers, and a warning when the order could not be rebuilt. DOCX: `block` (a "
+        "numbered paragraph, heading or table) or `heading` (that heading's section); without them the "
+        "whole document, with block numbers. `includeImages`: 'auto' (default) also returns PDF pages "
+        "without a text layer, or the pages chosen by page/block, as images; 'always' returns the PDF "
+        "pages read (at most 4), a DOCX's pictures or a Markdown note's local images (at most 4); "
+        "'none' returns no images. A Markdown note's result lists its image references (imageRefs). "
         "Images (png, jpg, jpeg, webp, gif; up to 20 MB, inside the workspace) are returned as images. "
         "SVG and other binary files are refused with a short description. Relative paths start at the "
         "workspace root; reading outside it may need the user's approval."

@@ -4,7 +4,8 @@ A PDF's content stream draws text in whatever order its producer chose: a two-co
 is often drawn row by row across both columns, so the text in stream order interleaves
 them. This module works from the glyph boxes alone (PDF user space, y growing upwards):
 
-1. Glyphs whose vertical centres are close form a row; a row is cut into *segments* where
+1. Glyphs drawn one after another along a line are joined into runs; runs whose vertical
+   centres are close form a row; a row is cut into *segments* where
    the horizontal gap between two glyphs is wider than SEGMENT_GAP_RATIO line heights (a
    column gutter, a table's cell gap). A gap wider than WORD_GAP_RATIO is a space.
 2. Segments stacked directly under one another (a gap under PARAGRAPH_GAP_RATIO line heights,
@@ -17,8 +18,8 @@ them. This module works from the glyph boxes alone (PDF user space, y growing up
    columns therefore comes first, then the left column, then the right one, then a footer
    spanning both.
 
-Pure functions over `Glyph`s, so a layout can be tested without a PDF. `coverage` says how
-much of a page could be placed at all: glyphs without a usable box (zero size, or outside the
+Pure functions over characters and their boxes, so a layout can be tested without a PDF.
+`Layout.coverage` says how much of a page could be placed at all: glyphs without a usable box (zero size, or outside the
 page) cannot be, and a page with too few placed glyphs is read in stream order instead.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 #: A horizontal gap wider than this many line heights between two glyphs is a space.
@@ -47,9 +49,13 @@ OVERLAP_TOLERANCE = 1.0
 MAX_PAGE_PARAGRAPHS = 120
 
 
+Char = tuple[str, float, float, float, float]
+"""A character and its box on the page: x0, y0, x1, y1 (points, y upwards)."""
+
+
 @dataclass(frozen=True)
 class Glyph:
-    """One character and its box on the page (points, y upwards)."""
+    """One character (or a run of them, `runs`) and its box on the page (points, y upwards)."""
 
     char: str
     x0: float
@@ -86,25 +92,45 @@ class Box:
         return (self.y0 + self.y1) / 2
 
 
-def placeable(glyph: Glyph, width: float, height: float) -> bool:
-    """Whether a glyph has a box layout can use: positive size, inside the page."""
-    return (
-        glyph.x1 > glyph.x0
-        and glyph.y1 > glyph.y0
-        and glyph.x0 >= -OVERLAP_TOLERANCE
-        and glyph.y0 >= -OVERLAP_TOLERANCE
-        and glyph.x1 <= width + OVERLAP_TOLERANCE
-        and glyph.y1 <= height + OVERLAP_TOLERANCE
-    )
+def runs(chars: Iterable[Char], width: float, height: float) -> tuple[list[Glyph], int, int]:
+    """Characters that follow one another in drawing order along one line joined into one glyph
+    (with a space at a word gap): what the rest of the layout sorts, a few per line instead of
+    one per character. A jump back, to another line or over a gutter starts a new run.
 
-
-def coverage(glyphs: list[Glyph], width: float, height: float) -> float:
-    """The share of a page's visible characters (not whitespace) that have a usable box; 1.0
-    for a page without any."""
-    visible = [g for g in glyphs if not g.char.isspace()]
-    if not visible:
-        return 1.0
-    return sum(placeable(g, width, height) for g in visible) / len(visible)
+    Also counts the visible characters (not whitespace) and those placed (a box of positive
+    size on the page); the others are left out. One tight loop: it runs once per character."""
+    joined: list[Glyph] = []
+    visible = placed = 0
+    parts: list[str] = []
+    rx0 = ry0 = rx1 = ry1 = rh = 0.0
+    low, right, top = -OVERLAP_TOLERANCE, width + OVERLAP_TOLERANCE, height + OVERLAP_TOLERANCE
+    for char, x0, y0, x1, y1 in chars:
+        if char.isspace():
+            continue
+        visible += 1
+        if not (x1 > x0 and y1 > y0 and x0 >= low and y0 >= low and x1 <= right and y1 <= top):
+            continue
+        placed += 1
+        h = y1 - y0
+        if parts:
+            tall = max(rh, h)
+            gap = x0 - rx1
+            if (
+                abs(ry0 + ry1 - y0 - y1) <= 2 * ROW_TOLERANCE_RATIO * tall
+                and tall <= SAME_SIZE_FACTOR * min(rh, h)
+                and -ROW_TOLERANCE_RATIO * tall <= gap <= SEGMENT_GAP_RATIO * tall
+            ):
+                if gap > WORD_GAP_RATIO * tall:
+                    parts.append(" ")
+                parts.append(char)
+                ry0, rx1, ry1 = min(ry0, y0), max(rx1, x1), max(ry1, y1)
+                continue
+            joined.append(Glyph("".join(parts), rx0, ry0, rx1, ry1))
+        parts = [char]
+        rx0, ry0, rx1, ry1, rh = x0, y0, x1, y1, h
+    if parts:
+        joined.append(Glyph("".join(parts), rx0, ry0, rx1, ry1))
+    return joined, visible, placed
 
 
 def rows(glyphs: list[Glyph]) -> list[list[Glyph]]:
@@ -196,7 +222,9 @@ def before(a: Box, b: Box, others: list[Box]) -> bool:
     if x_overlap(a, b) > OVERLAP_TOLERANCE:
         return a.middle > b.middle
     if a.x1 <= b.x0 + OVERLAP_TOLERANCE:
-        if b.y0 > a.y1 and not any(x_overlap(c, a) > OVERLAP_TOLERANCE and y_overlap(c, b) > 0 for c in others):
+        if b.y0 > a.y1 and not any(
+            x_overlap(c, a) > OVERLAP_TOLERANCE and y_overlap(c, b) > 0 for c in others
+        ):
             return False  # b stands above a's whole column (a centred title): nothing puts a first
         low, high = sorted((a.middle, b.middle))
         return not any(
@@ -224,14 +252,22 @@ def reading_order(boxes: list[Box]) -> list[Box]:
     return [boxes[i] for i in done]
 
 
-def page_paragraphs(glyphs: list[Glyph], width: float, height: float) -> list[str] | None:
-    """The paragraphs of a page in reading order (the glyphs without a usable box left out);
-    None when the page has more than MAX_PAGE_PARAGRAPHS of them."""
-    placed = [g for g in glyphs if not g.char.isspace() and placeable(g, width, height)]
-    if not placed:
-        return []
-    lines = [s for row in rows(placed) for s in segments(row)]
+@dataclass(frozen=True)
+class Layout:
+    """A page's paragraphs in reading order, or None when not rebuilt: under `min_coverage` of
+    its visible characters placed, or more than MAX_PAGE_PARAGRAPHS paragraphs."""
+
+    paragraphs: list[str] | None
+    coverage: float  # placed / visible characters; 1.0 for a page without any
+
+
+def layout(chars: Iterable[Char], width: float, height: float, min_coverage: float) -> Layout:
+    glyphs, visible, placed = runs(chars, width, height)
+    share = placed / visible if visible else 1.0
+    if share < min_coverage:
+        return Layout(None, share)
+    lines = [s for row in rows(glyphs) for s in segments(row)]
     found = paragraphs(lines)
     if len(found) > MAX_PAGE_PARAGRAPHS:
-        return None
-    return [p.text for p in reading_order(found)]
+        return Layout(None, share)
+    return Layout([p.text for p in reading_order(found)], share)
