@@ -232,6 +232,14 @@ async def test_always_attaches_docx_pictures(local: Box, tmp_path: Path) -> None
     assert base64.b64decode(image.data) == picture.read_bytes()
     [entry] = result.data["documentImages"]
     assert (entry["width"], entry["height"], entry["page"]) == (4, 3, None)
+    only = docx.Document()
+    only.add_picture(str(picture))  # no text at all: auto attaches its picture
+    out = io.BytesIO()
+    only.save(out)
+    local.write("only.docx", out.getvalue())
+    auto = await read(local.ctx(), local.p("only.docx"))
+    assert len(images_of(auto)) == 1 and "[the document has no text]" in text_of(auto)
+    assert images_of(await read(local.ctx(), local.p("only.docx"), includeImages="none")) == []
 
 
 # --- a note's images ---------------------------------------------------------------------------------

@@ -1159,7 +1159,7 @@ def render(query: str, outcome: SearchOutcome, limit: int, notes: list[str]) -> 
         lines.append(
             f"Not indexed: {named}"
             + (f"; and {rest} more" if rest else "")
-            + ". Use read (by page) or grep for them."
+            + ". Use read (by page or block) or grep for them."
         )
     lines.extend(f"Note: {n}" for n in notes)
     return "\n".join(lines)

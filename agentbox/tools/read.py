@@ -432,7 +432,12 @@ def read_pdf_file(data: bytes, p: ReadParams, shown: str) -> ToolResult:
     )
     if not numbers:
         return result
-    rendered = render_pages(data, numbers[:MAX_RENDERED_PAGES])
+    try:
+        rendered = render_pages(data, numbers[:MAX_RENDERED_PAGES])
+    except DocumentError as exc:  # the text stands without its images
+        result.data["warnings"] = [*doc.warnings, str(exc)]
+        result.content.append(TextBlock(f"[Warning: {exc}.]"))
+        return result
     images = [Attached(f"page {r.page} of {shown}", "image/png", r.png, r.page) for r in rendered]
     return attach(result, images, len(numbers), MAX_RENDERED_PAGES)
 
