@@ -21,7 +21,7 @@ from PIL import Image
 from test_tools_read import Box, host_box, local, local_box, make_box, make_png, read, sandbox, text_of
 
 from agentbox.tools.base import ImageBlock
-from agentbox.tools.documents import block_at
+from agentbox.tools.documents import MAX_IMAGE_BYTES, block_at
 from agentbox.tools.pdf import (
     LAYOUT_MAX_PAGES,
     MAX_RENDERED_PAGES,
@@ -248,14 +248,15 @@ async def test_always_attaches_docx_pictures(local: Box, tmp_path: Path) -> None
 NOTE = """# Figures
 
 ![spaced](<my pic.png>) and ![paren](fig(1).png) and ![escaped](a\\(b\\).png)
-![remote](https://example.com/x.png) ![abs](/etc/x.png) ![up](../../outside.png)
+![remote](https://example.com/x.png) ![abs](/etc/x.png) ![up](../../../../../../../../outside.png)
 ![missing](gone.png) ![link](sub/leak.png)
 
 `![code](not-an-image.png)`
 """
 
 
-async def test_image_refs_of_tricky_markdown(local: Box, tmp_path: Path) -> None:
+async def test_image_refs_of_tricky_markdown(host_box: Box, tmp_path: Path) -> None:
+    local = host_box
     outside = tmp_path / "secret.png"
     outside.write_bytes(make_png())
     for name in ("notes/my pic.png", "notes/fig(1).png", "notes/a(b).png"):
@@ -288,6 +289,10 @@ async def test_image_refs_of_tricky_markdown(local: Box, tmp_path: Path) -> None
     always = await read(local.ctx(), local.p("notes/n.md"), includeImages="always")
     assert [e["caption"] for e in always.data["documentImages"]] == ["spaced", "paren", "escaped"]
     assert len(images_of(always)) == 3  # the escaping link's target is never sent
+    local.write("notes/big.png", b"\x89PNG\r\n\x1a\n" + b"0" * MAX_IMAGE_BYTES)  # past the image limit
+    local.write("notes/big.md", "![big](big.png) ![small](my%20pic.png)")
+    big = await read(local.ctx(), local.p("notes/big.md"), includeImages="always")
+    assert not big.is_error and [e["caption"] for e in big.data["documentImages"]] == ["small"]
 
 
 # --- parameters ------------------------------------------------------------------------------------------

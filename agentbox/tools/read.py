@@ -543,7 +543,10 @@ async def with_image_refs(
     images = []
     for ref in local[:MAX_ATTACHED_IMAGES]:
         assert ref.inside is not None
-        data = await read_capped(machine, ref.inside, MAX_IMAGE_BYTES)
+        try:
+            data = await read_capped(machine, ref.inside, MAX_IMAGE_BYTES)
+        except FAILURES:  # too large, gone since, unreadable: the note's text stands without it
+            continue
         media = image_type(data[:SNIFF_BYTES])
         if media is not None:
             images.append(Attached(ref.alt or str(ref.path), media, data))
