@@ -62,7 +62,7 @@ async def test_list_shows_folders_first_with_sizes_and_kinds(box: Box) -> None:
     assert lines[1] == "archive/"
     assert ".env  (8 bytes)" in lines
     assert "readme.md  (4 bytes, markdown)" in lines
-    assert "report.pdf  (8 bytes, pdf: read by page)" in lines
+    assert "report.pdf  (8 bytes, pdf: read by page or block)" in lines
     assert any(line.startswith("photo.png") and "image: view it with read" in line for line in lines)
     assert result.data["total"] == 5
 

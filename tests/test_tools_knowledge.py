@@ -42,6 +42,7 @@ from agentbox.tools.knowledge import (
     SearchParams,
     index_path,
 )
+from agentbox.tools.pdf import read_pdf
 from agentbox.tools.read import READ, ReadParams
 from agentbox.tools.services import MachineServices
 from agentbox.workspace.watch import WatchHub
@@ -236,9 +237,19 @@ async def test_pdf_cited_by_page(index: KnowledgeIndex, root: Path) -> None:
     )
     await index.refresh()
     [hit] = (await index.search("revenue quarter")).hits
-    assert (hit.path, hit.citation, hit.to_dict()["page"]) == (f"{root}/docs/report.pdf", "page 2", 2)
+    assert (hit.path, hit.citation, hit.to_dict()["page"]) == (
+        f"{root}/docs/report.pdf",
+        "page 2, block 2",
+        2,
+    )
+    assert (hit.to_dict()["unit"], hit.first, hit.last) == ("block", 2, 2)
+    # the block numbers `read block=N` takes: one extractor for both
+    [cited] = [
+        b for b in read_pdf((root / "docs" / "report.pdf").read_bytes()).blocks if b.number == hit.first
+    ]
+    assert "Revenue grew" in cited.text and cited.page == 2
     result = await search_tool(index.machine, query="appendix", fileTypes=["pdf"])
-    assert f"[1] {root}/docs/report.pdf (page 3) — **Appendix**" in result.as_text()
+    assert f"[1] {root}/docs/report.pdf (page 3, block 3) — **Appendix**" in result.as_text()
 
 
 async def test_long_pdf_page_is_split_and_every_part_cites_the_page(
@@ -250,7 +261,7 @@ async def test_long_pdf_page_is_split_and_every_part_cites_the_page(
     assert index.counts()["chunks"] > 3  # page 2 alone holds several chunks
     for n in (0, 6, 11):
         [hit] = (await index.search(f"topic{n}")).hits
-        assert hit.citation == "page 2"
+        assert hit.citation.startswith("page 2, block")
 
 
 async def test_docx_cited_by_block_and_heading(index: KnowledgeIndex, root: Path) -> None:

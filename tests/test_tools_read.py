@@ -438,14 +438,16 @@ async def test_pdf_whole_document_has_page_references(pdf_box: Box) -> None:
     result = await read(pdf_box.ctx(), pdf_box.p("report.pdf"))
     body = text_of(result)
     assert result.data["pageCount"] == 3 and result.data["pages"] == [1, 3]
-    assert body.index("[page 1]\nAlpha") < body.index("[page 2]\nBravo") < body.index("[page 3]\nCharlie")
+    assert body.index("[page 1]\n[block 1] Alpha") < body.index("[page 2]\n[block 2] Bravo")
+    assert body.index("[page 2]\n[block 2] Bravo") < body.index("[page 3]\n[block 3] Charlie")
+    assert result.data["blockCount"] == 3 and result.data["blocks"] == [1, 3]
 
 
 async def test_pdf_one_page(pdf_box: Box) -> None:
     result = await read(pdf_box.ctx(), pdf_box.p("report.pdf"), page=2)
     body = text_of(result)
-    assert "[page 2]\nBravo page two." in body and "Alpha" not in body and "Charlie" not in body
-    assert result.data["pages"] == [2, 2] and "PDF with 3 page(s); page 2." in body
+    assert "[page 2]\n[block 2] Bravo page two." in body and "Alpha" not in body and "Charlie" not in body
+    assert result.data["pages"] == [2, 2] and "PDF with 3 page(s) and 3 block(s); page 2." in body
 
 
 async def test_pdf_page_range(pdf_box: Box) -> None:
@@ -463,8 +465,12 @@ async def test_pdf_out_of_range_pages_fail_clearly(pdf_box: Box) -> None:
     assert end.is_error and "pageEnd 4 is out of range" in text_of(end)
     backwards = await read(ctx, pdf_box.p("report.pdf"), page=3, pageEnd=2)
     assert backwards.is_error and "before page 3" in text_of(backwards)
-    block = await read(ctx, pdf_box.p("report.pdf"), block=1)
-    assert block.is_error and "by page" in text_of(block)
+    block = await read(ctx, pdf_box.p("report.pdf"), block=4)
+    assert block.is_error and "block 4 is out of range: the document has 3 block(s), 1-3" in text_of(block)
+    both = await read(ctx, pdf_box.p("report.pdf"), block=1, page=1)
+    assert both.is_error and "either page/pageEnd or block" in text_of(both)
+    heading = await read(ctx, pdf_box.p("report.pdf"), heading="Intro")
+    assert heading.is_error and "by page" in text_of(heading)
     assert pdf_box.p("report.pdf") not in ctx.reads  # failed reads record nothing
 
 

@@ -1,10 +1,8 @@
-"""What `read` makes of files that are not plain text: PDF pages, DOCX blocks, images, binaries.
+"""What `read` makes of files that are not plain text: DOCX blocks, images, binaries (PDFs: pdf.py).
 
-Pure functions over bytes, so the knowledge search can cite the same page and block
-numbers `read` accepts: `pdf_pages` and `docx_blocks` are the one definition of both.
+Pure functions over bytes, so the knowledge search can cite the same block numbers `read`
+accepts: `docx_blocks` (and `pdf.read_pdf` for PDFs) is the one definition of them.
 
-- PDF (pypdf): one text per page, numbered from 1. A page without a text layer says so
-  instead of coming back empty, so a model knows it is looking at a scan.
 - DOCX (python-docx): the body's paragraphs and tables in document order, numbered from 1
   as structural blocks. Empty paragraphs and tables are not blocks (they carry no content and
   would shift numbers whenever someone adds a blank line or an empty grid). A heading's section runs from the
@@ -25,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import docx
-import pypdf
 from docx.table import Table
 from docx.text.paragraph import Paragraph
 
@@ -108,53 +105,6 @@ def binary_kind(head: bytes) -> str | None:
     return None
 
 
-# --- PDF -------------------------------------------------------------------------------
-
-
-def pdf_pages(data: bytes) -> list[str]:
-    """The text of every page, in order; an unreadable file is a DocumentError."""
-    try:
-        reader = pypdf.PdfReader(io.BytesIO(data))
-        if reader.is_encrypted and not reader.decrypt(""):
-            raise DocumentError("the PDF is encrypted with a password; it cannot be read")
-        pages = list(reader.pages)
-    except DocumentError:
-        raise
-    except Exception as exc:  # untrusted bytes: pypdf fails in many ways (PyPdfError, ValueError, ...)
-        raise DocumentError(f"the file is not a readable PDF ({type(exc).__name__}: {exc})") from exc
-    return [page_text(page) for page in pages]
-
-
-def page_text(page: Any) -> str:
-    try:
-        return str(page.extract_text() or "").strip()
-    except Exception as exc:  # one broken page must not hide the others
-        return f"[the text of this page could not be extracted: {type(exc).__name__}]"
-
-
-def page_range(count: int, page: int | None, page_end: int | None) -> tuple[int, int]:
-    """The pages (first, last; 1-based, inclusive) `page` / `pageEnd` select, or a clear refusal."""
-    first = page if page is not None else 1
-    last = page_end if page_end is not None else (first if page is not None else count)
-    if count == 0:
-        raise DocumentError("the PDF has no pages")
-    if not 1 <= first <= count:
-        raise DocumentError(f"page {first} is out of range: the PDF has {count} page(s), 1-{count}")
-    if last < first:
-        raise DocumentError(f"pageEnd {last} is before page {first}")
-    if last > count:
-        raise DocumentError(f"pageEnd {last} is out of range: the PDF has {count} page(s), 1-{count}")
-    return first, last
-
-
-def render_pages(pages: list[str], first: int, last: int) -> str:
-    parts = []
-    for number in range(first, last + 1):
-        text = pages[number - 1] or "[no text layer on this page; it may be a scan or a picture]"
-        parts.append(f"[page {number}]\n{text}")
-    return "\n\n".join(parts)
-
-
 # --- DOCX ------------------------------------------------------------------------------
 
 BlockKind = Literal["heading", "paragraph", "table"]
@@ -162,12 +112,14 @@ BlockKind = Literal["heading", "paragraph", "table"]
 
 @dataclass(frozen=True)
 class Block:
-    """One structural block of a DOCX body. `level` is set for headings (0 = Title)."""
+    """One structural block of a DOCX body or a PDF. `level` is set for headings (0 = Title);
+    `page` for a PDF's blocks."""
 
     number: int
     kind: BlockKind
     text: str
     level: int | None = None
+    page: int | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +144,39 @@ def read_docx(data: bytes) -> DocxBody:
         if block is not None:
             blocks.append(block)
     return DocxBody(blocks, keywords)
+
+
+@dataclass(frozen=True)
+class EmbeddedImage:
+    """A picture in a DOCX body: its bytes, media type and caption (alt text, else part name)."""
+
+    caption: str
+    media_type: str
+    data: bytes
+
+
+def docx_images(data: bytes) -> list[EmbeddedImage]:
+    """The body's pictures in the order they first appear; formats a vision model cannot take
+    (EMF, WMF, TIFF, ...) are left out."""
+    try:
+        document = docx.Document(io.BytesIO(data))
+        parts = document.part.related_parts
+        images: list[EmbeddedImage] = []
+        seen: set[str] = set()
+        for drawing in document.element.body.xpath(".//w:drawing"):
+            alt = " ".join(str(d) for d in drawing.xpath(".//wp:docPr/@descr")).strip()
+            for rid in drawing.xpath(".//a:blip/@r:embed"):
+                part = parts.get(str(rid))
+                if part is None or str(rid) in seen:
+                    continue
+                seen.add(str(rid))
+                blob = bytes(part.blob)
+                media = image_type(blob[:16])
+                if media is not None:
+                    images.append(EmbeddedImage(alt or posixpath.basename(str(part.partname)), media, blob))
+    except Exception as exc:  # untrusted bytes
+        raise DocumentError(f"the file is not a readable DOCX ({type(exc).__name__}: {exc})") from exc
+    return images
 
 
 def docx_blocks(data: bytes) -> list[Block]:

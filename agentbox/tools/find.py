@@ -69,7 +69,7 @@ FILE_TYPES: dict[str, tuple[str, ...]] = {
 TYPE_NOTES: dict[str, str] = {
     "markdown": "markdown",
     "txt": "text",
-    "pdf": "pdf: read by page",
+    "pdf": "pdf: read by page or block",
     "docx": "docx: read by block or heading",
     "image": "image: view it with read (needs vision)",
 }

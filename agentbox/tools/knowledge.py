@@ -7,7 +7,8 @@ so a hit can be cited:
 
     markdown / txt   paragraphs (blank-line separated) packed up to CHUNK_CHARS; a markdown
                      heading starts a new chunk; cited by line range and heading
-    pdf              one page at a time (pypdf), a long page packed like text; cited by page
+    pdf              the blocks of `pdf.read_pdf` (paragraphs in reading order, numbered through
+                     the document), packed page by page; cited by page and block range
     docx             structural blocks (non-empty paragraphs and tables, numbered from 1 in
                      body order), grouped under their heading; cited by block range and heading
 
@@ -50,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import logging
 import os
 import posixpath
@@ -71,6 +71,7 @@ from agentbox.machines.errors import MachineError
 from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult
 from agentbox.tools.documents import read_docx
 from agentbox.tools.note_files import NoteFiles, NoteStat, note_files
+from agentbox.tools.pdf import read_pdf
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.watch import (
     DEFAULT_EXCLUDES,
@@ -115,7 +116,7 @@ BATCH_CHARS = 16 * 1024 * 1024
 #: How long a write waits for another process holding the index file (milliseconds).
 BUSY_TIMEOUT_MS = 5000
 #: Bumped when the tables change; an index file with another version is rebuilt (it is a cache).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: The index file of an isolated machine, beside its workspace directory.
 INDEX_FILENAME = "knowledge.sqlite"
 
@@ -173,6 +174,7 @@ class Chunk:
     first: int
     last: int
     heading: str | None
+    page: int | None = None  # a PDF's chunk: the page its blocks are on
 
 
 @dataclass(frozen=True)
@@ -359,19 +361,18 @@ def extract_text(data: bytes, *, markdown: bool) -> Extracted:
 
 
 def extract_pdf(data: bytes) -> Extracted:
-    """One page at a time; a long page is packed like text. Chunk first/last are the page number."""
-    import pypdf
-
-    reader = pypdf.PdfReader(io.BytesIO(data))
-    if reader.is_encrypted and not reader.decrypt(""):
-        raise ValueError("encrypted PDF")
+    """Blocks packed page by page (a chunk never spans pages); a chunk's first/last are block
+    numbers, the ones `read block=N` takes (`pdf.read_pdf` is the one extractor of both)."""
+    doc = read_pdf(data)
     chunks: list[Chunk] = []
-    for number, page in enumerate(reader.pages, start=1):
-        text = _clean(page.extract_text() or "")
-        for c in pack(text_pieces(text.split("\n"), markdown=False)):
-            chunks.append(Chunk(c.text, number, number, None))
-    keywords = reader.metadata.get("/Keywords") if reader.metadata is not None else None
-    return Extracted(chunks, keyword_tags(str(keywords) if keywords else None))
+    for page in doc.pages:
+        pieces: list[Piece] = []
+        for block in page.blocks:
+            text = _clean(block.text)
+            parts = [text] if len(text) <= CHUNK_CHARS else windows(text)
+            pieces.extend(Piece(p, block.number, block.number, None) for p in parts)
+        chunks.extend(Chunk(c.text, c.first, c.last, None, page.number) for c in pack(pieces))
+    return Extracted(chunks, keyword_tags(doc.keywords))
 
 
 def extract_docx(data: bytes) -> Extracted:
@@ -410,12 +411,12 @@ def cjk_joined(text: str) -> str:
     return _CJK_JOIN.sub("", text)
 
 
-def citation(kind: str, first: int, last: int, heading: str | None) -> str:
+def citation(kind: str, first: int, last: int, heading: str | None, page: int | None = None) -> str:
     """Where a chunk is, as the model should quote it: page, block range or line range, and heading."""
-    if kind == "pdf":
-        return f"page {first}"
-    unit = "block" if kind == "docx" else "line"
+    unit = "block" if kind in ("docx", "pdf") else "line"
     where = f"{unit} {first}" if first == last else f"{unit}s {first}-{last}"
+    if kind == "pdf":
+        return f"page {page}, {where}"
     if heading:
         where += f', heading "{heading}"' if kind == "docx" else f", § {heading}"
     return where
@@ -510,19 +511,19 @@ class Hit:
     heading: str | None
     snippet: str
     score: float
+    page: int | None = None
 
     @property
     def citation(self) -> str:
-        return citation(self.file_type, self.first, self.last, self.heading)
+        return citation(self.file_type, self.first, self.last, self.heading, self.page)
 
     def to_dict(self) -> dict[str, object]:
-        page = self.first if self.file_type == "pdf" else None
-        unit = {"docx": "block", "pdf": "page"}.get(self.file_type, "line")
+        unit = "block" if self.file_type in ("docx", "pdf") else "line"
         return {
             "path": self.path,
             "fileType": self.file_type,
             "citation": self.citation,
-            "page": page,
+            "page": self.page,
             "unit": unit,
             "first": self.first,
             "last": self.last,
@@ -581,9 +582,10 @@ _SCHEMA = (
         id INTEGER PRIMARY KEY,         -- = chunks_fts.rowid
         path TEXT NOT NULL,
         ord INTEGER NOT NULL,
-        first INTEGER NOT NULL,         -- line, block or page
+        first INTEGER NOT NULL,         -- line or block
         last INTEGER NOT NULL,
-        heading TEXT
+        heading TEXT,
+        page INTEGER                    -- a pdf's chunk: its page
     )""",
     "CREATE INDEX chunks_by_path ON chunks (path)",
     "CREATE VIRTUAL TABLE chunks_fts USING fts5 (text, heading, tokenize = 'unicode61 remove_diacritics 2')",
@@ -934,8 +936,8 @@ class KnowledgeIndex:
         )
         for ord_, chunk in enumerate(prepared.extracted.chunks):
             cur = self._conn.execute(
-                "INSERT INTO chunks (path, ord, first, last, heading) VALUES (?, ?, ?, ?, ?)",
-                (inside, ord_, chunk.first, chunk.last, chunk.heading),
+                "INSERT INTO chunks (path, ord, first, last, heading, page) VALUES (?, ?, ?, ?, ?, ?)",
+                (inside, ord_, chunk.first, chunk.last, chunk.heading, chunk.page),
             )
             self._conn.execute(
                 "INSERT INTO chunks_fts (rowid, text, heading) VALUES (?, ?, ?)",
@@ -998,7 +1000,8 @@ class KnowledgeIndex:
         )
         select = (
             "SELECT c.path, f.file_type, c.first, c.last, c.heading, "
-            f"snippet(chunks_fts, 0, char(2), char(3), '…', {SNIPPET_TOKENS}), bm25(chunks_fts, 1.0, 0.5) AS score "
+            f"snippet(chunks_fts, 0, char(2), char(3), '…', {SNIPPET_TOKENS}), bm25(chunks_fts, 1.0, 0.5) AS score, "
+            "c.page "
             f"{base} ORDER BY score, c.path, c.ord LIMIT ?"
         )
         with self._lock:
@@ -1013,7 +1016,7 @@ class KnowledgeIndex:
                 f"SELECT path, skipped FROM files f WHERE skipped IS NOT NULL AND {where} ORDER BY path",
                 args,
             ).fetchall()
-        hits = [Hit(r[0], r[1], r[2], r[3], r[4], _snippet_text(r[5]), r[6]) for r in rows]
+        hits = [Hit(r[0], r[1], r[2], r[3], r[4], _snippet_text(r[5]), r[6], r[7]) for r in rows]
         named = [(r[0], r[1]) for r in skipped_rows[:MAX_SKIPPED_NAMED]]
         return SearchOutcome(hits, total, any_term, named, len(skipped_rows), fts.dropped)
 
@@ -1156,7 +1159,7 @@ def render(query: str, outcome: SearchOutcome, limit: int, notes: list[str]) -> 
         lines.append(
             f"Not indexed: {named}"
             + (f"; and {rest} more" if rest else "")
-            + ". Use read (by page) or grep for them."
+            + ". Use read (by page or block) or grep for them."
         )
     lines.extend(f"Note: {n}" for n in notes)
     return "\n".join(lines)

@@ -5,8 +5,11 @@ Text comes in windows of `READ_WINDOW_CHARS` characters from `offset` (seed 001)
 inclusive) as `cat -n` numbered lines, within the same character budget. Flue's
 `offset`/`limit` in lines is deliberately not offered: `offset` means characters here,
 in every toolset, so one name never means two things. PDFs are read by `page` /
-`pageEnd`, DOCX files by `block` or `heading` (see documents.py); their text is windowed
-by `offset` too. Images come back as image blocks. Binary files get a short descriptor.
+`pageEnd` or `block` (pdf.py: reading order, blocks), DOCX files by `block` or `heading`
+(documents.py); their text is windowed by `offset` too. `includeImages` adds rendered pages,
+DOCX pictures and a note's images (document_images.py); a Markdown note's result lists its
+image references (markdown_images.py). Images come back as image blocks. Binary files get a
+short descriptor.
 
 Every file tool shares the path rules defined here (`resolve`, `escapes`, `external_refusal`,
 `problem`): paths go through the machine's files (`file_ops`: the descriptor view of a machine
@@ -43,6 +46,13 @@ from agentbox.tools.base import (
     ToolParams,
     ToolResult,
 )
+from agentbox.tools.document_images import (
+    MAX_ATTACHED_IMAGES,
+    Attached,
+    IncludeImages,
+    attach,
+    pages_to_render,
+)
 from agentbox.tools.documents import (
     IMAGE_EXTENSIONS,
     MAX_DOCUMENT_BYTES,
@@ -52,15 +62,15 @@ from agentbox.tools.documents import (
     binary_kind,
     block_at,
     docx_blocks,
+    docx_images,
     heading_section,
     image_type,
     is_svg,
-    page_range,
-    pdf_pages,
     render_blocks,
-    render_pages,
 )
 from agentbox.tools.fingerprint import fingerprint
+from agentbox.tools.markdown_images import image_refs
+from agentbox.tools.pdf import MAX_RENDERED_PAGES, page_range, read_pdf, render_pages, render_text
 from agentbox.workspace.editor import display_lines, numbered
 from agentbox.workspace.errors import WorkspaceError, translate
 from agentbox.workspace.fileops import Resolved, file_ops
@@ -73,6 +83,8 @@ MAX_TEXT_BYTES = 16 * 1024 * 1024
 SNIFF_BYTES = 8192
 
 FileKind = Literal["text", "pdf", "docx", "image", "svg", "binary"]
+#: Text files whose image references (`![alt](src)`) a read reports.
+MARKDOWN_EXTENSIONS = (".md", ".markdown")
 
 # --- path rules shared by the file tools -------------------------------------------------
 
@@ -205,11 +217,21 @@ class ReadParams(ToolParams):
     )
     pageEnd: int | None = Field(default=None, ge=1, description="PDF: the last page of a range (inclusive).")
     block: int | None = Field(
-        default=None, ge=1, description="DOCX: one structural block by number (1-based)."
+        default=None,
+        ge=1,
+        description="DOCX or PDF: one block (a paragraph, heading or table) by the number a read shows (1-based).",
     )
     heading: str | None = Field(
         default=None,
         description="DOCX: read the section under this heading, up to the next heading of its level.",
+    )
+    includeImages: IncludeImages = Field(
+        default="auto",
+        description=(
+            "Images to attach: 'auto' renders PDF pages without a text layer, or the pages chosen by "
+            "page/block; 'always' renders the PDF pages read (at most 4) and attaches a DOCX's pictures or a "
+            "Markdown note's local images (at most 4), even with text; 'none' attaches nothing."
+        ),
     )
 
 
@@ -348,7 +370,7 @@ def lines_view(text: str, start_line: int, end_line: int | None, shown: str) -> 
 def read_text(data: bytes, p: ReadParams, shown: str) -> ToolResult:
     if p.page is not None or p.pageEnd is not None or p.block is not None or p.heading is not None:
         return ToolResult.error(
-            f"page/pageEnd are for PDF files and block/heading for DOCX files; {shown} is text."
+            f"page/pageEnd are for PDF files, block for PDF and DOCX files, heading for DOCX files; {shown} is text."
         )
     text, note = decode(data)
     if p.startLine is not None or p.endLine is not None:
@@ -366,26 +388,58 @@ def read_text(data: bytes, p: ReadParams, shown: str) -> ToolResult:
     )
 
 
-def read_pdf(data: bytes, p: ReadParams, shown: str) -> ToolResult:
-    if p.block is not None or p.heading is not None or p.startLine is not None or p.endLine is not None:
+def read_pdf_file(data: bytes, p: ReadParams, shown: str) -> ToolResult:
+    if p.heading is not None or p.startLine is not None or p.endLine is not None:
         return ToolResult.error(
-            f"{shown} is a PDF: read it by page (page, or page and pageEnd), with offset."
+            f"{shown} is a PDF: read it by page (page, or page and pageEnd) or block, with offset."
         )
-    pages = pdf_pages(data)
-    first, last = page_range(len(pages), p.page, p.pageEnd)
-    w = window(render_pages(pages, first, last), p.offset)
-    which = f"page {first}" if first == last else f"pages {first}-{last}"
-    again = "".join(f", {k}={v}" for k, v in (("page", p.page), ("pageEnd", p.pageEnd)) if v is not None)
-    header = f"{shown}: PDF with {len(pages)} page(s); {which}.\n\n"
-    return ToolResult.text(
+    if p.block is not None and (p.page is not None or p.pageEnd is not None):
+        return ToolResult.error("Use either page/pageEnd or block, not both.")
+    doc = read_pdf(data)
+    count = len(doc.pages)
+    if p.block is not None:
+        block = block_at(doc.blocks, p.block)
+        first = last = block.page or 1
+        body = f"[page {first}]\n[block {block.number}] {block.text}"
+        chosen = [block]
+        which, again = f"block {block.number} (page {first})", f", block={block.number}"
+    else:
+        first, last = page_range(count, p.page, p.pageEnd)
+        body = render_text(doc.pages[first - 1 : last])
+        chosen = [b for page in doc.pages[first - 1 : last] for b in page.blocks]
+        which = f"page {first}" if first == last else f"pages {first}-{last}"
+        again = "".join(f", {k}={v}" for k, v in (("page", p.page), ("pageEnd", p.pageEnd)) if v is not None)
+    w = window(body, p.offset)
+    warned = "".join(f"[Warning: {warning}]\n" for warning in doc.warnings)
+    header = f"{shown}: PDF with {count} page(s) and {len(doc.blocks)} block(s); {which}.\n{warned}\n"
+    result = ToolResult.text(
         header + w.text + w.trailer(again),
         path=shown,
-        pageCount=len(pages),
+        pageCount=count,
         pages=[first, last],
+        blockCount=len(doc.blocks),
+        blocks=[chosen[0].number, chosen[-1].number] if chosen else [],
         offset=w.start,
         nextOffset=w.next_offset,
         totalChars=w.total,
+        warnings=doc.warnings,
     )
+    numbers = pages_to_render(
+        p.includeImages,
+        doc.pages[first - 1 : last],
+        chosen=p.page is not None or p.block is not None,
+        first_window=not p.offset,
+    )
+    if not numbers:
+        return result
+    try:
+        rendered = render_pages(data, numbers[:MAX_RENDERED_PAGES])
+    except DocumentError as exc:  # the text stands without its images
+        result.data["warnings"] = [*doc.warnings, str(exc)]
+        result.content.append(TextBlock(f"[Warning: {exc}.]"))
+        return result
+    images = [Attached(f"page {r.page} of {shown}", "image/png", r.png, r.page) for r in rendered]
+    return attach(result, images, len(numbers), MAX_RENDERED_PAGES)
 
 
 def read_docx(data: bytes, p: ReadParams, shown: str) -> ToolResult:
@@ -406,7 +460,7 @@ def read_docx(data: bytes, p: ReadParams, shown: str) -> ToolResult:
     body = render_blocks(chosen) or "[the document has no text]"
     w = window(body, p.offset)
     header = f"{shown}: DOCX with {len(blocks)} block(s); {which}.\n\n"
-    return ToolResult.text(
+    result = ToolResult.text(
         header + w.text + w.trailer(again),
         path=shown,
         blockCount=len(blocks),
@@ -415,6 +469,11 @@ def read_docx(data: bytes, p: ReadParams, shown: str) -> ToolResult:
         nextOffset=w.next_offset,
         totalChars=w.total,
     )
+    if p.includeImages == "always" or (p.includeImages == "auto" and not blocks and not p.offset):
+        pictures = docx_images(data)
+        images = [Attached(pic.caption, pic.media_type, pic.data) for pic in pictures[:MAX_ATTACHED_IMAGES]]
+        return attach(result, images, len(pictures), MAX_ATTACHED_IMAGES)
+    return result
 
 
 def read_image_file(data: bytes, shown: str) -> ToolResult:
@@ -456,14 +515,49 @@ def refusal_for(kind: FileKind, shown: str, size: int, head: bytes) -> str | Non
 async def load(machine: Machine, inside: str, kind: FileKind, p: ReadParams, shown: str) -> ToolResult:
     """Read one file and render it (parsing runs in a thread)."""
     data = await read_capped(machine, inside, SIZE_LIMITS[kind])
-    return await asyncio.to_thread(render, data, kind, p, shown)
+    result = await asyncio.to_thread(render, data, kind, p, shown)
+    if (
+        kind == "text"
+        and not result.is_error
+        and posixpath.splitext(inside)[1].lower() in MARKDOWN_EXTENSIONS
+    ):
+        await with_image_refs(machine, inside, decode(data)[0], p.includeImages, result)
+    return result
+
+
+async def with_image_refs(
+    machine: Machine, note: str, text: str, mode: IncludeImages, result: ToolResult
+) -> ToolResult:
+    """A note's read with its `imageRefs` (and, for `always`, its local images attached)."""
+    refs, total = await image_refs(machine, note, text)
+    if not refs:
+        return result
+    result.data["imageRefs"] = [r.to_dict() for r in refs]
+    result.data["imageRefsTotal"] = total
+    listed = "; ".join(f"{r.src} ({r.skipped or ('exists' if r.exists else 'missing')})" for r in refs)
+    more = f" and {total - len(refs)} more" if total > len(refs) else ""
+    result.content.append(TextBlock(f"[Images referenced: {listed}{more}.]"))
+    if mode != "always":
+        return result
+    local = [r for r in refs if r.exists and r.inside is not None]
+    images = []
+    for ref in local[:MAX_ATTACHED_IMAGES]:
+        assert ref.inside is not None
+        try:
+            data = await read_capped(machine, ref.inside, MAX_IMAGE_BYTES)
+        except FAILURES:  # too large, gone since, unreadable: the note's text stands without it
+            continue
+        media = image_type(data[:SNIFF_BYTES])
+        if media is not None:
+            images.append(Attached(ref.alt or str(ref.path), media, data))
+    return attach(result, images, len(local), MAX_ATTACHED_IMAGES)
 
 
 def render(data: bytes, kind: FileKind, p: ReadParams, shown: str) -> ToolResult:
     if kind == "image":
         return read_image_file(data, shown)
     if kind == "pdf":
-        return read_pdf(data, p, shown)
+        return read_pdf_file(data, p, shown)
     if kind == "docx":
         return read_docx(data, p, shown)
     return read_text(data, p, shown)
@@ -523,9 +617,14 @@ READ = Tool(
         "Read a file. Text comes in windows of 6000 characters from `offset` (default 0); when there is "
         "more, the result ends with a note and gives `nextOffset`: call read again with offset=nextOffset. "
         "Or read lines `startLine`..`endLine` (1-based, inclusive), shown with line numbers; the note then "
-        "says which startLine continues. PDFs: `page`, or `page` and `pageEnd` for a range; the result "
-        "names pages and the page count. DOCX: `block` (a numbered paragraph, heading or table) or "
-        "`heading` (that heading's section); without them the whole document, with block numbers. "
+        "says which startLine continues. PDFs: `page`, or `page` and `pageEnd` for a range, or `block` "
+        "(a numbered paragraph); the text is in reading order (two columns: left, then right), with "
+        "page and block numbers, and a warning when the order could not be rebuilt. DOCX: `block` (a "
+        "numbered paragraph, heading or table) or `heading` (that heading's section); without them the "
+        "whole document, with block numbers. `includeImages`: 'auto' (default) also returns PDF pages "
+        "without a text layer, or the pages chosen by page/block, as images; 'always' returns the PDF "
+        "pages read (at most 4), a DOCX's pictures or a Markdown note's local images (at most 4); "
+        "'none' returns no images. A Markdown note's result lists its image references (imageRefs). "
         "Images (png, jpg, jpeg, webp, gif; up to 20 MB, inside the workspace) are returned as images. "
         "SVG and other binary files are refused with a short description. Relative paths start at the "
         "workspace root; reading outside it may need the user's approval."
