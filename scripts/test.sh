@@ -46,4 +46,6 @@ fi
 .venv/bin/python -m pip install -q --no-deps "agent-sandbox==0.0.30"
 .venv/bin/ruff check agentbox tests bench
 .venv/bin/mypy agentbox
-exec .venv/bin/python -m pytest -q "$@"
+# Test files spread over AGENTBOX_TEST_WORKERS processes (a file's tests stay in one, with its
+# module fixtures); every worker starts its own servers, sshd and dockerd on ports of their own.
+exec .venv/bin/python -m pytest -q -n "${AGENTBOX_TEST_WORKERS:-3}" --dist loadfile "$@"

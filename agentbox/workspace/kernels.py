@@ -62,8 +62,10 @@ MAX_CODE_BYTES = 1024 * 1024
 MAX_LINE_BYTES = MAX_OUTPUT_BYTES + 64 * 1024
 #: Seconds a kernel gets to start and answer.
 KERNEL_START_SECONDS = 60.0
-#: Seconds an interrupted cell gets to stop before its kernel is stopped.
-INTERRUPT_GRACE_SECONDS = 5.0
+#: Seconds an interrupted cell gets to stop before its kernel is stopped (and its state lost).
+#: A flooding cell's queued output is drained before the kernel reports the interrupt, which
+#: took over 5 s on a loaded 2-core host.
+INTERRUPT_GRACE_SECONDS = 15.0
 #: Seconds without an execution after which the kernels stop (their contexts stay listed).
 IDLE_SECONDS = 1800.0
 #: Seconds the runner gets to exit after its stdin closes before it is killed.
