@@ -22,6 +22,7 @@ import httpx
 import pytest
 from PIL import Image, PngImagePlugin
 
+from agentbox.agent.compaction import IMAGE_TOKENS, estimate_tokens, summary_request
 from agentbox.agent.limits import LimitsError, check_limit_options, model_limits
 from agentbox.agent.models import ChatMessage, ToolCall
 from agentbox.agent.providers.anthropic import to_messages as anthropic_messages
@@ -499,3 +500,20 @@ async def test_a_turn_resumed_after_a_crash_shows_the_image_again(sandbox_tmp: P
             assert after.tobytes() == before.tobytes() and after.size == (64, 48)
     finally:
         stop_server(again)
+
+
+def test_the_summarized_part_s_images_go_with_the_summary_request() -> None:
+    old = [ChatMessage("user", "look"), *results(MAX_IMAGES_PER_MESSAGE + 2, 1)]
+    old.append(ChatMessage("assistant", "seen"))
+    (asked,) = summary_request(old).request.messages
+    shown = [p for p in asked.parts if isinstance(p, ImageBlock)]
+    assert len(shown) == MAX_IMAGES_PER_MESSAGE and asked.parts[0] == TextBlock(asked.text)
+    assert "[Tool result]: result 9" in asked.text
+    assert anthropic_messages([asked])[0]["content"][1]["type"] == "image"
+    plain = summary_request([ChatMessage("user", "hi"), ChatMessage("assistant", "hello")])
+    assert plain.request.messages[0].parts == ()
+
+
+def test_an_image_counts_in_the_token_estimate() -> None:
+    (_, result) = results(1, 2)
+    assert estimate_tokens(result) == estimate_tokens(ChatMessage("tool", result.text)) + 2 * IMAGE_TOKENS

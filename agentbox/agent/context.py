@@ -7,7 +7,8 @@ a restart, sees exactly what the rows say:
     begin()         at the turn boundary: the first baseline (the frozen system prompt), or
                     one signal message for whatever changed since the model was last told
     request(tools)  system = the newest baseline's prompt; messages = its summary (if any),
-                    then the transcript from its first kept message, up to this turn; first
+                    then the transcript from its first kept message, up to this turn, each
+                    result's images read back from the image store (`agent.vision`); first
                     compacts when the context exceeds window - reserve (Flue's trigger)
     compact(why)    summarise the older part with the session's model, keep the recent part,
                     rebaseline the prompt against the current surroundings; records

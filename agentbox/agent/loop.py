@@ -9,7 +9,8 @@ can be lost in a crash (C6.5 of the session API notes, Flue's write-ahead discip
     record_reply    after it: the reply, `agent.message`, every `agent.tool_use` and
                     `model.usage`, in one transaction, BEFORE any tool runs
     record_result   after each tool: the result row and `agent.tool_result` (first write
-                    wins: a recorded result is never replaced, its call never re-run)
+                    wins: a recorded result is never replaced, its call never re-run); its
+                    images stored first and named by id (`agent.vision`)
 
 Every write is fenced by the turn being open, so an aborted turn gets no more events.
 The one thing not written: text the model reports while it produces it (`on_text`), which

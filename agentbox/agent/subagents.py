@@ -10,7 +10,9 @@ intersection of its own and the parent's permissions (so `writer` under a `full-
 still only stages, and under a `read-only` parent cannot write at all). Whatever its agent file
 lists, a child never runs commands, MCP tools or the browser's page-changing actions (seed
 003): those are dropped, and a listed `browser` is given as `browser_read`. Changes it stages,
-approvals it asks for and files it delivers belong to the parent's turn.
+approvals it asks for and files it delivers belong to the parent's turn. Images its tools
+return are shown to its model as a turn's are (`agent.vision`: fitted, budgeted, or
+`visionUnavailable` when its model has no vision), kept in its in-memory transcript.
 
 Limits: `MAX_DEPTH` (Flue's delegation depth: the root is depth 0 and an agent at depth
 `max_depth` cannot delegate; `task` stays offered to agents that list it, with a static schema
