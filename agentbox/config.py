@@ -44,9 +44,10 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     trusted = true                  # believe its read-only annotations
     # or: url = "http://10.0.0.5:9000/mcp", headers = { Authorization = "Bearer ..." }
 
-    [models."openai:my-local-model"]  # limits compaction uses (agentbox.agent.limits)
+    [models."openai:my-local-model"]  # what the model can take (agentbox.agent.limits)
     context_window = 32768
     max_output_tokens = 4096
+    vision = true                   # shown images (default: known vision models, anthropic:)
 
     [[agents]]                      # a subagent for the `task` tool (agentbox.agent.subagents)
     name = "reviewer"
@@ -208,7 +209,8 @@ class Settings:
     """What the memory limits (`memory_mb`) of live sandboxes may sum to, in MiB; by default
     75 % of the host's MemTotal, so limits cannot promise more memory than the host has."""
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per model (`provider:name`): `context_window`, `max_output_tokens`."""
+    """Per model (`provider:name`): `context_window`, `max_output_tokens`, `vision` (whether
+    tool results' images are shown to it; `agentbox.agent.limits` says the default)."""
     agents: list[dict[str, Any]] = field(default_factory=list)
     """Subagents besides the built-in ones (name, description, instructions, tools, permission, model)."""
     bind_host: str | None = None

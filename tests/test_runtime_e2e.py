@@ -220,6 +220,7 @@ async def test_an_openai_compatible_model_edits_runs_delivers_and_survives_compa
         ({"compaction": {"reserve_tokens": True}}, "reserve_tokens"),
         ({"model_options": {"context_window": -1}}, "context_window"),
         ({"model_options": {"max_output_tokens": "many"}}, "max_output_tokens"),
+        ({"model_options": {"vision": "yes"}}, "vision must be true or false"),
         ({"model_options": {"timeout": "soon"}}, "model_options cannot configure"),
     ],
 )

@@ -13,8 +13,12 @@ session's model and replaced by that summary; the most recent part is kept verba
 5. `finish_summary(...)` and `rebaseline(...)`: the summary with its file lists, and the new
    transcript head (recomposed system prompt + summary message + kept messages).
 
-Token estimate: characters / 4 (`CHARS_PER_TOKEN`), as Flue and pi do. It is deliberately
-rough: it only has to place a cut and pad the provider's reported usage for messages sent
+Images: the summarized part's images go with the summary request, the newest
+`MAX_IMAGES_PER_MESSAGE` of them (the others are named in its text), so the summary can say
+what they showed.
+
+Token estimate: characters / 4 (`CHARS_PER_TOKEN`), as Flue and pi do, plus `IMAGE_TOKENS` an
+image. It is deliberately rough: it only has to place a cut and pad the provider's reported usage for messages sent
 after it; a real tokenizer per provider would add dependencies for no change in behaviour.
 """
 
@@ -26,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentbox.agent.models import ChatMessage, ModelRequest
+from agentbox.agent.vision import MAX_IMAGES_PER_MESSAGE
+from agentbox.tools.base import ImageBlock, TextBlock
 from agentbox.tools.toolsets import TOOLSETS
 
 #: Reserve for the reply when the model's max output is unknown or larger (Flue).
@@ -36,6 +42,9 @@ MIN_RESERVE_TOKENS = 1024
 DEFAULT_KEEP_RECENT_TOKENS = 8000
 #: Characters per estimated token.
 CHARS_PER_TOKEN = 4
+#: Tokens an image counts for in the estimate: about what a picture at the edge limit costs
+#: (Anthropic: width x height / 750 after scaling to 1.15 megapixels; OpenAI less).
+IMAGE_TOKENS = 1600
 #: Characters of one tool result shown to the summarizer (Flue).
 TOOL_RESULT_EXCERPT_CHARS = 2000
 #: Upper bound of the summary's max output tokens (Flue).
@@ -108,7 +117,8 @@ def estimate_tokens(message: ChatMessage) -> int:
     chars = len(message.text)
     for call in message.tool_calls:
         chars += len(call.name) + len(repr(call.input))
-    return -(-chars // CHARS_PER_TOKEN)
+    images = sum(isinstance(p, ImageBlock) for p in message.parts)
+    return -(-chars // CHARS_PER_TOKEN) + images * IMAGE_TOKENS
 
 
 def context_tokens(
@@ -278,7 +288,11 @@ def summary_request(
     if turn_prefix:
         parts.append(SPLIT_TURN_PROMPT)
     read, modified = file_lists([*old_messages, *turn_prefix], previous_summary or "")
-    request = ModelRequest(SUMMARIZER_SYSTEM, [ChatMessage("user", "\n\n".join(parts))], [])
+    text = "\n\n".join(parts)
+    images = [p for m in [*old_messages, *turn_prefix] for p in m.parts if isinstance(p, ImageBlock)]
+    shown = tuple(images[-MAX_IMAGES_PER_MESSAGE:])
+    message = ChatMessage("user", text, parts=(TextBlock(text), *shown) if shown else ())
+    request = ModelRequest(SUMMARIZER_SYSTEM, [message], [])
     return SummaryRequest(
         request, min(int(SUMMARY_RESERVE_SHARE * reserve), MAX_SUMMARY_TOKENS), read, modified
     )

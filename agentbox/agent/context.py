@@ -7,7 +7,8 @@ a restart, sees exactly what the rows say:
     begin()         at the turn boundary: the first baseline (the frozen system prompt), or
                     one signal message for whatever changed since the model was last told
     request(tools)  system = the newest baseline's prompt; messages = its summary (if any),
-                    then the transcript from its first kept message, up to this turn; first
+                    then the transcript from its first kept message, up to this turn, each
+                    result's images read back from the image store (`agent.vision`); first
                     compacts when the context exceeds window - reserve (Flue's trigger)
     compact(why)    summarise the older part with the session's model, keep the recent part,
                     rebaseline the prompt against the current surroundings; records
@@ -50,8 +51,10 @@ from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, 
 from agentbox.agent.prompt import Subagent, assemble
 from agentbox.agent.providers.retry import RetryPolicy, with_retries
 from agentbox.agent.signals import Environment, Resource, Signal, diff, text_digest, tool_resources
+from agentbox.agent.vision import Vision, budget, load_parts
 from agentbox.machines.base import Machine, environment_line
 from agentbox.store.baselines import Baseline, BaselineStore, SignalRow
+from agentbox.store.images import ImageStore
 from agentbox.store.sessions import Message, NewEvent, SessionStore, Turn
 from agentbox.tools.skills import Skill
 
@@ -141,10 +144,14 @@ class TurnContext:
         limits: ModelLimits,
         compaction: CompactionConfig,
         retry: RetryPolicy | None = None,
+        vision: Vision | None = None,
+        images: ImageStore | None = None,
     ) -> None:
         self.store, self.baselines, self.bus, self.turn = store, baselines, bus, turn
         self.model, self.surroundings = model, surroundings
         self.limits, self.compaction, self.retry = limits, compaction, retry or RetryPolicy()
+        self.vision, self.images = vision or Vision(model.name), images
+        """Results' images are read back from `images` for each request (`agent.vision`)."""
 
     @property
     def reserve(self) -> int:
@@ -190,7 +197,7 @@ class TurnContext:
         transcript = await self.store.transcript(self.turn.session_id, through=self.turn, since=since)
         pairs = conversation_rows(transcript)
         rows: list[Message | None] = [row for row, _ in pairs]
-        messages = [message for _, message in pairs]
+        messages = budget([await self.shown(row, message) for row, message in pairs])
         if baseline is not None and baseline.summary is not None:
             rows.insert(0, None)
             messages.insert(0, summary_message(baseline.summary))
@@ -203,6 +210,13 @@ class TurnContext:
                 reported_at = index
         system = baseline.system if baseline is not None else ""
         return View(system, messages, rows, baseline, reported, reported_at)
+
+    async def shown(self, row: Message, message: ChatMessage) -> ChatMessage:
+        """The message with the images its row names, read back from the store."""
+        blocks = row.content.get("blocks") if row.role == "tool" else None
+        if not blocks or self.images is None:
+            return message
+        return dataclasses.replace(message, parts=await load_parts(blocks, self.vision, self.images))
 
     async def call_index(self) -> int:
         """The session's model calls so far: recorded replies (any status) and compactions."""

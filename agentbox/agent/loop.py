@@ -9,7 +9,8 @@ can be lost in a crash (C6.5 of the session API notes, Flue's write-ahead discip
     record_reply    after it: the reply, `agent.message`, every `agent.tool_use` and
                     `model.usage`, in one transaction, BEFORE any tool runs
     record_result   after each tool: the result row and `agent.tool_result` (first write
-                    wins: a recorded result is never replaced, its call never re-run)
+                    wins: a recorded result is never replaced, its call never re-run); its
+                    images stored first and named by id (`agent.vision`)
 
 Every write is fenced by the turn being open, so an aborted turn gets no more events.
 The one thing not written: text the model reports while it produces it (`on_text`), which
@@ -58,6 +59,8 @@ from agentbox.agent.models import (
 )
 from agentbox.agent.providers.errors import ContextOverflow
 from agentbox.agent.providers.retry import RetryPolicy
+from agentbox.agent.vision import Vision, recorded
+from agentbox.store.images import ImageStore
 from agentbox.store.sessions import Event, Message, NewEvent, SessionStore, Turn
 from agentbox.tools.base import ToolResult
 
@@ -134,10 +137,16 @@ class TurnLoop:
         context: Context,
         *,
         config: LoopConfig | None = None,
+        vision: Vision | None = None,
+        images: ImageStore | None = None,
     ) -> None:
         self.store, self.bus, self.model, self.tools, self.turn = store, bus, model, tools, turn
         self.context = context
         self.config = config or LoopConfig()
+        self.vision = vision or Vision(model.name)
+        """Whether results' images are shown to the model (`agent.vision`)."""
+        self.images = images
+        """Where they are kept for later requests (None: they are only named in the text)."""
         self.steps = 0
         self._call_ids: set[str] | None = None  # the session's tool call ids, read once per turn
 
@@ -276,9 +285,10 @@ class TurnLoop:
         )
 
     async def record_result(self, call: ToolCall, result: ToolResult) -> None:
+        text, blocks = await recorded(result, self.vision, self.images)
         await self.publish(self.store.add_tool_result(
-            self.turn.id, call.id, call.name, result.as_text(), result.is_error, side_events(result),
-            delivered_files(result),
+            self.turn.id, call.id, call.name, text, result.is_error, side_events(result),
+            delivered_files(result), blocks,
         ))  # fmt: skip
 
     async def publish(self, write: Awaitable[list[Event]]) -> list[Event]:

@@ -48,6 +48,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from agentbox.tools.base import ImageBlock, TextBlock
+
 #: The model name that selects the scripted model.
 SCRIPTED = "scripted"
 #: The providers a model name may name (`<provider>:<name>`), beside `SCRIPTED`.
@@ -71,6 +73,8 @@ STEP_ERRORS = ("rate_limited", "overloaded")
 #: Pieces the scripted model streams a step's text in (fewer when the text has fewer words).
 DELTA_CHUNKS = 3
 
+#: A piece of a message that shows images (`ChatMessage.parts`).
+Part = TextBlock | ImageBlock
 #: Where a model reports text as it is produced; each call gets the next piece.
 TextSink = Callable[[str], None]
 
@@ -132,6 +136,9 @@ class ChatMessage:
     is_error: bool = False
     thinking: list[dict[str, Any]] = field(default_factory=list)
     """An assistant reply's `Reply.thinking`, as recorded."""
+    parts: tuple[Part, ...] = ()
+    """A user or tool message that shows images: its text and images in order (`text` is its
+    text alone, with each image named). Empty for text only; `agent.vision` fills it."""
 
 
 @dataclass(frozen=True)

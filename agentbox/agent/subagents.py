@@ -10,7 +10,9 @@ intersection of its own and the parent's permissions (so `writer` under a `full-
 still only stages, and under a `read-only` parent cannot write at all). Whatever its agent file
 lists, a child never runs commands, MCP tools or the browser's page-changing actions (seed
 003): those are dropped, and a listed `browser` is given as `browser_read`. Changes it stages,
-approvals it asks for and files it delivers belong to the parent's turn.
+approvals it asks for and files it delivers belong to the parent's turn. Images its tools
+return are shown to its model as a turn's are (`agent.vision`: fitted, budgeted, or
+`visionUnavailable` when its model has no vision), kept in its in-memory transcript.
 
 Limits: `MAX_DEPTH` (Flue's delegation depth: the root is depth 0 and an agent at depth
 `max_depth` cannot delegate; `task` stays offered to agents that list it, with a static schema
@@ -49,6 +51,7 @@ from agentbox.agent.loop import side_events
 from agentbox.agent.mcp_tools import PREFIX as MCP_PREFIX
 from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, Reply, ToolCall, ToolSpec
 from agentbox.agent.providers.arguments import invalid_arguments
+from agentbox.agent.vision import Vision, budget, shown_parts
 from agentbox.store.sessions import NewEvent
 from agentbox.tools.base import Action, Tool, ToolResult
 from agentbox.tools.runner import SessionTools
@@ -120,9 +123,12 @@ class Subagents:
         semaphore: asyncio.Semaphore | None = None,
         writer_lock: asyncio.Lock | None = None,
         max_steps: int = MAX_CHILD_STEPS,
+        vision: Callable[[AgentSpec], Vision] | None = None,
     ) -> None:
         self.agents, self.parent, self.canonical = agents, parent, canonical
         self.models, self.emit, self.system_facts = models, emit, system_facts
+        self.vision = vision
+        """Whether an agent's model is shown images (None: every model is)."""
         self.depth, self.max_depth, self.task_path = depth, max_depth, task_path
         self.semaphore = semaphore or asyncio.Semaphore(MAX_PARALLEL_READ_ONLY)
         """Read-only task slots, shared by the whole tree."""
@@ -176,10 +182,12 @@ class Subagents:
             "depth": self.depth + 1, "task_path": list(path),
         })])  # fmt: skip
         delivered = tools.deliveries
+        model = self.models(spec)
         run = ChildRun(
             spec=spec,
             tools=tools,
-            model=self.models(spec),
+            model=model,
+            vision=self.vision(spec) if self.vision is not None else Vision(model.name),
             system=self.child_system(spec, tools),
             task_path=path,
             emit=self.emit,
@@ -216,7 +224,7 @@ class Subagents:
                 agents=self.agents, parent=child, canonical=self.canonical, models=self.models,
                 emit=self.emit, system_facts=self.system_facts, depth=self.depth + 1,
                 max_depth=self.max_depth, task_path=path, semaphore=self.semaphore,
-                writer_lock=self.writer_lock, max_steps=self.max_steps,
+                writer_lock=self.writer_lock, max_steps=self.max_steps, vision=self.vision,
             )  # fmt: skip
         return child
 
@@ -253,6 +261,8 @@ class ChildRun:
     task_path: tuple[str, ...]
     emit: Emit
     max_steps: int = MAX_CHILD_STEPS
+    vision: Vision = field(default_factory=lambda: Vision(""))
+    """Whether its model is shown its results' images (kept in memory, fitted as a turn's are)."""
     messages: list[ChatMessage] = field(default_factory=list)
     steps: int = 0
     """Model calls made (also the `call_index` of the next one)."""
@@ -289,7 +299,7 @@ class ChildRun:
     async def query(self) -> Reply:
         request = ModelRequest(
             self.system,
-            list(self.messages),
+            budget(self.messages),
             [ToolSpec(t.name, t.description, t.schema()) for t in self.tools.offered()],
             call_index=self.steps,
             task_path=self.task_path,
@@ -312,8 +322,9 @@ class ChildRun:
             events = side_events(result)
             if events:
                 await self.emit(events)
+            text, parts = await shown_parts(result.content, self.vision)
             self.messages.append(
-                ChatMessage("tool", result.as_text(), tool_use_id=call.id, is_error=result.is_error)
+                ChatMessage("tool", text, tool_use_id=call.id, is_error=result.is_error, parts=parts)
             )
 
     async def call(self, call: ToolCall) -> ToolResult:

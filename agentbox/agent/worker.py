@@ -68,6 +68,7 @@ from agentbox.agent.reach import Reach
 from agentbox.agent.recovery import RECOVERY, Act, classify
 from agentbox.agent.subagents import Subagents, running_call
 from agentbox.agent.tool_host import SessionToolHost
+from agentbox.agent.vision import Vision
 from agentbox.config import MachineConfig
 from agentbox.machines.base import Machine
 from agentbox.machines.errors import MachineError, MachineNotFound
@@ -76,6 +77,7 @@ from agentbox.machines.registry import Entry, Registry
 from agentbox.store.approvals import Approval
 from agentbox.store.baselines import BaselineStore
 from agentbox.store.files import FileStore
+from agentbox.store.images import ImageStore
 from agentbox.store.sessions import (
     INTERRUPTED,
     MAX_EVENTS_PAGE,
@@ -172,6 +174,8 @@ class Worker:
         """Told of every model call as it ends: the turn's, its compaction's, subagents' (metrics)."""
         self.config = config or LoopConfig()
         self.baselines = BaselineStore(store.db)
+        self.images = ImageStore(registry.settings.home)
+        """The images tool results showed the model, for every later request (`agent.vision`)."""
         self._drains: dict[str, asyncio.Task[None]] = {}
         self._turns: dict[str, asyncio.Task[None]] = {}
         self._active: dict[str, str] = {}  # session id -> the turn it runs now
@@ -385,11 +389,16 @@ class Worker:
         limits = model_limits(
             session.model, session.model_options, self.registry.settings.models.get(session.model)
         )
+        vision = Vision(session.model, limits.vision)
         context = TurnContext(
             self.store, self.baselines, self.bus, turn, model, lambda: self._surroundings(session, host),
             limits=limits, compaction=parse_config(session.compaction), retry=self.config.retry,
+            vision=vision, images=self.images,
         )  # fmt: skip
-        loop = TurnLoop(self.store, self.bus, model, host, turn, context=context, config=self.config)
+        loop = TurnLoop(
+            self.store, self.bus, model, host, turn, context=context, config=self.config,
+            vision=vision, images=self.images,
+        )  # fmt: skip
         try:
             await self._place(session, turn)
             await context.begin(boundary=before.status == "queued")
@@ -579,20 +588,27 @@ class Worker:
         async def retrying(exc: ModelError, attempt: int, delay: float) -> None:
             await emit([model_error_event(exc, attempt, self.config.retry.attempts, delay, "subagent")])
 
-        def child_model(spec: AgentSpec) -> Model:
+        def chosen(spec: AgentSpec) -> Session:
             """The agent's own model if it names one: the session's options (endpoint, key) go with
             it only when it is the same provider's; another provider's is configured by the env."""
-            chosen = session
-            if spec.model:
-                same = spec.model.partition(":")[0] == session.model.partition(":")[0]
-                options = session.model_options if same else {}
-                chosen = dataclasses.replace(session, model=spec.model, model_options=options)
-            return RetryingModel(self.models(self.store.reveal(chosen)), self.config.retry, retrying)
+            if not spec.model:
+                return session
+            same = spec.model.partition(":")[0] == session.model.partition(":")[0]
+            options = session.model_options if same else {}
+            return dataclasses.replace(session, model=spec.model, model_options=options)
+
+        def child_model(spec: AgentSpec) -> Model:
+            return RetryingModel(self.models(self.store.reveal(chosen(spec))), self.config.retry, retrying)
+
+        def child_vision(spec: AgentSpec) -> Vision:
+            child = chosen(spec)
+            configured = self.registry.settings.models.get(child.model)
+            return Vision(child.model, model_limits(child.model, child.model_options, configured).vision)
 
         canonical = canonical_names(session.toolset)
         return Subagents(
             agents={}, parent=host.tools, canonical=canonical, models=child_model,
-            system_facts="", emit=emit,
+            system_facts="", emit=emit, vision=child_vision,
         )  # fmt: skip
 
     async def _surroundings(self, session: Session, host: SessionToolHost) -> Surroundings:

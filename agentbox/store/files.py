@@ -108,7 +108,7 @@ class FileStore:
         self._lock = asyncio.Lock()
 
     def blob_path(self, sha256: str) -> Path:
-        return self.blobs / sha256[:2] / sha256
+        return blob_address(self.blobs, sha256)
 
     # -- storing -----------------------------------------------------------------------
 
@@ -167,12 +167,7 @@ class FileStore:
         )
 
     def _new_partial(self) -> tuple[int, Path]:
-        self.blobs.mkdir(BLOBS_DIR_MODE, parents=True, exist_ok=True)
-        if self.blobs.stat().st_mode & 0o777 != BLOBS_DIR_MODE:  # a home from before
-            os.chmod(self.blobs, BLOBS_DIR_MODE)
-        fd, name = tempfile.mkstemp(prefix=PARTIAL_PREFIX, dir=self.blobs)
-        os.fchmod(fd, BLOB_FILE_MODE)  # what mkstemp gives already; said here, not assumed
-        return fd, Path(name)
+        return new_partial(self.blobs)
 
     def _copy_file(self, source: Path, max_bytes: int) -> _Blob:
         """Copy and hash `source` into a partial blob (runs in a worker thread)."""
@@ -247,14 +242,7 @@ class FileStore:
         return record
 
     def _place(self, blob: _Blob) -> bool:
-        """Rename the partial to its content address; False when that blob already existed."""
-        final = self.blob_path(blob.sha256)
-        if final.exists():
-            return False
-        final.parent.mkdir(BLOBS_DIR_MODE, exist_ok=True)
-        os.replace(blob.partial, final)
-        _fsync_dir(final.parent)
-        return True
+        return place_blob(self.blobs, blob.partial, blob.sha256)
 
     # -- reading -----------------------------------------------------------------------
 
@@ -317,6 +305,49 @@ class FileStore:
         )
         if live is None:
             _unlink_quietly(self.blob_path(sha256))
+
+
+def blob_address(folder: Path, sha256: str) -> Path:
+    """Where the blob with this digest lives in a folder of content-addressed blobs."""
+    return folder / sha256[:2] / sha256
+
+
+def new_partial(folder: Path) -> tuple[int, Path]:
+    """A fresh `.part-*` file (open for writing) in a blob folder made `BLOBS_DIR_MODE`."""
+    folder.mkdir(BLOBS_DIR_MODE, parents=True, exist_ok=True)
+    if folder.stat().st_mode & 0o777 != BLOBS_DIR_MODE:  # a home from before
+        os.chmod(folder, BLOBS_DIR_MODE)
+    fd, name = tempfile.mkstemp(prefix=PARTIAL_PREFIX, dir=folder)
+    os.fchmod(fd, BLOB_FILE_MODE)  # what mkstemp gives already; said here, not assumed
+    return fd, Path(name)
+
+
+def place_blob(folder: Path, partial: Path, sha256: str) -> bool:
+    """Rename a finished partial to its content address; False when that blob already existed."""
+    final = blob_address(folder, sha256)
+    if final.exists():
+        return False
+    final.parent.mkdir(BLOBS_DIR_MODE, exist_ok=True)
+    os.replace(partial, final)
+    _fsync_dir(final.parent)
+    return True
+
+
+def write_blob(folder: Path, data: bytes) -> str:
+    """Store `data` as a blob of `folder` (whole or not at all, as above); its sha256."""
+    sha256 = hashlib.sha256(data).hexdigest()
+    if blob_address(folder, sha256).exists():
+        return sha256
+    fd, partial = new_partial(folder)
+    try:
+        _finish(fd, data)
+    finally:
+        os.close(fd)
+    try:
+        place_blob(folder, partial, sha256)
+    finally:
+        _unlink_quietly(partial)
+    return sha256
 
 
 def _check_name(filename: str, source: str) -> None:

@@ -619,17 +619,21 @@ class SessionStore:
         is_error: bool,
         events: Sequence[NewEvent] = (),
         files: Sequence[Mapping[str, Any]] = (),
+        blocks: Sequence[Mapping[str, Any]] = (),
     ) -> list[Event]:
         """Record a tool call's result with `agent.tool_result` (and `events` after it).
 
         `files`: what the call delivered (`id`, `filename`, `bytes` each), the event's `files`.
-        First write wins: if the call already has a result, nothing is written and [] returned.
+        `blocks`: a result that shows images, as its text and image blocks in order (images
+        named by id, `agent.vision.stored_blocks`): the row keeps them beside `text` (the whole
+        text) and they are the event's `content`. First write wins: if the call already has a
+        result, nothing is written and [] returned.
         """
 
         def write(conn: sqlite3.Connection) -> list[Event]:
             turn = open_turn(conn, turn_id)
             return _record_result(
-                conn, turn.session_id, turn_id, tool_use_id, name, text, is_error, events, files
+                conn, turn.session_id, turn_id, tool_use_id, name, text, is_error, events, files, blocks
             )
 
         return await self.db.transaction(write)
@@ -788,6 +792,7 @@ def _record_result(
     is_error: bool,
     events: Sequence[NewEvent] = (),
     files: Sequence[Mapping[str, Any]] = (),
+    blocks: Sequence[Mapping[str, Any]] = (),
 ) -> list[Event]:
     exists = conn.execute(
         "SELECT 1 FROM messages WHERE session_id = ? AND tool_use_id = ? AND role = 'tool'",
@@ -795,11 +800,19 @@ def _record_result(
     ).fetchone()
     if exists is not None:
         return []
-    content = {"tool_use_id": tool_use_id, "name": name, "content": text, "is_error": is_error}
+    content: dict[str, Any] = {
+        "tool_use_id": tool_use_id,
+        "name": name,
+        "content": text,
+        "is_error": is_error,
+    }
+    if blocks:
+        content["blocks"] = [dict(b) for b in blocks]
     insert_message(conn, session_id, turn_id, "tool", content, tool_use_id=tool_use_id)
     result = insert_event(
         conn, session_id, turn_id, "agent.tool_result",
-        {"tool_use_id": tool_use_id, "name": name, "content": [{"type": "text", "text": text}],
+        {"tool_use_id": tool_use_id, "name": name,
+         "content": [dict(b) for b in blocks] or [{"type": "text", "text": text}],
          "is_error": is_error, "files": [dict(f) for f in files]},
     )  # fmt: skip
     return [result, *(insert_event(conn, session_id, turn_id, e.type, e.data) for e in events)]

@@ -8,6 +8,9 @@ back, unchanged and first, in the assistant message of a tool-use loop, so a rep
 tools carries them (`Reply.thinking`), the loop records them with the reply, and they go back
 with it, also after a restart.
 
+Images (a tool result's, `agent.vision`): a `tool_result` whose content is its text and
+`image` blocks (`{"type": "base64", "media_type", "data"}` sources) in order.
+
 Prompt caching is on: `cache_control` breakpoints at the end of the tools, the system prompt
 and the conversation (`mark_cache_breakpoints`), so a turn's later calls and the next turn read
 their prefix from Anthropic's cache. `model_options` `prompt_caching: false` turns it off.
@@ -20,17 +23,18 @@ Configuration: `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY`, overridden by the ses
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agentbox.agent.models import ChatMessage, ModelRequest, Reply, ToolCall, Usage
+from agentbox.agent.models import ChatMessage, ModelRequest, Part, Reply, ToolCall, Usage
 from agentbox.agent.providers.arguments import parse_arguments, raw_arguments
 from agentbox.agent.providers.endpoint import endpoint
 from agentbox.agent.providers.errors import ServerError, classify_stream_error
 from agentbox.agent.providers.sse import post_sse
 from agentbox.agent.reach import Reach
+from agentbox.tools.base import ImageBlock
 
 #: Where requests go without `ANTHROPIC_BASE_URL` or a `base_url` option (`/v1/messages` is added).
 DEFAULT_BASE_URL = "https://api.anthropic.com"
@@ -131,22 +135,41 @@ def to_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.role == "assistant":
-            blocks = assistant_blocks(m)
-            if blocks:
-                out.append({"role": "assistant", "content": blocks})
+            reply = assistant_blocks(m)
+            if reply:
+                out.append({"role": "assistant", "content": reply})
             continue
-        block: dict[str, Any]
+        blocks: list[dict[str, Any]]
         if m.role == "tool":
-            block = {"type": "tool_result", "tool_use_id": m.tool_use_id or "", "content": m.text}
+            block: dict[str, Any] = {
+                "type": "tool_result",
+                "tool_use_id": m.tool_use_id or "",
+                "content": m.text,
+            }
+            if m.parts:
+                block["content"] = content_blocks(m.parts)
             if m.is_error:
                 block["is_error"] = True
+            blocks = [block]
         else:
-            block = {"type": "text", "text": m.text}
+            blocks = content_blocks(m.parts) if m.parts else [{"type": "text", "text": m.text}]
         if out and out[-1]["role"] == "user":
-            out[-1]["content"].append(block)
+            out[-1]["content"].extend(blocks)
         else:
-            out.append({"role": "user", "content": [block]})
+            out.append({"role": "user", "content": blocks})
     return out
+
+
+def content_blocks(parts: Sequence[Part]) -> list[dict[str, Any]]:
+    """Text and `image` blocks (base64 sources) in order; empty texts left out (the API refuses them)."""
+    blocks: list[dict[str, Any]] = []
+    for part in parts:
+        if isinstance(part, ImageBlock):
+            source = {"type": "base64", "media_type": part.media_type, "data": part.data}
+            blocks.append({"type": "image", "source": source})
+        elif part.text:
+            blocks.append({"type": "text", "text": part.text})
+    return blocks
 
 
 def assistant_blocks(message: ChatMessage) -> list[dict[str, Any]]:

@@ -6,6 +6,10 @@ missing id is made up, arguments may come whole in one chunk (even as an object)
 calls count whatever the `finish_reason` says. Arguments that are not a JSON object do not
 fail the turn: the call is marked (`arguments.py`) for an error result the model reads.
 
+Images (a tool result's, `agent.vision`): Chat Completions tool messages carry text only, so a
+step's images follow its tool messages as a `user` message of `image_url` parts with data URLs
+(`to_messages`).
+
 Configuration: `OPENAI_BASE_URL` / `OPENAI_API_KEY`, overridden by the session's
 `model_options` keys `base_url` / `api_key`; its other keys (temperature, max_tokens, ...)
 are added to the request body.
@@ -20,12 +24,13 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentbox.agent.models import ModelRequest, Reply, ToolCall, Usage
+from agentbox.agent.models import ChatMessage, ModelRequest, Reply, ToolCall, Usage
 from agentbox.agent.providers.arguments import parse_arguments, raw_arguments
 from agentbox.agent.providers.endpoint import endpoint
 from agentbox.agent.providers.errors import ServerError, classify_stream_error
 from agentbox.agent.providers.sse import post_sse
 from agentbox.agent.reach import Reach
+from agentbox.tools.base import ImageBlock
 
 #: Where requests go without `OPENAI_BASE_URL` or a `base_url` option.
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -94,13 +99,22 @@ def decode_chunk(data: str) -> dict[str, Any]:
 
 
 def to_messages(request: ModelRequest) -> list[dict[str, Any]]:
-    """System text first, then user / assistant (with `tool_calls`) / tool messages."""
+    """System text first, then user / assistant (with `tool_calls`) / tool messages.
+
+    A tool message carries text only (Chat Completions has no images in tool results), so the
+    images of a step's results follow its tool messages as one `user` message of `image_url`
+    parts (data URLs), each result's images after a text part naming its call.
+    """
     messages: list[dict[str, Any]] = []
     if request.system:
         messages.append({"role": "system", "content": request.system})
+    shown: list[ChatMessage] = []  # this step's results that have images
     for m in request.messages:
+        if m.role != "tool" and shown:
+            messages.append(images_message(shown))
+            shown = []
         if m.role == "user":
-            messages.append({"role": "user", "content": m.text})
+            messages.append({"role": "user", "content": user_content(m)})
         elif m.role == "assistant":
             message: dict[str, Any] = {"role": "assistant", "content": m.text or None}
             if m.tool_calls:
@@ -111,7 +125,36 @@ def to_messages(request: ModelRequest) -> list[dict[str, Any]]:
             messages.append(message)
         else:
             messages.append({"role": "tool", "tool_call_id": m.tool_use_id or "", "content": m.text})
+            if any(isinstance(p, ImageBlock) for p in m.parts):
+                shown.append(m)
+    if shown:
+        messages.append(images_message(shown))
     return messages
+
+
+def image_part(image: ImageBlock) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"data:{image.media_type};base64,{image.data}"}}
+
+
+def user_content(message: ChatMessage) -> str | list[dict[str, Any]]:
+    """A user message's text, or its text and image parts in order."""
+    if not message.parts:
+        return message.text
+    return [
+        image_part(p) if isinstance(p, ImageBlock) else {"type": "text", "text": p.text}
+        for p in message.parts
+    ]
+
+
+def images_message(results: list[ChatMessage]) -> dict[str, Any]:
+    """The `user` message that shows the images of tool results (see `to_messages`)."""
+    content: list[dict[str, Any]] = []
+    for result in results:
+        content.append(
+            {"type": "text", "text": f"The images of the result of tool call {result.tool_use_id}:"}
+        )
+        content += [image_part(p) for p in result.parts if isinstance(p, ImageBlock)]
+    return {"role": "user", "content": content}
 
 
 def _arguments(call: ToolCall) -> str:
