@@ -23,10 +23,11 @@ from agentbox.agent.models import Model, ModelRateLimited, ModelRequest, Reply, 
 from agentbox.agent.prompt import NO_AGENTS
 from agentbox.agent.providers.errors import ContextOverflow
 from agentbox.agent.providers.retry import RetryPolicy
+from agentbox.agent.subagents import MAX_BACKGROUND_TASKS
 from agentbox.agent.worker import NO_MACHINE
 from agentbox.store.baselines import BaselineStore
 from agentbox.store.sessions import Session
-from tests.test_agent_loop import Kit, bash, make_kit, terminal, turn_events
+from tests.test_agent_loop import Kit, bash, make_kit, terminal, turn_events, upload, wait_for
 
 
 class Recording:
@@ -210,23 +211,155 @@ async def test_a_context_overflow_compacts_and_retries_the_call(
     assert next(e for e in events if e.type == "agent.message").data["content"][0]["text"] == "recovered"
 
 
-async def test_a_message_queued_during_a_turn_is_not_seen_by_that_turn(
+#: A command that holds its tool call open until the test creates /workspace/go.
+HOLD = "while [ ! -e /workspace/go ]; do sleep 0.05; done; echo released"
+
+
+async def release(kit: Kit, session_id: str) -> None:
+    """Let a `HOLD` command finish."""
+    machine = await kit.registry.open(session_id)
+    await machine.write("/workspace/go", b"")
+
+
+async def tool_running(kit: Kit, session_id: str, turn_id: str) -> None:
+    """Wait until the turn's first tool call is recorded (it runs next, before any result)."""
+    await wait_for(kit, session_id, lambda e: e.turn_id == turn_id and e.type == "agent.tool_use")
+
+
+async def test_a_message_sent_mid_turn_joins_it_at_the_next_step_boundary(
     recorded: tuple[Kit, list[ModelRequest]],
 ) -> None:
     kit, requests = recorded
-    script = [{"delay_ms": 300, **bash("true")}, {"text": "first done"}, {"text": "second done"}]
+    script = [bash(HOLD), {"expect": {"user_message_contains": "also this"}, "text": "both answered"}]
+    session = await kit.worker.create_session("scripted", script=script)
+    first = await kit.worker.submit(session.id, "first")
+    await tool_running(kit, session.id, first.turn.id)
+    second = await kit.worker.submit(session.id, "also this")  # while the first turn's tool runs
+    assert second.turn.status == "queued"
+    await release(kit, session.id)
+    end = await terminal(kit, session.id, first.turn.id)
+    assert end.type == "turn.completed", end.data
+    joined_end = await terminal(kit, session.id, second.turn.id)
+    assert joined_end.type == "turn.completed" and joined_end.data["joined_into"] == first.turn.id
+    # the second model call saw it after the tool result, in the same turn; no third call was made
+    assert [m.role for m in requests[1].messages] == ["user", "assistant", "tool", "user"]
+    assert requests[1].messages[-1].text == "also this" and len(requests) == 2
+    events = await turn_events(kit, session.id, first.turn.id)
+    types = [e.type for e in events]
+    assert types.index("agent.tool_result") < types.index("user.message", 1) < types.index("agent.message")
+    joined = [e for e in events if e.type == "user.message" and e.data.get("joined_from")]
+    assert [(e.data["content"], e.data["joined_from"]) for e in joined] == [("also this", second.turn.id)]
+    second_events = [e.type for e in await turn_events(kit, session.id, second.turn.id)]
+    assert second_events == ["user.message", "turn.queued", "turn.joined", "turn.completed"]
+    turn = await kit.store.get_turn(second.turn.id)
+    assert turn.joined_into == first.turn.id and turn.status == "completed"
+    rows = [(m.turn_id, m.role) for m in await kit.store.transcript(session.id) if m.role == "user"]
+    assert rows == [(first.turn.id, "user"), (first.turn.id, "user")]
+
+
+async def test_a_message_sent_during_the_last_model_call_keeps_the_turn_going(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    """Where the turn would end (a reply without tool calls) is a boundary too."""
+    kit, requests = recorded
+    script = [
+        {"delay_ms": 400, "text": "first answer"},
+        {"expect": {"user_message_contains": "one more"}, "text": "second answer"},
+    ]
     session = await kit.worker.create_session("scripted", script=script)
     first = await kit.worker.submit(session.id, "first")
     while not requests:
         await asyncio.sleep(0.01)
-    second = await kit.worker.submit(session.id, "second")  # written while the first turn runs
-    await terminal(kit, session.id, first.turn.id)
-    await terminal(kit, session.id, second.turn.id)
-    texts: list[Any] = [[m.text for m in r.messages if m.role == "user"] for r in requests]
-    assert texts[0] == ["first"] and texts[1] == ["first"]  # the first turn never saw "second"
-    assert texts[2] == ["first", "second"]
-    roles = [m.role for m in requests[2].messages]
-    assert roles == ["user", "assistant", "tool", "assistant", "user"]  # the second after the first turn
+    second = await kit.worker.submit(session.id, "one more")
+    end = await terminal(kit, session.id, first.turn.id)
+    assert end.type == "turn.completed", end.data
+    texts = [e.data["content"][0]["text"] for e in await turn_events(kit, session.id, first.turn.id)
+             if e.type == "agent.message"]  # fmt: skip
+    assert texts == ["first answer", "second answer"]
+    assert (await kit.store.get_turn(second.turn.id)).joined_into == first.turn.id
+
+
+async def test_a_message_with_files_runs_as_its_own_turn_and_so_do_those_behind_it(
+    recorded: tuple[Kit, list[ModelRequest]], sandbox_tmp: Path
+) -> None:
+    """Placing files can fail, which fails the turn that owns them: such a message never joins,
+    and neither do the messages behind it (FIFO); those were accepted before the turn of the
+    message with files started, so they do not join that one either."""
+    kit, requests = recorded
+    script = [bash(HOLD), {"text": "first done"}, {"text": "second done"}]
+    session = await kit.worker.create_session("scripted", script=script)
+    first = await kit.worker.submit(session.id, "first")
+    await tool_running(kit, session.id, first.turn.id)
+    file_id = await upload(kit, sandbox_tmp, "notes.txt", b"n", session.id)
+    with_file = await kit.worker.submit(session.id, "read this", files=[file_id])
+    behind = await kit.worker.submit(session.id, "and this")
+    await release(kit, session.id)
+    for sub in (first, with_file, behind):
+        assert (await terminal(kit, session.id, sub.turn.id)).type == "turn.completed"
+    assert [(await kit.store.get_turn(s.turn.id)).joined_into for s in (with_file, behind)] == [None, None]
+    log = await kit.store.list_events(session.id, limit=1000)
+    assert [e.turn_id for e in log if e.type == "turn.started"] == [
+        s.turn.id for s in (first, with_file, behind)
+    ]
+    assert [m.text for m in requests[1].messages if m.role == "user"] == ["first"]
+
+
+def background_task(agent: str, script: list[Any], n: int = 0) -> dict[str, Any]:
+    return {"name": "task", "input": {"agent": agent, "prompt": f"look ({n})", "background": True},
+            "script": script}  # fmt: skip
+
+
+async def test_a_background_task_finishes_while_its_turn_goes_on_and_the_model_is_told(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, requests = recorded
+    script = [
+        {"tool_calls": [background_task("explore", [{"text": "The value is 42."}])]},
+        {"expect": {"tool_result_contains": "Started background task toolu_s0_0"}, **bash(HOLD)},
+        {"expect": {"user_message_contains": "The value is 42."}, "text": "The explorer found 42."},
+    ]
+    session = await kit.worker.create_session("scripted", script=script)
+    sub = await kit.worker.submit(session.id, "explore in the background")
+    done = await wait_for(kit, session.id, lambda e: e.type == "subagent.completed")
+    assert done.turn_id == sub.turn.id and done.data["background"] is True  # while the turn runs
+    assert done.data["result"] == "The value is 42." and done.data["status"] == "completed"
+    assert (await kit.store.get_turn(sub.turn.id)).status == "running"
+    await release(kit, session.id)
+    end = await terminal(kit, session.id, sub.turn.id)
+    assert end.type == "turn.completed", end.data
+    told = requests[-1].messages[-1]
+    assert told.role == "user" and told.text.startswith('<signal type="task" task_id="toolu_s0_0"')
+    events = await turn_events(kit, session.id, sub.turn.id)
+    signal = next(e for e in events if e.type == SIGNAL_EVENT)
+    assert signal.data["signals"] == [{
+        "type": "task", "task_id": "toolu_s0_0", "agent": "explore", "status": "completed",
+        "body": "The background task toolu_s0_0 (explore) finished with status completed. Its final "
+                "message:\n\nThe value is 42.",
+    }]  # fmt: skip
+    types = [e.type for e in events]
+    assert types.index("subagent.completed") < types.index(
+        "agent.tool_result", types.index("subagent.completed")
+    )
+
+
+async def test_background_is_refused_for_writers_and_past_the_session_limit(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, _ = recorded
+    hanging = [{"hang": True}]
+    calls = [background_task("writer", hanging)]
+    calls += [background_task("explore", hanging, n) for n in range(MAX_BACKGROUND_TASKS + 1)]
+    script = [{"tool_calls": calls}, {"text": "done"}]
+    session = await kit.worker.create_session("scripted", script=script, permission_mode="full-auto")
+    sub = await kit.worker.submit(session.id, "start too many")
+    assert (await terminal(kit, session.id, sub.turn.id)).type == "turn.completed"
+    results = [
+        e.data for e in await turn_events(kit, session.id, sub.turn.id) if e.type == "agent.tool_result"
+    ]
+    texts = [(r["is_error"], r["content"][0]["text"]) for r in results]
+    assert texts[0][0] and "can change files, so it cannot run in the background" in texts[0][1]
+    assert [error for error, _ in texts[1:]] == [False] * MAX_BACKGROUND_TASKS + [True]  # the limit, exactly
+    assert f"{MAX_BACKGROUND_TASKS} background tasks are already running" in texts[-1][1]
 
 
 async def test_task_delegates_to_read_only_agents_in_parallel_and_returns_only_their_answer(

@@ -176,9 +176,11 @@ class TurnContext:
         if signals:
             await self.record_signals(signals, env)
 
-    async def record_signals(self, signals: Sequence[Signal], env: Environment) -> None:
+    async def record_signals(self, signals: Sequence[Signal], env: Environment | None = None) -> None:
+        """One signal message and its `agent.signal` event; `env`: the environment they told
+        (None for notices that change nothing the prompt describes, e.g. a finished task)."""
         text = "\n\n".join(s.render() for s in signals)
-        row = SignalRow(text, [s.type for s in signals], environment_data(env))
+        row = SignalRow(text, [s.type for s in signals], environment_data(env) if env is not None else None)
         data = {"signals": [{"type": s.type, "body": s.body, **dict(s.attributes)} for s in signals]}
         self.bus.publish(await self.baselines.add_signals(self.turn.id, row, [NewEvent(SIGNAL_EVENT, data)]))
 

@@ -24,6 +24,18 @@ Which task call a child belongs to: its tool_use_id, taken from the context vari
 `calling(tool_use_id)` around the call (the turn's tool host wraps each call; the child loop
 does so itself). A context variable, because parallel calls each see their own.
 
+Background tasks (`task` with `background: true`): the call returns at once with the task's
+id (its tool_use_id) and the parent goes on; the child runs as an asyncio task of the
+session's `BackgroundTasks`, in a read-only slot like any read-only task (the slots are the
+session's, so tasks left running by an earlier turn count). Only the session's own agent may
+start one, only for an agent that cannot change anything (`read_only`: a writer's change sets
+need the turn that reviews them), and at most `MAX_BACKGROUND_TASKS` run at once per session.
+When it finishes, its `subagent.completed` event (`background: true`) goes to the session's
+log and a `Notice` waits in `BackgroundTasks.notices`; the worker tells it to the model as a
+`task` signal at the next step boundary of the running turn, or at the start of the next turn.
+A background task lives in the server's memory: a restart or the session's deletion cancels it
+(its notice is never told), as it cancels a foreground task with its turn.
+
 How a child run ends (never an exception out of `__call__`, except cancellation):
 
     completed   a reply without tool calls: its text is the result (`NO_TEXT` if empty)
@@ -67,6 +79,8 @@ DELEGATED_AS = {"browser": "browser_read"}
 MAX_PARALLEL_READ_ONLY = 3
 #: Model calls one child run may make before it stops with status `max_steps`.
 MAX_CHILD_STEPS = 50
+#: Background tasks (`task` with `background: true`) one session may have running at once.
+MAX_BACKGROUND_TASKS = 4
 NO_TEXT = "(task completed with no text)"
 
 Status = Literal["completed", "failed", "max_steps"]
@@ -95,6 +109,64 @@ def calling(tool_use_id: str) -> Iterator[None]:
         _tool_use_id.reset(token)
 
 
+# ---------------------------------------------------------------- background tasks
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A background task that finished, for the model to be told at the next step boundary."""
+
+    task_id: str
+    agent: str
+    status: Status
+    result: str
+    """The child's final message, or why it failed."""
+
+
+class BackgroundTasks:
+    """One session's background tasks: those running, and the notices not yet told.
+
+    Kept by the worker per session, across that session's turns: a task outlives the turn
+    that started it. `semaphore` holds the session's read-only task slots (`MAX_PARALLEL_READ_ONLY`),
+    shared by every turn's `Subagents`, so that tasks still running from an earlier turn count.
+    """
+
+    def __init__(self, limit: int = MAX_BACKGROUND_TASKS) -> None:
+        self.limit = limit
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self.notices: list[Notice] = []
+        self.semaphore = asyncio.Semaphore(MAX_PARALLEL_READ_ONLY)
+
+    def full(self) -> bool:
+        return len(self.running) >= self.limit
+
+    def start(self, task_id: str, work: Awaitable[Notice]) -> None:
+        async def run() -> None:
+            try:
+                notice = await work
+            finally:
+                self.running.pop(task_id, None)
+            self.notices.append(notice)
+
+        self.running[task_id] = asyncio.get_running_loop().create_task(run(), name=f"background-{task_id}")
+
+    def take(self) -> list[Notice]:
+        """The notices not yet told, oldest first; they are the caller's now."""
+        taken, self.notices = self.notices, []
+        return taken
+
+    def give_back(self, notices: Sequence[Notice]) -> None:
+        """Notices taken but not told (the turn ended first): told at the next boundary."""
+        self.notices[:0] = notices
+
+    async def close(self) -> None:
+        """Cancel what still runs (a restart or the session's end); wait for it to stop."""
+        tasks = list(self.running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 # ---------------------------------------------------------------- running a task
 
 
@@ -120,6 +192,7 @@ class Subagents:
         semaphore: asyncio.Semaphore | None = None,
         writer_lock: asyncio.Lock | None = None,
         max_steps: int = MAX_CHILD_STEPS,
+        background: BackgroundTasks | None = None,
     ) -> None:
         self.agents, self.parent, self.canonical = agents, parent, canonical
         self.models, self.emit, self.system_facts = models, emit, system_facts
@@ -129,6 +202,8 @@ class Subagents:
         self.writer_lock = writer_lock or asyncio.Lock()
         """Held by a task that may change things, shared by the whole tree."""
         self.max_steps = max_steps
+        self.background = background
+        """The session's background tasks; None: `background: true` is refused."""
         self._unnamed = itertools.count(1)
 
     def read_only(self, agent: str) -> bool:
@@ -142,7 +217,9 @@ class Subagents:
             return True
         return intersect(self.parent.tier, spec.tier) == Tier.READ_ONLY
 
-    async def __call__(self, agent: str, prompt: str, description: str = "") -> ToolResult:
+    async def __call__(
+        self, agent: str, prompt: str, description: str = "", *, background: bool = False
+    ) -> ToolResult:
         spec = self.agents.get(agent.strip())
         if spec is None:
             return ToolResult.error(miss(agent, self.agents))
@@ -151,6 +228,8 @@ class Subagents:
                 f"The delegation depth limit {self.max_depth} was reached: this agent runs at depth "
                 f"{self.depth} and cannot delegate further. Do the task yourself."
             )
+        if background:
+            return self.start_background(spec, prompt, description)
         call_id = self._call_id()
         if _inside_task.get():  # nested: runs in the slot its ancestor holds and waits with
             return await self._run(spec, call_id, prompt, description)
@@ -164,17 +243,55 @@ class Subagents:
             finally:
                 _inside_task.reset(token)
 
+    def start_background(self, spec: AgentSpec, prompt: str, description: str) -> ToolResult:
+        """Start `spec` as a background task and answer at once with its id (see the module
+        docstring); an error result when it may not run in the background."""
+        if self.background is None or self.depth > 0 or _inside_task.get():
+            return ToolResult.error("Only the session's own agent can start background tasks.")
+        if not self.read_only(spec.name):
+            return ToolResult.error(
+                f"The {spec.name} agent can change files, so it cannot run in the background: "
+                "call it without `background`."
+            )
+        if self.background.full():
+            return ToolResult.error(
+                f"{self.background.limit} background tasks are already running in this session, the most "
+                "at once: wait for one to finish, or call this one without `background`."
+            )
+        task_id = self._call_id()
+
+        async def work() -> Notice:
+            async with self.semaphore:
+                token = _inside_task.set(True)
+                try:
+                    result = await self._run(spec, task_id, prompt, description, background=True)
+                finally:
+                    _inside_task.reset(token)
+            return Notice(task_id, spec.name, result.data.get("status", "failed"), result.as_text())
+
+        self.background.start(task_id, work())
+        return ToolResult.text(
+            f"Started background task {task_id} ({spec.name}). Go on with your work: its final message "
+            "will arrive as a task signal when it finishes.",
+            task_id=task_id, agent=spec.name, status="running",
+        )  # fmt: skip
+
     def _call_id(self) -> str:
         """The tool_use_id of the running `task` call (see the module docstring)."""
         return _tool_use_id.get() or f"task_{self.depth}_{next(self._unnamed)}"
 
-    async def _run(self, spec: AgentSpec, call_id: str, prompt: str, description: str) -> ToolResult:
+    async def _run(
+        self, spec: AgentSpec, call_id: str, prompt: str, description: str, *, background: bool = False
+    ) -> ToolResult:
         path = (*self.task_path, call_id)
         tools = self.child_tools(spec, path)
-        await self.emit([NewEvent("subagent.started", {
+        started = {
             "tool_use_id": call_id, "agent": spec.name, "description": description,
             "depth": self.depth + 1, "task_path": list(path),
-        })])  # fmt: skip
+        }  # fmt: skip
+        await self.emit(
+            [NewEvent("subagent.started", {**started, **({"background": True} if background else {})})]
+        )
         delivered = tools.deliveries
         run = ChildRun(
             spec=spec,
@@ -187,10 +304,13 @@ class Subagents:
         )
         result = await run.run(prompt)
         self.parent.deliveries += tools.deliveries - delivered
-        await self.emit([NewEvent("subagent.completed", {
+        completed = {
             "tool_use_id": call_id, "agent": spec.name, "status": run.status, "steps": run.steps,
             "output_chars": len(result.as_text()), "task_path": list(path),
-        })])  # fmt: skip
+        }  # fmt: skip
+        if background:  # no tool result carries its answer: the client reads it here
+            completed.update(background=True, result=result.as_text())
+        await self.emit([NewEvent("subagent.completed", completed)])
         return result
 
     def child_tools(self, spec: AgentSpec, path: tuple[str, ...]) -> SessionTools:

@@ -13,8 +13,16 @@ through `Registry.view`, which starts nothing: a sandbox starts at the first too
 needs it, so a turn that only talks costs no sandbox.
 
 FIFO: each session has at most one drain task, which takes the first open turn, runs it to
-its end, and takes the next. A message that arrives while a turn runs is queued as its own
-turn (we do not join it into the running turn at a step boundary, as Flue can).
+its end, and takes the next. A message is always accepted as a queued turn first (a row before
+anything else); one that arrives while a turn runs joins that turn at its next step boundary
+(`SessionStore.join_queued`, Flue's turn-boundary join): after the current model call and its
+tool calls, before the next model call, or where the turn would have ended. It is answered in
+that turn and its own turn ends with it. A message joins no turn, and runs as its own, when
+the turn has already ended (or takes its last step), or when it brings files. A turn waiting
+for an approval has no boundary until the approval is answered (the call that asked is still
+running): a message sent meanwhile joins after the answer, read together with the call's
+result, since the user's answer to a question comes before what they said next. Aborting a
+joined turn aborts the turn it joined.
 
 Abort: a queued turn (or one with no live task, e.g. awaiting approval after a restart) is
 finished `aborted` at once. A running turn's task is cancelled (a hanging model call, a
@@ -66,7 +74,8 @@ from agentbox.agent.providers import check_endpoint, provider_model
 from agentbox.agent.providers.retry import RetryingModel
 from agentbox.agent.reach import Reach
 from agentbox.agent.recovery import RECOVERY, Act, classify
-from agentbox.agent.subagents import Subagents, running_call
+from agentbox.agent.signals import task_signal
+from agentbox.agent.subagents import BackgroundTasks, Subagents, running_call
 from agentbox.agent.tool_host import SessionToolHost
 from agentbox.config import MachineConfig
 from agentbox.machines.base import Machine
@@ -180,6 +189,7 @@ class Worker:
         self._resumes: dict[str, str] = {}  # turn id -> approval answered while no task waited for it
         self._mcp: dict[str, McpTools] = {}  # session id -> its connected MCP servers
         self._asking: dict[str, str | None] = {}  # approval id -> the tool_use_id that asked
+        self._background: dict[str, BackgroundTasks] = {}  # session id -> its background tasks
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -209,6 +219,9 @@ class Worker:
         for mcp in self._mcp.values():
             await mcp.close()
         self._mcp.clear()
+        for background in self._background.values():
+            await background.close()
+        self._background.clear()
         if self._own_services:
             await self.services.close()
         self._started = False
@@ -283,6 +296,9 @@ class Worker:
             drain.cancel()
             await asyncio.gather(drain, return_exceptions=True)
         await self._release_mcp(session_id)
+        background = self._background.pop(session_id, None)
+        if background is not None:
+            await background.close()
         await self.registry.close_session(session_id, purge=True)
         await self.store.delete_session(session_id)
 
@@ -302,6 +318,9 @@ class Worker:
         turn = await self.store.get_turn(turn_id)
         if turn.terminal:
             return turn
+        if turn.joined_into is not None:  # answered inside that turn: only stopping it stops this
+            await self.abort(turn.joined_into, reason)
+            return await self.store.get_turn(turn_id)
         task = self._turns.get(turn_id)
         if task is not None:
             self._aborting[turn_id] = reason
@@ -389,17 +408,44 @@ class Worker:
             self.store, self.baselines, self.bus, turn, model, lambda: self._surroundings(session, host),
             limits=limits, compaction=parse_config(session.compaction), retry=self.config.retry,
         )  # fmt: skip
-        loop = TurnLoop(self.store, self.bus, model, host, turn, context=context, config=self.config)
+        loop = TurnLoop(
+            self.store, self.bus, model, host, turn, context=context, config=self.config,
+            boundary=lambda: self._boundary(turn, context),
+        )  # fmt: skip
         try:
             await self._place(session, turn)
             await context.begin(boundary=before.status == "queued")
             if before.status == "queued":
+                await self._tell_notices(turn, context)
                 return await loop.run()
             return await self._recover(loop, before)
         except PlacementError as exc:
             return Failed("internal_error", str(exc))
         except MachineError as exc:  # the sandbox cannot start (also at a tool call): nothing could use it
             return Failed("machine_unavailable", f"the session's machine is not available: {exc}", True)
+
+    async def _boundary(self, turn: Turn, context: TurnContext) -> bool:
+        """At a step boundary of `turn`: the messages queued behind it join it, and the notices
+        of background tasks that finished are told; whether anything arrived."""
+        joined = await self.store.join_queued(turn.id)
+        self.bus.publish(joined)
+        told = await self._tell_notices(turn, context)
+        return bool(joined) or told
+
+    async def _tell_notices(self, turn: Turn, context: TurnContext) -> bool:
+        """The session's finished background tasks, told as `task` signals; whether any were."""
+        background = self._background.get(turn.session_id)
+        notices = background.take() if background is not None else []
+        if background is None or not notices:
+            return False
+        try:
+            await context.record_signals(
+                [task_signal(n.task_id, n.agent, n.status, n.result) for n in notices]
+            )
+        except BaseException:
+            background.give_back(notices)
+            raise
+        return True
 
     async def _place(self, session: Session, turn: Turn) -> None:
         """Put the message's files in the workspace, once (seed 000: /workspace/inputs)."""
@@ -507,6 +553,14 @@ class Worker:
         """The session's model, reporting each call to `on_model_call`."""
         return ReportingModel(self._models(session), session.model.partition(":")[0], self._model_called)
 
+    def _named_model(self, session: Session, name: str) -> Model:
+        """Another model for work of the session (a subagent's, the compaction summary's): the
+        session's options (endpoint, key) go with it only when it is the same provider's;
+        another provider's is configured by the server's environment."""
+        same = name.partition(":")[0] == session.model.partition(":")[0]
+        chosen = dataclasses.replace(session, model=name, model_options=session.model_options if same else {})
+        return self.models(self.store.reveal(chosen))
+
     def _model_called(self, call: ModelCall) -> None:
         for listener in self.on_model_call:
             listener(call)
@@ -580,19 +634,19 @@ class Worker:
             await emit([model_error_event(exc, attempt, self.config.retry.attempts, delay, "subagent")])
 
         def child_model(spec: AgentSpec) -> Model:
-            """The agent's own model if it names one: the session's options (endpoint, key) go with
-            it only when it is the same provider's; another provider's is configured by the env."""
-            chosen = session
-            if spec.model:
-                same = spec.model.partition(":")[0] == session.model.partition(":")[0]
-                options = session.model_options if same else {}
-                chosen = dataclasses.replace(session, model=spec.model, model_options=options)
-            return RetryingModel(self.models(self.store.reveal(chosen)), self.config.retry, retrying)
+            """The agent's own model if it names one, else the session's."""
+            chosen = (
+                self._named_model(session, spec.model)
+                if spec.model
+                else self.models(self.store.reveal(session))
+            )
+            return RetryingModel(chosen, self.config.retry, retrying)
 
         canonical = canonical_names(session.toolset)
+        background = self._background.setdefault(session.id, BackgroundTasks())
         return Subagents(
             agents={}, parent=host.tools, canonical=canonical, models=child_model,
-            system_facts="", emit=emit,
+            system_facts="", emit=emit, semaphore=background.semaphore, background=background,
         )  # fmt: skip
 
     async def _surroundings(self, session: Session, host: SessionToolHost) -> Surroundings:

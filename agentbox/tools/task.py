@@ -31,13 +31,22 @@ class TaskParams(ToolParams):
         description="The full task for the subagent. It sees only this text, so include every detail it needs."
     )
     description: str = Field(default="", description="A 3-5 word label for the task, shown to the user.")
+    background: bool = Field(
+        default=False,
+        description=(
+            "Run it in the background (read-only agents only): the call returns at once with a task id "
+            "and you go on working; the agent's final message arrives later as a `task` signal."
+        ),
+    )
 
 
 async def run(ctx: ToolContext, params: TaskParams) -> ToolResult:
     delegate = getattr(ctx, "delegate", None)
     if delegate is None:
         return ToolResult.error("Subagents are not available in this session.")
-    result: ToolResult = await delegate(params.agent, params.prompt, params.description)
+    result: ToolResult = await delegate(
+        params.agent, params.prompt, params.description, background=params.background
+    )
     return result
 
 
