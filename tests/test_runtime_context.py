@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from agentbox.agent.compaction import SUMMARY_HEAD
+from agentbox.agent.compaction import SUMMARY_HEAD, CompactionConfigError
 from agentbox.agent.context import COMPACTED_EVENT, SIGNAL_EVENT
 from agentbox.agent.loop import LoopConfig
 from agentbox.agent.models import Model, ModelRateLimited, ModelRequest, Reply, ScriptedModel, ScriptError
@@ -170,6 +170,71 @@ async def test_compaction_summarises_the_old_part_keeps_the_recent_one_and_rebas
     assert not [e for e in await turn_events(kit, session.id, fourth) if e.type == COMPACTED_EVENT]
     assert requests[4].messages[0].text == view[0].text  # the summary stays the head
     assert [m.text for m in requests[4].messages[1:]] == [three, "third answer", four]
+
+
+class Summarizer:
+    """A second model (as the operator's `[models."openai:summarizer"]`), keeping its requests."""
+
+    name = "openai:summarizer"
+
+    def __init__(self, requests: list[ModelRequest]) -> None:
+        self.requests = requests
+
+    async def query(self, request: ModelRequest) -> Reply:
+        self.requests.append(request)
+        return Reply("## Goal\nSummarised by the small model.")
+
+
+async def test_the_summary_goes_to_the_configured_compaction_model(sandbox_tmp: Path) -> None:
+    asked: list[ModelRequest] = []
+    summaries: list[ModelRequest] = []
+
+    def models(session: Session) -> Model:
+        if session.model == Summarizer.name:
+            return Summarizer(summaries)
+        return Recording(ScriptedModel(session.script or []), asked)
+
+    kit = await make_kit(sandbox_tmp / "home", models=models)
+    kit.registry.settings.models[Summarizer.name] = {"context_window": 200_000}
+    try:
+        big = "x" * 2400
+        script = [
+            {"text": f"first answer {big}"},
+            {"text": f"second answer {big}"},
+            {"text": "(the position of the summary call, which another model answers)"},
+            {"text": "third answer"},
+        ]
+        compaction = {"reserve_tokens": 2000, "keep_recent_tokens": 10, "model": Summarizer.name}
+        session = await kit.worker.create_session(
+            "scripted", script=script, model_options={"context_window": 3000}, compaction=compaction
+        )
+        for content in ("one " * 12, "two " * 12):
+            await run(kit, session.id, content)
+        assert not summaries
+        third = await run(kit, session.id, "three " * 12)
+        (summary,) = summaries  # the summary request went to the compaction model, not the session's
+        assert summary.tools == [] and "first answer" in summary.messages[0].text
+        assert all(r.tools for r in asked)  # every request the session's model saw was a turn's
+        assert "Summarised by the small model." in asked[-1].messages[0].text
+        events = await turn_events(kit, session.id, third)
+        usage = next(e for e in events if e.type == "model.usage" and e.data.get("purpose") == "compaction")
+        assert usage.data["model"] == Summarizer.name
+        assert [e.data["content"][0]["text"] for e in events if e.type == "agent.message"] == ["third answer"]
+    finally:
+        await kit.close()
+
+
+async def test_a_compaction_model_that_is_not_configured_is_refused(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, _ = recorded
+    with pytest.raises(CompactionConfigError, match="'openai:anything' is not a configured model"):
+        await kit.worker.create_session("scripted", script=[], compaction={"model": "openai:anything"})
+    with pytest.raises(CompactionConfigError, match=r"compaction\.model must be a model name"):
+        await kit.worker.create_session("scripted", script=[], compaction={"model": ""})
+    kit.registry.settings.models["openai:small"] = {}
+    session = await kit.worker.create_session("scripted", script=[], compaction={"model": "openai:small"})
+    assert session.compaction == {"model": "openai:small"}
 
 
 async def test_compaction_false_never_compacts_on_the_threshold(

@@ -9,7 +9,8 @@ a restart, sees exactly what the rows say:
     request(tools)  system = the newest baseline's prompt; messages = its summary (if any),
                     then the transcript from its first kept message, up to this turn; first
                     compacts when the context exceeds window - reserve (Flue's trigger)
-    compact(why)    summarise the older part with the session's model, keep the recent part,
+    compact(why)    summarise the older part with the summary model (`summarizer`: the
+                    session's, or `compaction.model`'s), keep the recent part,
                     rebaseline the prompt against the current surroundings; records
                     `agent.context_compacted` (and the summary call's `model.usage`)
 
@@ -141,9 +142,12 @@ class TurnContext:
         limits: ModelLimits,
         compaction: CompactionConfig,
         retry: RetryPolicy | None = None,
+        summarizer: Model | None = None,
     ) -> None:
         self.store, self.baselines, self.bus, self.turn = store, baselines, bus, turn
         self.model, self.surroundings = model, surroundings
+        self.summarizer = summarizer or model
+        """The model that writes compaction summaries (`CompactionConfig.model`; default the session's)."""
         self.limits, self.compaction, self.retry = limits, compaction, retry or RetryPolicy()
 
     @property
@@ -263,7 +267,7 @@ class TurnContext:
             await self.append([model_error_event(exc, attempt, self.retry.attempts, delay, "compaction")])
 
         try:
-            reply = await with_retries(lambda: self.model.query(request), self.retry, retrying)
+            reply = await with_retries(lambda: self.summarizer.query(request), self.retry, retrying)
         except ModelError as exc:
             raise CompactionFailed(f"the summary call failed: {exc}") from exc
         if not reply.text.strip():
@@ -275,7 +279,7 @@ class TurnContext:
         after = sum(estimate_tokens(m) for m in [summary_message(summary), *kept])
         events = [
             NewEvent("model.usage", {
-                "model": self.model.name, "input_tokens": reply.usage.input_tokens,
+                "model": self.summarizer.name, "input_tokens": reply.usage.input_tokens,
                 "output_tokens": reply.usage.output_tokens,
                 "latency_ms": round((time.monotonic() - started) * 1000), "purpose": "compaction",
             }),

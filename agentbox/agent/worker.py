@@ -52,7 +52,7 @@ from datetime import date
 from typing import Any
 
 from agentbox.agent.agents import AgentSpec, canonical_names, load_agents, roster
-from agentbox.agent.compaction import parse_config
+from agentbox.agent.compaction import check_model, parse_config
 from agentbox.agent.context import Surroundings, TurnContext
 from agentbox.agent.events import EventBus
 from agentbox.agent.inputs import PlacementError, place_inputs
@@ -257,7 +257,7 @@ class Worker:
             raise ValueError("`script` is only for the scripted model")
         settings, reach = self.registry.settings, self._reach(config)
         await check_servers(mcp_servers, settings.mcp_servers, config, reach)
-        parse_config(compaction)
+        check_model(parse_config(compaction), model, settings.models)
         check_limit_options(model_options or {})
         if model != SCRIPTED:
             try:  # an option the adapter cannot take (a `timeout` that is not a number) fails here, not in a turn
@@ -404,9 +404,14 @@ class Worker:
         limits = model_limits(
             session.model, session.model_options, self.registry.settings.models.get(session.model)
         )
+        compaction = parse_config(session.compaction)
+        try:
+            summarizer = self._named_model(session, compaction.model) if compaction.model else model
+        except (UnknownModel, ModelError, TypeError, ValueError) as exc:
+            return Failed("model_unavailable", f"the compaction model is not available: {exc}")
         context = TurnContext(
             self.store, self.baselines, self.bus, turn, model, lambda: self._surroundings(session, host),
-            limits=limits, compaction=parse_config(session.compaction), retry=self.config.retry,
+            limits=limits, compaction=compaction, retry=self.config.retry, summarizer=summarizer,
         )  # fmt: skip
         loop = TurnLoop(
             self.store, self.bus, model, host, turn, context=context, config=self.config,
