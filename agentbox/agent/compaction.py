@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentbox.agent.models import ChatMessage, ModelRequest
+from agentbox.agent.models import ChatMessage, ModelRequest, model_name_problem
 from agentbox.tools.toolsets import TOOLSETS
 
 #: Reserve for the reply when the model's max output is unknown or larger (Flue).
@@ -91,12 +91,14 @@ def parse_config(value: Any) -> CompactionConfig:
         if not isinstance(value[key], int) or isinstance(value[key], bool) or value[key] < 1:
             raise CompactionConfigError(f"compaction.{key} must be a positive integer")
     model = value.get("model")
-    if model is not None and (not isinstance(model, str) or not model.strip()):
-        raise CompactionConfigError("compaction.model must be a model name ('<provider>:<name>')")
+    if model is not None and (not isinstance(model, str) or model_name_problem(model) is not None):
+        raise CompactionConfigError(
+            f"compaction.model must be a model name ('<provider>:<name>'), not {model!r}"
+        )
     return CompactionConfig(
         reserve_tokens=value.get("reserve_tokens"),
         keep_recent_tokens=value.get("keep_recent_tokens", DEFAULT_KEEP_RECENT_TOKENS),
-        model=model.strip() if model else None,
+        model=model,
     )
 
 

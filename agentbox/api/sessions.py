@@ -200,7 +200,9 @@ class CreateSession(BaseModel):
         "other keys (temperature, max_tokens, ...) go into each request body. Secrets are redacted when shown.",
     )
     compaction: bool | dict[str, Any] | None = Field(
-        None, description="false, or {reserve_tokens, keep_recent_tokens}; absent = the defaults."
+        None,
+        description="false, or {reserve_tokens, keep_recent_tokens, model}; absent = the defaults. `model` "
+        "writes the summary: the session's own or a configured one.",
     )
 
 
