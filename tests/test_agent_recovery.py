@@ -320,3 +320,27 @@ async def test_a_turn_resumed_mid_way_tells_its_signals_only_at_the_next_turn(sa
         assert second == [("user", False), ("user", True), ("assistant", False)]
     finally:
         await kit.close()
+
+
+async def test_a_message_joined_after_the_last_reply_is_answered_after_a_restart(sandbox_tmp: Path) -> None:
+    """The process died after a message joined at the would-stop boundary, before the model
+    call that answers it: the turn is not complete, it goes on and answers it."""
+    home = sandbox_tmp / "home"
+    script = [{"text": "first"}, {"expect": {"user_message_contains": "message 1"}, "text": "second"}]
+    async with Database.in_home(home) as db:
+        store = SessionStore(db)
+        session, _ = await store.create_session("scripted", permission_mode="full-auto", script=script)
+        first = (await store.submit(session.id, "message 0")).turn.id
+        await store.start_turn(first)
+        reply = await store.open_reply(first)
+        await store.close_reply(reply, "complete", {"text": "first", "tool_calls": []}, [])
+        second = (await store.submit(session.id, "message 1")).turn.id
+        assert [e.type for e in await store.join_queued(first)] == ["user.message", "turn.joined"]
+    kit = await make_kit(home)
+    try:
+        for turn_id in (first, second):
+            assert (await terminal(kit, session.id, turn_id)).type == "turn.completed"
+        replies = [m.content["text"] for m in await kit.store.transcript(session.id) if m.role == "assistant"]
+        assert replies == ["first", "second"]
+    finally:
+        await kit.close()
