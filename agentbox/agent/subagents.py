@@ -30,7 +30,9 @@ session's `BackgroundTasks`, in a read-only slot like any read-only task (the sl
 session's, so tasks left running by an earlier turn count). Only the session's own agent may
 start one, only for an agent that cannot change anything (`read_only`: a writer's change sets
 need the turn that reviews them), and at most `MAX_BACKGROUND_TASKS` run at once per session.
-When it finishes, its `subagent.completed` event (`background: true`) goes to the session's
+An approval it asks for (a researcher's web access under `full-ask`) is the session's, not
+the turn's: it may outlive the turn, and a question of its own must not mark the turn that
+goes on as waiting. When it finishes, its `subagent.completed` event (`background: true`) goes to the session's
 log and a `Notice` waits in `BackgroundTasks.notices`; the worker tells it to the model as a
 `task` signal at the next step boundary of the running turn, or at the start of the next turn.
 A background task lives in the server's memory: a restart or the session's deletion cancels it
@@ -285,6 +287,10 @@ class Subagents:
     ) -> ToolResult:
         path = (*self.task_path, call_id)
         tools = self.child_tools(spec, path)
+        if (
+            background
+        ):  # it outlives the turn: what it asks is the session's, and leaves the turn's status alone
+            tools.turn_id = None
         started = {
             "tool_use_id": call_id, "agent": spec.name, "description": description,
             "depth": self.depth + 1, "task_path": list(path),
