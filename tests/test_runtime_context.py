@@ -9,6 +9,7 @@ provider does."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from datetime import date
 from pathlib import Path
@@ -23,7 +24,7 @@ from agentbox.agent.models import Model, ModelRateLimited, ModelRequest, Reply, 
 from agentbox.agent.prompt import NO_AGENTS
 from agentbox.agent.providers.errors import ContextOverflow
 from agentbox.agent.providers.retry import RetryPolicy
-from agentbox.agent.subagents import MAX_BACKGROUND_TASKS
+from agentbox.agent.subagents import MAX_BACKGROUND_TASKS, RUN_TRAILER
 from agentbox.agent.worker import NO_MACHINE
 from agentbox.store.baselines import BaselineStore
 from agentbox.store.sessions import Session
@@ -369,6 +370,15 @@ async def test_a_message_with_files_runs_as_its_own_turn_and_so_do_those_behind_
     assert [m.text for m in requests[1].messages if m.role == "user"] == ["first"]
 
 
+def answer(result: str) -> str:
+    """A stored task's answer without the line that gives its run id (`RUN_TRAILER`)."""
+    return result.split("\n[task id: sub_")[0]
+
+
+def task_call_of(agent: str, prompt: str, script: list[Any]) -> dict[str, Any]:
+    return {"name": "task", "input": {"agent": agent, "prompt": prompt}, "script": script}
+
+
 def background_task(agent: str, script: list[Any], n: int = 0) -> dict[str, Any]:
     return {"name": "task", "input": {"agent": agent, "prompt": f"look ({n})", "background": True},
             "script": script}  # fmt: skip
@@ -396,10 +406,11 @@ async def test_a_background_task_finishes_while_its_turn_goes_on_and_the_model_i
     assert told.role == "user" and told.text.startswith('<signal type="task" task_id="toolu_s0_0"')
     events = await turn_events(kit, session.id, sub.turn.id)
     signal = next(e for e in events if e.type == SIGNAL_EVENT)
+    run_id = done.data["subagent_id"]
     assert signal.data["signals"] == [{
         "type": "task", "task_id": "toolu_s0_0", "agent": "explore", "status": "completed",
         "body": "The background task toolu_s0_0 (explore) finished with status completed. Its final "
-                "message:\n\nThe value is 42.",
+                f"message:\n\nThe value is 42.\n{RUN_TRAILER.format(id=run_id)}",
     }]  # fmt: skip
     types = [e.type for e in events]
     assert types.index("subagent.completed") < types.index(
@@ -449,7 +460,9 @@ async def test_task_delegates_to_read_only_agents_in_parallel_and_returns_only_t
     results = [
         e for e in events if e.type == "agent.tool_result" and e.data["tool_use_id"].startswith("toolu_s1")
     ]
-    assert len(results) == 4 and all(r.data["content"][0]["text"] == "The value is 42." for r in results)
+    assert len(results) == 4 and all(
+        r.data["content"][0]["text"].startswith("The value is 42.\n[task id: sub_") for r in results
+    )
     child_requests = [r for r in requests if r.task_path]
     assert {r.tools and tuple(sorted(t.name for t in r.tools)) for r in child_requests} == {
         ("glob", "grep", "list", "read_file", "read_image", "search")
@@ -516,7 +529,7 @@ async def test_a_subagents_model_call_is_retried_like_the_turns_own(sandbox_tmp:
             "delay_ms": 10,
         }
         (result,) = [e for e in events if e.type == "agent.tool_result"]
-        assert result.data["content"][0]["text"] == "fine" and not result.data["is_error"]
+        assert answer(result.data["content"][0]["text"]) == "fine" and not result.data["is_error"]
     finally:
         await kit.close()
 
@@ -570,7 +583,7 @@ async def test_an_agent_with_its_own_model_gets_the_sessions_options_only_from_t
             "scripted", script=[{"tool_calls": calls}, {"text": "done"}], model_options={"temperature": 0.5}
         )
         turn = await run(kit, session.id, "delegate")
-        results = [e.data["content"][0]["text"] for e in await turn_events(kit, session.id, turn)
+        results = [answer(e.data["content"][0]["text"]) for e in await turn_events(kit, session.id, turn)
                    if e.type == "agent.tool_result"]  # fmt: skip
         assert sorted(results) == ["from other", "from same"]
         assert ("anthropic:claude-x", {}) in built  # no scripted options sent to another provider
@@ -598,3 +611,90 @@ async def test_describing_the_machine_starts_no_sandbox(recorded: tuple[Kit, lis
     turn = await run(kit, session.id, "now run something")
     assert [e.type for e in await turn_events(kit, session.id, turn)].count("sandbox.ready") == 1
     assert [e.machine.name for e in kit.registry.entries()] == ["sandbox"]
+
+
+class Resuming:
+    """The scripted model, with `resume: "$RUN"` in a task call replaced by `run[0]` (a run id the
+    script cannot know in advance), keeping every request."""
+
+    def __init__(self, model: Model, requests: list[ModelRequest], run: list[str]) -> None:
+        self.model, self.requests, self.run, self.name = model, requests, run, model.name
+
+    async def query(self, request: ModelRequest) -> Reply:
+        self.requests.append(request)
+        reply = await self.model.query(request)
+        calls = [
+            dataclasses.replace(c, input={**c.input, "resume": self.run[0]})
+            if c.input.get("resume") == "$RUN"
+            else c
+            for c in reply.tool_calls
+        ]
+        return dataclasses.replace(reply, tool_calls=calls)
+
+
+def resume_call(agent: str, prompt: str, script: list[Any]) -> dict[str, Any]:
+    return {"name": "task", "input": {"agent": agent, "prompt": prompt, "resume": "$RUN"}, "script": script}
+
+
+async def test_a_stored_subagent_run_is_resumed_with_its_own_history_and_refused_when_it_may_not_be(
+    sandbox_tmp: Path,
+) -> None:
+    requests: list[ModelRequest] = []
+    run_id: list[str] = []
+    kit = await make_kit(
+        sandbox_tmp / "home", models=lambda s: Resuming(ScriptedModel(s.script or []), requests, run_id)
+    )
+    try:
+        first_child = [{"text": "I found A."}]
+        resumed_child = [{"expect": {"user_message_contains": "and B?"}, "text": "A and B."}]
+        script = [
+            {"tool_calls": [task_call_of("researcher", "find A", first_child)]},
+            {"text": "ok"},
+            {"tool_calls": [resume_call("researcher", "and B?", resumed_child)]},
+            {"text": "ok"},
+            {"tool_calls": [resume_call("explore", "again", []), resume_call("researcher", "again", [])]},
+            {"text": "ok"},
+        ]
+        session = await kit.worker.create_session("scripted", script=script, permission_mode="full-auto")
+        await run(kit, session.id, "find A")
+        (stored,) = await kit.worker.runs.of_session(session.id)
+        assert (stored.agent, stored.tier, stored.status) == ("researcher", "full-auto", "completed")
+        rows = await kit.worker.runs.messages(stored.id)
+        assert [(m.role, m.content["text"]) for m in rows] == [
+            ("user", "find A"),
+            ("assistant", "I found A."),
+        ]
+        run_id.append(stored.id)
+
+        second = await run(kit, session.id, "resume it")
+        child = [r for r in requests if r.task_path == ("toolu_s2_0",)]
+        assert [(m.role, m.text) for m in child[0].messages] == [
+            ("user", "find A"), ("assistant", "I found A."), ("user", "and B?"),
+        ]  # fmt: skip
+        rows = await kit.worker.runs.messages(stored.id)
+        assert [m.content["text"] for m in rows] == ["find A", "I found A.", "and B?", "A and B."]
+        resumed = next(e for e in await turn_events(kit, session.id, second) if e.type == "subagent.started")
+        assert resumed.data["subagent_id"] == stored.id and resumed.data["resumed"] is True
+        assert (await kit.worker.runs.get(session.id, stored.id)).turn_id == second
+
+        await kit.worker.update_session(session.id, {"permission_mode": "full-ask"})  # permissions shrink
+        third = await run(kit, session.id, "resume again")
+        results = [e.data for e in await turn_events(kit, session.id, third) if e.type == "agent.tool_result"]
+        by_call = {r["tool_use_id"]: r for r in results}  # the two ran in parallel: any order
+        assert all(r["is_error"] for r in results) and len(by_call) == 2
+        assert "was the researcher agent's" in by_call["toolu_s4_0"]["content"][0]["text"]
+        shrank = by_call["toolu_s4_1"]["content"][0]["text"]
+        assert "ran under full-auto" in shrank and "narrower now (full-ask)" in shrank
+
+        other = await kit.worker.create_session(
+            "scripted", script=[{"tool_calls": [resume_call("researcher", "steal", [])]}, {"text": "ok"}],
+            permission_mode="full-auto",
+        )  # fmt: skip
+        turn = await run(kit, other.id, "resume the other session's task")
+        (refused,) = [e.data for e in await turn_events(kit, other.id, turn) if e.type == "agent.tool_result"]
+        assert (
+            refused["is_error"]
+            and refused["content"][0]["text"] == f"No task {stored.id} in this session to resume."
+        )
+    finally:
+        await kit.close()

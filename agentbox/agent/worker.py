@@ -98,6 +98,7 @@ from agentbox.store.sessions import (
     Turn,
     TurnClosed,
 )
+from agentbox.store.subagents import SubagentRuns
 from agentbox.store.todos import TodoRepo
 from agentbox.tools.approvals import Approvals, EventKind
 from agentbox.tools.base import Action, Tool, ToolResult
@@ -181,6 +182,8 @@ class Worker:
         """Told of every model call as it ends: the turn's, its compaction's, subagents' (metrics)."""
         self.config = config or LoopConfig()
         self.baselines = BaselineStore(store.db)
+        self.runs = SubagentRuns(store.db)
+        """Subagents' transcripts (read by the sessions API, continued by `task` with `resume`)."""
         self._drains: dict[str, asyncio.Task[None]] = {}
         self._turns: dict[str, asyncio.Task[None]] = {}
         self._active: dict[str, str] = {}  # session id -> the turn it runs now
@@ -651,7 +654,7 @@ class Worker:
         background = self._background.setdefault(session.id, BackgroundTasks())
         return Subagents(
             agents={}, parent=host.tools, canonical=canonical, models=child_model,
-            system_facts="", emit=emit, semaphore=background.semaphore, background=background,
+            system_facts="", emit=emit, semaphore=background.semaphore, background=background, runs=self.runs,
         )  # fmt: skip
 
     async def _surroundings(self, session: Session, host: SessionToolHost) -> Surroundings:

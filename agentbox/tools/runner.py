@@ -82,11 +82,17 @@ _preapproved: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
 
 class Delegate(Protocol):
     """What the `task` tool calls: the child's final text as a result (or, `background`, the
-    id of the task it started). The agent layer implements it (`agent/subagents.py`); tools
+    id of the task it started; `resume`: an earlier run of the session continued). The agent layer implements it (`agent/subagents.py`); tools
     only hold it."""
 
     def __call__(
-        self, agent: str, prompt: str, description: str = "", *, background: bool = False
+        self,
+        agent: str,
+        prompt: str,
+        description: str = "",
+        *,
+        background: bool = False,
+        resume: str | None = None,
     ) -> Awaitable[ToolResult]: ...
 
 
