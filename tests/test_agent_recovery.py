@@ -21,6 +21,7 @@ from agentbox.agent.recovery import RECOVERY, Act, State
 from agentbox.store.approvals import ApprovalsRepo, Decision
 from agentbox.store.db import Database
 from agentbox.store.sessions import INTERRUPTED, TERMINAL_EVENTS, Event, Message, SessionStore, insert_message
+from agentbox.store.subagents import SubagentRuns
 from tests.test_agent_loop import DEADLINE, Kit, bash, make_kit, terminal, wait_for
 
 #: The server stand-in: opens the home, recovers, runs turns until killed.
@@ -342,5 +343,19 @@ async def test_a_message_joined_after_the_last_reply_is_answered_after_a_restart
             assert (await terminal(kit, session.id, turn_id)).type == "turn.completed"
         replies = [m.content["text"] for m in await kit.store.transcript(session.id) if m.role == "assistant"]
         assert replies == ["first", "second"]
+    finally:
+        await kit.close()
+
+
+async def test_a_subagent_run_a_dead_process_left_running_ends_failed_at_start(sandbox_tmp: Path) -> None:
+    """It can be resumed then (a run still `running` cannot)."""
+    home = sandbox_tmp / "home"
+    async with Database.in_home(home) as db:
+        session, _ = await SessionStore(db).create_session("scripted", permission_mode="full-auto", script=[])
+        run = await SubagentRuns(db).create(session.id, None, "toolu_s0_0", "explore", "read-only", False)
+        assert run.status == "running"
+    kit = await make_kit(home)
+    try:
+        assert (await kit.worker.runs.get(session.id, run.id)).status == "failed"
     finally:
         await kit.close()

@@ -45,7 +45,9 @@ API reads it. `task` with `resume: <run id>` continues that run: the same agent,
 conversation, the new prompt as its next message. A resume is refused for a run of another
 session (it is not found), for another agent's run, for a run still running, and when the
 permissions it would run under are narrower than those it ran under (a lower intersected
-tier, or plan mode since): what it learned and planned assumed the wider ones.
+tier, or plan mode since): what it learned and planned assumed the wider ones. A run cut
+short (its turn aborted, a shutdown, a crash: `SubagentRuns.interrupt_running` at start) ends
+`failed` and can be resumed.
 
 How a child run ends (never an exception out of `__call__`, except cancellation):
 
@@ -373,7 +375,13 @@ class Subagents:
             max_steps=self.max_steps,
             journal=self.journal(stored) if stored is not None else None,
         )
-        result = await run.run(prompt, history)
+        try:
+            result = await run.run(prompt, history)
+        except asyncio.CancelledError:  # aborted with its turn, or shut down: it ended, unfinished
+            if stored is not None and self.runs is not None:
+                with contextlib.suppress(Exception):  # the database is closing: the next start settles it
+                    await asyncio.shield(self.runs.set_status(stored, "failed"))
+            raise
         self.parent.deliveries += tools.deliveries - delivered
         completed = {
             "tool_use_id": call_id, "agent": spec.name, "status": run.status, "steps": run.steps,

@@ -205,6 +205,7 @@ class Worker:
         self.approvals.shutting_down = False
         self.registry.on_ready.append(self._sandbox_ready)
         self.approvals.listeners.append(self._approval_event)
+        await self.runs.interrupt_running()
         for session_id in dict.fromkeys(turn.session_id for turn in await self.store.open_turns()):
             self.wake(session_id)
 

@@ -115,6 +115,14 @@ class SubagentRuns:
             (status, turn_id, timestamp(), run_id),
         )
 
+    async def interrupt_running(self) -> int:
+        """At start (one process owns a home): runs a dead process left `running` ended with it,
+        as `failed`, so they can be resumed; how many there were."""
+        return await self.db.execute(
+            "UPDATE subagent_runs SET status = 'failed', updated_at = ? WHERE status = 'running'",
+            (timestamp(),),
+        )
+
 
 def _run(row: sqlite3.Row) -> SubagentRun:
     return SubagentRun(
