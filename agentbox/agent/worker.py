@@ -6,9 +6,10 @@ and classifies every open turn (Flue's recovery, a.9) before acting on it.
 
 What a turn is given (`_work`): the session's model (`models(session)`: the scripted model or
 a provider with the session's `model_options`), its tools (the toolset, its MCP servers' tools,
-`task` with a `Subagents` delegate; a session whose machine is `NO_MACHINE` keeps only the tools
-that need no machine) and a `TurnContext` over the session's baselines. The system prompt and
-the signals describe the machine (seed 004's machine line, the workspace listing, AGENTS.md)
+`task` with a `Subagents` delegate over the session's `BackgroundTasks` and the stored
+subagent runs; a session whose machine is `NO_MACHINE` keeps only the tools that need no
+machine) and a `TurnContext` over the session's baselines, with the summary model that
+`compaction.model` names. The system prompt and the signals describe the machine (seed 004's machine line, the workspace listing, AGENTS.md)
 through `Registry.view`, which starts nothing: a sandbox starts at the first tool call that
 needs it, so a turn that only talks costs no sandbox.
 
