@@ -32,9 +32,10 @@ start one, only for an agent that cannot change anything (`read_only`: a writer'
 need the turn that reviews them), and at most `MAX_BACKGROUND_TASKS` run at once per session.
 An approval it asks for (a researcher's web access under `full-ask`) is the session's, not
 the turn's: it may outlive the turn, and a question of its own must not mark the turn that
-goes on as waiting. When it finishes, its `subagent.completed` event (`background: true`) goes to the session's
-log and a `Notice` waits in `BackgroundTasks.notices`; the worker tells it to the model as a
-`task` signal at the next step boundary of the running turn, or at the start of the next turn.
+goes on as waiting. When it finishes, its `subagent.completed` event (`background: true`,
+`result`) goes to the session's log and a `Notice` waits in `BackgroundTasks.notices`; the
+worker tells it to the model as a `task` signal at the next step boundary of the running
+turn, or at the start of the next turn.
 A background task lives in the server's memory: a restart or the session's deletion cancels it
 (its notice is never told), as it cancels a foreground task with its turn.
 
@@ -145,8 +146,9 @@ class BackgroundTasks:
     """One session's background tasks: those running, and the notices not yet told.
 
     Kept by the worker per session, across that session's turns: a task outlives the turn
-    that started it. `semaphore` holds the session's read-only task slots (`MAX_PARALLEL_READ_ONLY`),
-    shared by every turn's `Subagents`, so that tasks still running from an earlier turn count.
+    that started it. `semaphore` holds the session's read-only task slots
+    (`MAX_PARALLEL_READ_ONLY`), shared by every turn's `Subagents`, so that tasks still
+    running from an earlier turn count.
     """
 
     def __init__(self, limit: int = MAX_BACKGROUND_TASKS) -> None:

@@ -9,9 +9,10 @@ a provider with the session's `model_options`), its tools (the toolset, its MCP 
 `task` with a `Subagents` delegate over the session's `BackgroundTasks` and the stored
 subagent runs; a session whose machine is `NO_MACHINE` keeps only the tools that need no
 machine) and a `TurnContext` over the session's baselines, with the summary model that
-`compaction.model` names. The system prompt and the signals describe the machine (seed 004's machine line, the workspace listing, AGENTS.md)
-through `Registry.view`, which starts nothing: a sandbox starts at the first tool call that
-needs it, so a turn that only talks costs no sandbox.
+`compaction.model` names. The system prompt and the signals describe the machine (seed 004's
+machine line, the workspace listing, AGENTS.md) through `Registry.view`, which starts nothing:
+a sandbox starts at the first tool call that needs it, so a turn that only talks costs no
+sandbox.
 
 FIFO: each session has at most one drain task, which takes the first open turn, runs it to
 its end, and takes the next. A message is always accepted as a queued turn first (a row before

@@ -572,11 +572,13 @@ class SessionStore:
         to the first that brings files. One accepted before was already waiting as a turn of its
         own (behind a turn that waited for the user, or across a restart) and stays one; one
         with files too, since placing them could fail, which fails the turn that owns them. The
-        turns behind either run as their own as well. Each joined message becomes a user row of this turn, after everything it
-        recorded so far (a new row: the transcript is ordered by turn, then row), with a
-        `user.message` event of this turn (`joined_from`: the message's own turn); its own turn
-        moves to `running` with `joined_into` and a `turn.joined` event, and ends when this one
-        does (`finish`). [] when nothing is queued, or this turn is not running (fenced).
+        turns behind either run as their own as well.
+
+        Each joined message becomes a user row of this turn, after everything it recorded so far
+        (a new row: the transcript is ordered by turn, then row), with a `user.message` event of
+        this turn (`joined_from`: the message's own turn); its own turn moves to `running` with
+        `joined_into` and a `turn.joined` event, and ends when this one does (`finish`). [] when
+        nothing is queued, or this turn is not running (fenced).
         """
 
         def write(conn: sqlite3.Connection) -> list[Event]:
