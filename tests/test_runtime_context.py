@@ -26,6 +26,7 @@ from agentbox.agent.providers.errors import ContextOverflow
 from agentbox.agent.providers.retry import RetryPolicy
 from agentbox.agent.subagents import MAX_BACKGROUND_TASKS, RUN_TRAILER
 from agentbox.agent.worker import NO_MACHINE
+from agentbox.config import load
 from agentbox.store.baselines import BaselineStore
 from agentbox.store.sessions import Session
 from tests.test_agent_loop import Kit, bash, make_kit, terminal, turn_events, upload, wait_for
@@ -186,7 +187,9 @@ class Summarizer:
         return Reply("## Goal\nSummarised by the small model.")
 
 
-async def test_the_summary_goes_to_the_configured_compaction_model(sandbox_tmp: Path) -> None:
+@pytest.mark.parametrize("named_by", ["session", "config"])
+async def test_the_summary_goes_to_the_configured_compaction_model(sandbox_tmp: Path, named_by: str) -> None:
+    """Named by the session's `compaction.model`, or by the config's `[compaction] model`."""
     asked: list[ModelRequest] = []
     summaries: list[ModelRequest] = []
 
@@ -205,7 +208,11 @@ async def test_the_summary_goes_to_the_configured_compaction_model(sandbox_tmp: 
             {"text": "(the position of the summary call, which another model answers)"},
             {"text": "third answer"},
         ]
-        compaction = {"reserve_tokens": 2000, "keep_recent_tokens": 10, "model": Summarizer.name}
+        compaction: dict[str, Any] = {"reserve_tokens": 2000, "keep_recent_tokens": 10}
+        if named_by == "session":
+            compaction["model"] = Summarizer.name
+        else:
+            kit.registry.settings.compaction_model = Summarizer.name
         session = await kit.worker.create_session(
             "scripted", script=script, model_options={"context_window": 3000}, compaction=compaction
         )
@@ -223,6 +230,17 @@ async def test_the_summary_goes_to_the_configured_compaction_model(sandbox_tmp: 
         assert [e.data["content"][0]["text"] for e in events if e.type == "agent.message"] == ["third answer"]
     finally:
         await kit.close()
+
+
+def test_the_configs_compaction_model_must_be_a_configured_model(tmp_path: Path) -> None:
+    path = tmp_path / "agentbox.toml"
+    path.write_text(
+        '[models."openai:small"]\ncontext_window = 8192\n\n[compaction]\nmodel = "openai:small"\n'
+    )
+    assert load(path, env={"AGENTBOX_HOME": str(tmp_path)}).compaction_model == "openai:small"
+    path.write_text('[compaction]\nmodel = "openai:small"\n')
+    with pytest.raises(ValueError, match=r"\[compaction\] model 'openai:small' is not one of the configured"):
+        load(path, env={"AGENTBOX_HOME": str(tmp_path)})
 
 
 async def test_a_compaction_model_that_is_not_configured_is_refused(

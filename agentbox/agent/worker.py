@@ -9,7 +9,7 @@ a provider with the session's `model_options`), its tools (the toolset, its MCP 
 `task` with a `Subagents` delegate over the session's `BackgroundTasks` and the stored
 subagent runs; a session whose machine is `NO_MACHINE` keeps only the tools that need no
 machine) and a `TurnContext` over the session's baselines, with the summary model that
-`compaction.model` names. The system prompt and the signals describe the machine (seed 004's
+`compaction.model` names (else the config's `[compaction] model`, else the session's). The system prompt and the signals describe the machine (seed 004's
 machine line, the workspace listing, AGENTS.md) through `Registry.view`, which starts nothing:
 a sandbox starts at the first tool call that needs it, so a turn that only talks costs no
 sandbox.
@@ -411,8 +411,9 @@ class Worker:
             session.model, session.model_options, self.registry.settings.models.get(session.model)
         )
         compaction = parse_config(session.compaction)
+        summary_model = compaction.model or self.registry.settings.compaction_model
         try:
-            summarizer = self._named_model(session, compaction.model) if compaction.model else model
+            summarizer = self._named_model(session, summary_model) if summary_model else model
         except (UnknownModel, ModelError, TypeError, ValueError) as exc:
             return Failed("model_unavailable", f"the compaction model is not available: {exc}")
         context = TurnContext(
