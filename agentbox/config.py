@@ -49,6 +49,10 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     max_output_tokens = 4096
     vision = true                   # shown images (default: known vision models, anthropic:)
 
+    [compaction]
+    model = "openai:my-local-model" # writes every session's summaries (one of `models`), unless
+                                    # the session's own `compaction.model` names another
+
     [[agents]]                      # a subagent for the `task` tool (agentbox.agent.subagents)
     name = "reviewer"
     description = "Reviews a diff and reports problems"
@@ -211,6 +215,9 @@ class Settings:
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per model (`provider:name`): `context_window`, `max_output_tokens`, `vision` (whether
     tool results' images are shown to it; `agentbox.agent.limits` says the default)."""
+    compaction_model: str | None = None
+    """`[compaction] model`: the model that writes compaction summaries for sessions that name
+    none (`compaction.model`); one of `models`. None: each session's own model."""
     agents: list[dict[str, Any]] = field(default_factory=list)
     """Subagents besides the built-in ones (name, description, instructions, tools, permission, model)."""
     bind_host: str | None = None
@@ -286,12 +293,18 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
             or default_sandbox_memory_mb()
         ),
         models={str(k): dict(v) for k, v in (data.get("models") or {}).items()},
+        compaction_model=(data.get("compaction") or {}).get("model"),
         agents=[dict(a) for a in data.get("agents") or []],
         allowed_hosts=listed(env.get("AGENTBOX_ALLOWED_HOSTS") or data.get("allowed_hosts")),
         allowed_origins=listed(env.get("AGENTBOX_ALLOWED_ORIGINS") or data.get("allowed_origins")),
         mcp_servers={str(k): dict(v) for k, v in (data.get("mcp_servers") or {}).items()},
         model_endpoints=[str(u) for u in data.get("model_endpoints") or []],
     )
+    if settings.compaction_model is not None and settings.compaction_model not in settings.models:
+        raise ValueError(
+            f"[compaction] model {settings.compaction_model!r} is not one of the configured [models]: "
+            f"{sorted(settings.models)}"
+        )
     if "AGENTBOX_NETWORK" in env and "sandbox" in machines:
         machines["sandbox"].options["network"] = env["AGENTBOX_NETWORK"]
     return settings

@@ -32,9 +32,10 @@ APPROVAL = "apr"
 CHANGE_SET = "chg"
 COMMAND = "cmd"
 SANDBOX = "sbx"
+SUBAGENT = "sub"
 
 #: Every prefix an id may carry. Adding a kind of id is adding a constant above and a name here.
-PREFIXES = frozenset({SESSION, TURN, EVENT, FILE, APPROVAL, CHANGE_SET, COMMAND, SANDBOX})
+PREFIXES = frozenset({SESSION, TURN, EVENT, FILE, APPROVAL, CHANGE_SET, COMMAND, SANDBOX, SUBAGENT})
 
 #: Characters of the ULID part: 26 of lowercase Crockford base32 (no i, l, o, u); the first
 #: one is at most 7 because a ULID holds 128 bits.

@@ -205,18 +205,24 @@ async def test_the_step_cap_completes_with_max_steps(sandbox_tmp: Path) -> None:
     assert MAX_STEPS >= 2
 
 
-async def test_turns_of_a_session_run_one_at_a_time_in_fifo_order(kit: Kit) -> None:
-    session = await kit.worker.create_session(
-        "scripted", script=[{"delay_ms": 50, "text": "a"}, {"text": "b"}, {"text": "c"}]
-    )
-    subs = [await kit.worker.submit(session.id, f"m{i}") for i in range(3)]
-    await terminal(kit, session.id, subs[-1].turn.id)
-    log = await kit.store.list_events(session.id, limit=1000)
-    lifecycle = [(e.type, e.turn_id) for e in log if e.type in ("turn.started", "turn.completed")]
-    ids = [s.turn.id for s in subs]
-    assert lifecycle == [(kind, t) for t in ids for kind in ("turn.started", "turn.completed")]
-    texts = [e.data["content"][0]["text"] for e in log if e.type == "agent.message"]
-    assert texts == ["a", "b", "c"]
+async def test_turns_of_a_session_run_one_at_a_time_in_fifo_order(sandbox_tmp: Path) -> None:
+    """Messages that do not join the running turn (here: its one step is its last, which takes
+    nothing in) run as their own turns, one at a time, in the order they were sent."""
+    kit = await make_kit(sandbox_tmp / "home", LoopConfig(max_steps=1))
+    try:
+        session = await kit.worker.create_session(
+            "scripted", script=[{"delay_ms": 50, "text": "a"}, {"text": "b"}, {"text": "c"}]
+        )
+        subs = [await kit.worker.submit(session.id, f"m{i}") for i in range(3)]
+        await terminal(kit, session.id, subs[-1].turn.id)
+        log = await kit.store.list_events(session.id, limit=1000)
+        lifecycle = [(e.type, e.turn_id) for e in log if e.type in ("turn.started", "turn.completed")]
+        ids = [s.turn.id for s in subs]
+        assert lifecycle == [(kind, t) for t in ids for kind in ("turn.started", "turn.completed")]
+        texts = [e.data["content"][0]["text"] for e in log if e.type == "agent.message"]
+        assert texts == ["a", "b", "c"]
+    finally:
+        await kit.close()
 
 
 async def test_abort_unblocks_a_hanging_model_and_the_next_turn_runs(kit: Kit) -> None:

@@ -21,6 +21,7 @@ from agentbox.agent.recovery import RECOVERY, Act, State
 from agentbox.store.approvals import ApprovalsRepo, Decision
 from agentbox.store.db import Database
 from agentbox.store.sessions import INTERRUPTED, TERMINAL_EVENTS, Event, Message, SessionStore, insert_message
+from agentbox.store.subagents import SubagentRuns
 from tests.test_agent_loop import DEADLINE, Kit, bash, make_kit, terminal, wait_for
 
 #: The server stand-in: opens the home, recovers, runs turns until killed.
@@ -318,5 +319,43 @@ async def test_a_turn_resumed_mid_way_tells_its_signals_only_at_the_next_turn(sa
         assert first == [("user", False), ("assistant", False), ("tool", False), ("assistant", False)]
         second = [(m.role, "signal" in m.content) for m in rows if m.turn_id == turns[1]]
         assert second == [("user", False), ("user", True), ("assistant", False)]
+    finally:
+        await kit.close()
+
+
+async def test_a_message_joined_after_the_last_reply_is_answered_after_a_restart(sandbox_tmp: Path) -> None:
+    """The process died after a message joined at the would-stop boundary, before the model
+    call that answers it: the turn is not complete, it goes on and answers it."""
+    home = sandbox_tmp / "home"
+    script = [{"text": "first"}, {"expect": {"user_message_contains": "message 1"}, "text": "second"}]
+    async with Database.in_home(home) as db:
+        store = SessionStore(db)
+        session, _ = await store.create_session("scripted", permission_mode="full-auto", script=script)
+        first = (await store.submit(session.id, "message 0")).turn.id
+        await store.start_turn(first)
+        reply = await store.open_reply(first)
+        await store.close_reply(reply, "complete", {"text": "first", "tool_calls": []}, [])
+        second = (await store.submit(session.id, "message 1")).turn.id
+        assert [e.type for e in await store.join_queued(first)] == ["user.message", "turn.joined"]
+    kit = await make_kit(home)
+    try:
+        for turn_id in (first, second):
+            assert (await terminal(kit, session.id, turn_id)).type == "turn.completed"
+        replies = [m.content["text"] for m in await kit.store.transcript(session.id) if m.role == "assistant"]
+        assert replies == ["first", "second"]
+    finally:
+        await kit.close()
+
+
+async def test_a_subagent_run_a_dead_process_left_running_ends_failed_at_start(sandbox_tmp: Path) -> None:
+    """It can be resumed then (a run still `running` cannot)."""
+    home = sandbox_tmp / "home"
+    async with Database.in_home(home) as db:
+        session, _ = await SessionStore(db).create_session("scripted", permission_mode="full-auto", script=[])
+        run = await SubagentRuns(db).create(session.id, None, "toolu_s0_0", "explore", "read-only", False)
+        assert run.status == "running"
+    kit = await make_kit(home)
+    try:
+        assert (await kit.worker.runs.get(session.id, run.id)).status == "failed"
     finally:
         await kit.close()

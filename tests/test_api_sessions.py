@@ -562,3 +562,34 @@ async def test_a_file_in_new_folders_is_proposed_in_one_change_set_and_applied(
         f"/sandboxes/{sid2}/v2/fs/read", params={"path": "/workspace/reports/q1/summary.md"}
     )
     assert read.json()["data"]["content"] == "# Q1\n", read.text
+
+
+async def test_a_subagents_transcript_is_read_through_the_api_and_only_in_its_session(
+    client: httpx.AsyncClient,
+) -> None:
+    child = [
+        {"tool_calls": [{"name": "glob", "input": {"pattern": "*.md"}}]},
+        {"text": "No markdown here."},
+    ]
+    task = {"name": "task", "input": {"agent": "explore", "prompt": "find docs"}, "script": child}
+    sid = await create(client, [{"tool_calls": [task]}, {"text": "done"}])
+    assert (await post(client, sid)).status_code == 202
+    assert (await until_turn_end(client, sid))[-1].event == "turn.completed"
+    listed = (await client.get(f"/v1/sessions/{sid}/subagents")).json()["items"]
+    assert [(r["agent"], r["status"], r["tool_use_id"]) for r in listed] == [
+        ("explore", "completed", "toolu_s0_0")
+    ]
+    run_id = listed[0]["id"]
+    r = await client.get(f"/v1/sessions/{sid}/subagents/{run_id}")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["run"]["id"] == run_id and body["run"]["tier"] == "read-only"
+    assert (body["messages"][0]["role"], body["messages"][0]["text"]) == ("user", "find docs")
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert body["messages"][1]["tool_calls"][0]["name"] == "glob"
+    assert body["messages"][-1]["text"] == "No markdown here."
+    completed = next(e for e in await events(client, sid) if e["type"] == "subagent.completed")
+    assert completed["subagent_id"] == run_id
+    other = await create(client, [])
+    missing = await client.get(f"/v1/sessions/{other}/subagents/{run_id}")
+    assert missing.status_code == 404 and missing.json()["data"]["error_type"] == "not_found"

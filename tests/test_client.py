@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -583,3 +584,30 @@ async def test_the_async_client_drives_a_loopback_openai_model(keyed: Server, ll
                 if change.path.endswith("y.txt"):
                     break
         assert change.path == "/workspace/y.txt"
+
+
+def test_run_of_a_message_that_joins_a_running_turn_returns_the_answer_it_got_there(client: Client) -> None:
+    hold = "while [ ! -e /workspace/go ]; do sleep 0.05; done"
+    session = client.sessions.create(
+        "scripted", permission_mode="full-auto",
+        script=[bash(hold), {"expect": {"user_message_contains": "also"}, "text": "Both answered."}],
+    )  # fmt: skip
+    first = client.messages.send(session.id, "first")
+    deadline = time.monotonic() + 20
+    while not any(e.type == "agent.tool_use" for e in client.events.list(session.id)):
+        assert time.monotonic() < deadline, "the first turn never called its tool"
+        time.sleep(0.02)
+    results: list[Any] = []
+    joiner = threading.Thread(target=lambda: results.append(client.messages.run(session.id, "also")))
+    joiner.start()
+    while not any(
+        e.type == "user.message" and e.data["content"] == "also" for e in client.events.list(session.id)
+    ):
+        assert time.monotonic() < deadline, "the second message never arrived"
+        time.sleep(0.02)
+    client.sandbox(session.id).exec("touch /workspace/go")
+    joiner.join(20)
+    (result,) = results
+    assert result.status == "completed" and result.text == "Both answered."
+    assert result.events[-1].turn_id == result.turn_id != first.turn_id
+    assert result.ended.data["joined_into"] == first.turn_id

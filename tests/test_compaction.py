@@ -76,11 +76,23 @@ def test_parse_config() -> None:
     cfg = c.parse_config({"reserve_tokens": 4000})
     assert cfg.reserve_tokens == 4000 and cfg.keep_recent_tokens == c.DEFAULT_KEEP_RECENT_TOKENS
     assert c.parse_config({"keep_recent_tokens": 100}).keep_recent_tokens == 100
+    assert c.parse_config({"model": "openai:small"}).model == "openai:small"
+    assert c.parse_config({}).model is None
 
 
 @pytest.mark.parametrize(
     "bad",
-    ["yes", 3, {"model": "x"}, {"reserve_tokens": 0}, {"keep_recent_tokens": True}, {"reserve_tokens": "1"}],
+    [
+        "yes",
+        3,
+        {"model": "x"},
+        {"model": ""},
+        {"model": 3},
+        {"summary_model": "openai:x"},
+        {"reserve_tokens": 0},
+        {"keep_recent_tokens": True},
+        {"reserve_tokens": "1"},
+    ],
 )
 def test_parse_config_refuses(bad: object) -> None:
     with pytest.raises(c.CompactionConfigError):

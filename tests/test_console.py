@@ -330,6 +330,32 @@ def test_a_subagent_shows_in_the_call_that_started_it(
     expect(page.locator(".message.agent .text")).to_have_text("Thanks.")
 
 
+def test_a_message_that_joined_the_running_turn_shows_once_and_where_it_was_taken_in(
+    server: Server, browsing: Browsing, api: httpx.Client
+) -> None:
+    hold = {
+        "tool_calls": [
+            {"name": "bash", "input": {"command": "while [ ! -e /workspace/go ]; do sleep 0.05; done"}}
+        ]
+    }
+    script = [hold, {"text": "Both answered."}]
+    sid = api.post("/v1/sessions", json={"model": "scripted", "script": script}).json()["id"]
+    api.post(f"/v1/sessions/{sid}/messages", json={"content": "first"})
+    wait_until(lambda: any(e["type"] == "agent.tool_use" for e in api.get(f"/v1/sessions/{sid}/events").json()["items"]),
+               "the tool call")  # fmt: skip
+    api.post(f"/v1/sessions/{sid}/messages", json={"content": "also this"})
+    done = api.post(f"/sandboxes/{sid}/v2/commands", json={"command": "touch /workspace/go", "mode": "sync"})
+    assert done.status_code == 200, done.text
+    page = browsing.page()
+    log_in(page, server)
+    page.goto(f"{server.url}/console/#/sessions/{sid}")
+    expect(page.locator(".message.agent .text")).to_have_text("Both answered.")
+    expect(page.locator(".message.user .text")).to_have_text(["first", "also this"])  # each once
+    expect(page.locator('#conversation [data-type="user.message"].note')).to_have_text(
+        'Your message "also this" joined the running turn.'
+    )
+
+
 def test_a_failed_turn_shows_its_error(server: Server, browsing: Browsing, api: httpx.Client) -> None:
     script = [{"expect": {"tool_result_contains": "nope"}}]  # the model's first call fails
     sid = api.post("/v1/sessions", json={"model": "scripted", "script": script}).json()["id"]

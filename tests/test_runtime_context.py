@@ -9,6 +9,7 @@ provider does."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from datetime import date
 from pathlib import Path
@@ -16,17 +17,19 @@ from typing import Any
 
 import pytest
 
-from agentbox.agent.compaction import SUMMARY_HEAD
+from agentbox.agent.compaction import SUMMARY_HEAD, CompactionConfigError
 from agentbox.agent.context import COMPACTED_EVENT, SIGNAL_EVENT
 from agentbox.agent.loop import LoopConfig
 from agentbox.agent.models import Model, ModelRateLimited, ModelRequest, Reply, ScriptedModel, ScriptError
 from agentbox.agent.prompt import NO_AGENTS
 from agentbox.agent.providers.errors import ContextOverflow
 from agentbox.agent.providers.retry import RetryPolicy
+from agentbox.agent.subagents import MAX_BACKGROUND_TASKS, RUN_TRAILER
 from agentbox.agent.worker import NO_MACHINE
+from agentbox.config import load
 from agentbox.store.baselines import BaselineStore
 from agentbox.store.sessions import Session
-from tests.test_agent_loop import Kit, bash, make_kit, terminal, turn_events
+from tests.test_agent_loop import Kit, bash, make_kit, terminal, turn_events, upload, wait_for
 
 
 class Recording:
@@ -171,6 +174,88 @@ async def test_compaction_summarises_the_old_part_keeps_the_recent_one_and_rebas
     assert [m.text for m in requests[4].messages[1:]] == [three, "third answer", four]
 
 
+class Summarizer:
+    """A second model (as the operator's `[models."openai:summarizer"]`), keeping its requests."""
+
+    name = "openai:summarizer"
+
+    def __init__(self, requests: list[ModelRequest]) -> None:
+        self.requests = requests
+
+    async def query(self, request: ModelRequest) -> Reply:
+        self.requests.append(request)
+        return Reply("## Goal\nSummarised by the small model.")
+
+
+@pytest.mark.parametrize("named_by", ["session", "config"])
+async def test_the_summary_goes_to_the_configured_compaction_model(sandbox_tmp: Path, named_by: str) -> None:
+    """Named by the session's `compaction.model`, or by the config's `[compaction] model`."""
+    asked: list[ModelRequest] = []
+    summaries: list[ModelRequest] = []
+
+    def models(session: Session) -> Model:
+        if session.model == Summarizer.name:
+            return Summarizer(summaries)
+        return Recording(ScriptedModel(session.script or []), asked)
+
+    kit = await make_kit(sandbox_tmp / "home", models=models)
+    kit.registry.settings.models[Summarizer.name] = {"context_window": 200_000}
+    try:
+        big = "x" * 2400
+        script = [
+            {"text": f"first answer {big}"},
+            {"text": f"second answer {big}"},
+            {"text": "(the position of the summary call, which another model answers)"},
+            {"text": "third answer"},
+        ]
+        compaction: dict[str, Any] = {"reserve_tokens": 2000, "keep_recent_tokens": 10}
+        if named_by == "session":
+            compaction["model"] = Summarizer.name
+        else:
+            kit.registry.settings.compaction_model = Summarizer.name
+        session = await kit.worker.create_session(
+            "scripted", script=script, model_options={"context_window": 3000}, compaction=compaction
+        )
+        for content in ("one " * 12, "two " * 12):
+            await run(kit, session.id, content)
+        assert not summaries
+        third = await run(kit, session.id, "three " * 12)
+        (summary,) = summaries  # the summary request went to the compaction model, not the session's
+        assert summary.tools == [] and "first answer" in summary.messages[0].text
+        assert all(r.tools for r in asked)  # every request the session's model saw was a turn's
+        assert "Summarised by the small model." in asked[-1].messages[0].text
+        events = await turn_events(kit, session.id, third)
+        usage = next(e for e in events if e.type == "model.usage" and e.data.get("purpose") == "compaction")
+        assert usage.data["model"] == Summarizer.name
+        assert [e.data["content"][0]["text"] for e in events if e.type == "agent.message"] == ["third answer"]
+    finally:
+        await kit.close()
+
+
+def test_the_configs_compaction_model_must_be_a_configured_model(tmp_path: Path) -> None:
+    path = tmp_path / "agentbox.toml"
+    path.write_text(
+        '[models."openai:small"]\ncontext_window = 8192\n\n[compaction]\nmodel = "openai:small"\n'
+    )
+    assert load(path, env={"AGENTBOX_HOME": str(tmp_path)}).compaction_model == "openai:small"
+    path.write_text('[compaction]\nmodel = "openai:small"\n')
+    with pytest.raises(ValueError, match=r"\[compaction\] model 'openai:small' is not one of the configured"):
+        load(path, env={"AGENTBOX_HOME": str(tmp_path)})
+
+
+async def test_a_compaction_model_that_is_not_configured_is_refused(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, _ = recorded
+    with pytest.raises(CompactionConfigError, match="'openai:anything' is not a configured model"):
+        await kit.worker.create_session("scripted", script=[], compaction={"model": "openai:anything"})
+    with pytest.raises(CompactionConfigError, match=r"compaction\.model must be a model name"):
+        await kit.worker.create_session("scripted", script=[], compaction={"model": ""})
+    kit.registry.settings.models["openai:small"] = {}
+    session = await kit.worker.create_session("scripted", script=[], compaction={"model": "openai:small"})
+    assert session.compaction == {"model": "openai:small"}
+
+
 async def test_compaction_false_never_compacts_on_the_threshold(
     recorded: tuple[Kit, list[ModelRequest]],
 ) -> None:
@@ -210,23 +295,165 @@ async def test_a_context_overflow_compacts_and_retries_the_call(
     assert next(e for e in events if e.type == "agent.message").data["content"][0]["text"] == "recovered"
 
 
-async def test_a_message_queued_during_a_turn_is_not_seen_by_that_turn(
+#: A command that holds its tool call open until the test creates /workspace/go.
+HOLD = "while [ ! -e /workspace/go ]; do sleep 0.05; done; echo released"
+
+
+async def release(kit: Kit, session_id: str) -> None:
+    """Let a `HOLD` command finish."""
+    machine = await kit.registry.open(session_id)
+    await machine.write("/workspace/go", b"")
+
+
+async def tool_running(kit: Kit, session_id: str, turn_id: str) -> None:
+    """Wait until the turn's first tool call is recorded (it runs next, before any result)."""
+    await wait_for(kit, session_id, lambda e: e.turn_id == turn_id and e.type == "agent.tool_use")
+
+
+async def test_a_message_sent_mid_turn_joins_it_at_the_next_step_boundary(
     recorded: tuple[Kit, list[ModelRequest]],
 ) -> None:
     kit, requests = recorded
-    script = [{"delay_ms": 300, **bash("true")}, {"text": "first done"}, {"text": "second done"}]
+    script = [bash(HOLD), {"expect": {"user_message_contains": "also this"}, "text": "both answered"}]
+    session = await kit.worker.create_session("scripted", script=script)
+    first = await kit.worker.submit(session.id, "first")
+    await tool_running(kit, session.id, first.turn.id)
+    second = await kit.worker.submit(session.id, "also this")  # while the first turn's tool runs
+    assert second.turn.status == "queued"
+    await release(kit, session.id)
+    end = await terminal(kit, session.id, first.turn.id)
+    assert end.type == "turn.completed", end.data
+    joined_end = await terminal(kit, session.id, second.turn.id)
+    assert joined_end.type == "turn.completed" and joined_end.data["joined_into"] == first.turn.id
+    # the second model call saw it after the tool result, in the same turn; no third call was made
+    assert [m.role for m in requests[1].messages] == ["user", "assistant", "tool", "user"]
+    assert requests[1].messages[-1].text == "also this" and len(requests) == 2
+    events = await turn_events(kit, session.id, first.turn.id)
+    types = [e.type for e in events]
+    assert types.index("agent.tool_result") < types.index("user.message", 1) < types.index("agent.message")
+    joined = [e for e in events if e.type == "user.message" and e.data.get("joined_from")]
+    assert [(e.data["content"], e.data["joined_from"]) for e in joined] == [("also this", second.turn.id)]
+    second_events = [e.type for e in await turn_events(kit, session.id, second.turn.id)]
+    assert second_events == ["user.message", "turn.queued", "turn.joined", "turn.completed"]
+    turn = await kit.store.get_turn(second.turn.id)
+    assert turn.joined_into == first.turn.id and turn.status == "completed"
+    rows = [(m.turn_id, m.role) for m in await kit.store.transcript(session.id) if m.role == "user"]
+    assert rows == [(first.turn.id, "user"), (first.turn.id, "user")]
+
+
+async def test_a_message_sent_during_the_last_model_call_keeps_the_turn_going(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    """Where the turn would end (a reply without tool calls) is a boundary too."""
+    kit, requests = recorded
+    script = [
+        {"delay_ms": 400, "text": "first answer"},
+        {"expect": {"user_message_contains": "one more"}, "text": "second answer"},
+    ]
     session = await kit.worker.create_session("scripted", script=script)
     first = await kit.worker.submit(session.id, "first")
     while not requests:
         await asyncio.sleep(0.01)
-    second = await kit.worker.submit(session.id, "second")  # written while the first turn runs
-    await terminal(kit, session.id, first.turn.id)
-    await terminal(kit, session.id, second.turn.id)
-    texts: list[Any] = [[m.text for m in r.messages if m.role == "user"] for r in requests]
-    assert texts[0] == ["first"] and texts[1] == ["first"]  # the first turn never saw "second"
-    assert texts[2] == ["first", "second"]
-    roles = [m.role for m in requests[2].messages]
-    assert roles == ["user", "assistant", "tool", "assistant", "user"]  # the second after the first turn
+    second = await kit.worker.submit(session.id, "one more")
+    end = await terminal(kit, session.id, first.turn.id)
+    assert end.type == "turn.completed", end.data
+    texts = [e.data["content"][0]["text"] for e in await turn_events(kit, session.id, first.turn.id)
+             if e.type == "agent.message"]  # fmt: skip
+    assert texts == ["first answer", "second answer"]
+    assert (await kit.store.get_turn(second.turn.id)).joined_into == first.turn.id
+
+
+async def test_a_message_with_files_runs_as_its_own_turn_and_so_do_those_behind_it(
+    recorded: tuple[Kit, list[ModelRequest]], sandbox_tmp: Path
+) -> None:
+    """Placing files can fail, which fails the turn that owns them: such a message never joins,
+    and neither do the messages behind it (FIFO); those were accepted before the turn of the
+    message with files started, so they do not join that one either."""
+    kit, requests = recorded
+    script = [bash(HOLD), {"text": "first done"}, {"text": "second done"}]
+    session = await kit.worker.create_session("scripted", script=script)
+    first = await kit.worker.submit(session.id, "first")
+    await tool_running(kit, session.id, first.turn.id)
+    file_id = await upload(kit, sandbox_tmp, "notes.txt", b"n", session.id)
+    with_file = await kit.worker.submit(session.id, "read this", files=[file_id])
+    behind = await kit.worker.submit(session.id, "and this")
+    await release(kit, session.id)
+    for sub in (first, with_file, behind):
+        assert (await terminal(kit, session.id, sub.turn.id)).type == "turn.completed"
+    assert [(await kit.store.get_turn(s.turn.id)).joined_into for s in (with_file, behind)] == [None, None]
+    log = await kit.store.list_events(session.id, limit=1000)
+    assert [e.turn_id for e in log if e.type == "turn.started"] == [
+        s.turn.id for s in (first, with_file, behind)
+    ]
+    assert [m.text for m in requests[1].messages if m.role == "user"] == ["first"]
+
+
+def answer(result: str) -> str:
+    """A stored task's answer without the line that gives its run id (`RUN_TRAILER`)."""
+    return result.split("\n[task id: sub_")[0]
+
+
+def task_call_of(agent: str, prompt: str, script: list[Any]) -> dict[str, Any]:
+    return {"name": "task", "input": {"agent": agent, "prompt": prompt}, "script": script}
+
+
+def background_task(agent: str, script: list[Any], n: int = 0) -> dict[str, Any]:
+    return {"name": "task", "input": {"agent": agent, "prompt": f"look ({n})", "background": True},
+            "script": script}  # fmt: skip
+
+
+async def test_a_background_task_finishes_while_its_turn_goes_on_and_the_model_is_told(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, requests = recorded
+    script = [
+        {"tool_calls": [background_task("explore", [{"text": "The value is 42."}])]},
+        {"expect": {"tool_result_contains": "Started background task toolu_s0_0"}, **bash(HOLD)},
+        {"expect": {"user_message_contains": "The value is 42."}, "text": "The explorer found 42."},
+    ]
+    session = await kit.worker.create_session("scripted", script=script)
+    sub = await kit.worker.submit(session.id, "explore in the background")
+    done = await wait_for(kit, session.id, lambda e: e.type == "subagent.completed")
+    assert done.turn_id == sub.turn.id and done.data["background"] is True  # while the turn runs
+    assert done.data["result"] == "The value is 42." and done.data["status"] == "completed"
+    assert (await kit.store.get_turn(sub.turn.id)).status == "running"
+    await release(kit, session.id)
+    end = await terminal(kit, session.id, sub.turn.id)
+    assert end.type == "turn.completed", end.data
+    told = requests[-1].messages[-1]
+    assert told.role == "user" and told.text.startswith('<signal type="task" task_id="toolu_s0_0"')
+    events = await turn_events(kit, session.id, sub.turn.id)
+    signal = next(e for e in events if e.type == SIGNAL_EVENT)
+    run_id = done.data["subagent_id"]
+    assert signal.data["signals"] == [{
+        "type": "task", "task_id": "toolu_s0_0", "agent": "explore", "status": "completed",
+        "body": "The background task toolu_s0_0 (explore) finished with status completed. Its final "
+                f"message:\n\nThe value is 42.\n{RUN_TRAILER.format(id=run_id)}",
+    }]  # fmt: skip
+    types = [e.type for e in events]
+    assert types.index("subagent.completed") < types.index(
+        "agent.tool_result", types.index("subagent.completed")
+    )
+
+
+async def test_background_is_refused_for_writers_and_past_the_session_limit(
+    recorded: tuple[Kit, list[ModelRequest]],
+) -> None:
+    kit, _ = recorded
+    hanging = [{"hang": True}]
+    calls = [background_task("writer", hanging)]
+    calls += [background_task("explore", hanging, n) for n in range(MAX_BACKGROUND_TASKS + 1)]
+    script = [{"tool_calls": calls}, {"text": "done"}]
+    session = await kit.worker.create_session("scripted", script=script, permission_mode="full-auto")
+    sub = await kit.worker.submit(session.id, "start too many")
+    assert (await terminal(kit, session.id, sub.turn.id)).type == "turn.completed"
+    results = [
+        e.data for e in await turn_events(kit, session.id, sub.turn.id) if e.type == "agent.tool_result"
+    ]
+    texts = [(r["is_error"], r["content"][0]["text"]) for r in results]
+    assert texts[0][0] and "can change files, so it cannot run in the background" in texts[0][1]
+    assert [error for error, _ in texts[1:]] == [False] * MAX_BACKGROUND_TASKS + [True]  # the limit, exactly
+    assert f"{MAX_BACKGROUND_TASKS} background tasks are already running" in texts[-1][1]
 
 
 async def test_task_delegates_to_read_only_agents_in_parallel_and_returns_only_their_answer(
@@ -251,7 +478,9 @@ async def test_task_delegates_to_read_only_agents_in_parallel_and_returns_only_t
     results = [
         e for e in events if e.type == "agent.tool_result" and e.data["tool_use_id"].startswith("toolu_s1")
     ]
-    assert len(results) == 4 and all(r.data["content"][0]["text"] == "The value is 42." for r in results)
+    assert len(results) == 4 and all(
+        r.data["content"][0]["text"].startswith("The value is 42.\n[task id: sub_") for r in results
+    )
     child_requests = [r for r in requests if r.task_path]
     assert {r.tools and tuple(sorted(t.name for t in r.tools)) for r in child_requests} == {
         ("glob", "grep", "list", "read_file", "read_image", "search")
@@ -318,7 +547,7 @@ async def test_a_subagents_model_call_is_retried_like_the_turns_own(sandbox_tmp:
             "delay_ms": 10,
         }
         (result,) = [e for e in events if e.type == "agent.tool_result"]
-        assert result.data["content"][0]["text"] == "fine" and not result.data["is_error"]
+        assert answer(result.data["content"][0]["text"]) == "fine" and not result.data["is_error"]
     finally:
         await kit.close()
 
@@ -372,7 +601,7 @@ async def test_an_agent_with_its_own_model_gets_the_sessions_options_only_from_t
             "scripted", script=[{"tool_calls": calls}, {"text": "done"}], model_options={"temperature": 0.5}
         )
         turn = await run(kit, session.id, "delegate")
-        results = [e.data["content"][0]["text"] for e in await turn_events(kit, session.id, turn)
+        results = [answer(e.data["content"][0]["text"]) for e in await turn_events(kit, session.id, turn)
                    if e.type == "agent.tool_result"]  # fmt: skip
         assert sorted(results) == ["from other", "from same"]
         assert ("anthropic:claude-x", {}) in built  # no scripted options sent to another provider
@@ -400,3 +629,90 @@ async def test_describing_the_machine_starts_no_sandbox(recorded: tuple[Kit, lis
     turn = await run(kit, session.id, "now run something")
     assert [e.type for e in await turn_events(kit, session.id, turn)].count("sandbox.ready") == 1
     assert [e.machine.name for e in kit.registry.entries()] == ["sandbox"]
+
+
+class Resuming:
+    """The scripted model, with `resume: "$RUN"` in a task call replaced by `run[0]` (a run id the
+    script cannot know in advance), keeping every request."""
+
+    def __init__(self, model: Model, requests: list[ModelRequest], run: list[str]) -> None:
+        self.model, self.requests, self.run, self.name = model, requests, run, model.name
+
+    async def query(self, request: ModelRequest) -> Reply:
+        self.requests.append(request)
+        reply = await self.model.query(request)
+        calls = [
+            dataclasses.replace(c, input={**c.input, "resume": self.run[0]})
+            if c.input.get("resume") == "$RUN"
+            else c
+            for c in reply.tool_calls
+        ]
+        return dataclasses.replace(reply, tool_calls=calls)
+
+
+def resume_call(agent: str, prompt: str, script: list[Any]) -> dict[str, Any]:
+    return {"name": "task", "input": {"agent": agent, "prompt": prompt, "resume": "$RUN"}, "script": script}
+
+
+async def test_a_stored_subagent_run_is_resumed_with_its_own_history_and_refused_when_it_may_not_be(
+    sandbox_tmp: Path,
+) -> None:
+    requests: list[ModelRequest] = []
+    run_id: list[str] = []
+    kit = await make_kit(
+        sandbox_tmp / "home", models=lambda s: Resuming(ScriptedModel(s.script or []), requests, run_id)
+    )
+    try:
+        first_child = [{"text": "I found A."}]
+        resumed_child = [{"expect": {"user_message_contains": "and B?"}, "text": "A and B."}]
+        script = [
+            {"tool_calls": [task_call_of("researcher", "find A", first_child)]},
+            {"text": "ok"},
+            {"tool_calls": [resume_call("researcher", "and B?", resumed_child)]},
+            {"text": "ok"},
+            {"tool_calls": [resume_call("explore", "again", []), resume_call("researcher", "again", [])]},
+            {"text": "ok"},
+        ]
+        session = await kit.worker.create_session("scripted", script=script, permission_mode="full-auto")
+        await run(kit, session.id, "find A")
+        (stored,) = await kit.worker.runs.of_session(session.id)
+        assert (stored.agent, stored.tier, stored.status) == ("researcher", "full-auto", "completed")
+        rows = await kit.worker.runs.messages(stored.id)
+        assert [(m.role, m.content["text"]) for m in rows] == [
+            ("user", "find A"),
+            ("assistant", "I found A."),
+        ]
+        run_id.append(stored.id)
+
+        second = await run(kit, session.id, "resume it")
+        child = [r for r in requests if r.task_path == ("toolu_s2_0",)]
+        assert [(m.role, m.text) for m in child[0].messages] == [
+            ("user", "find A"), ("assistant", "I found A."), ("user", "and B?"),
+        ]  # fmt: skip
+        rows = await kit.worker.runs.messages(stored.id)
+        assert [m.content["text"] for m in rows] == ["find A", "I found A.", "and B?", "A and B."]
+        resumed = next(e for e in await turn_events(kit, session.id, second) if e.type == "subagent.started")
+        assert resumed.data["subagent_id"] == stored.id and resumed.data["resumed"] is True
+        assert (await kit.worker.runs.get(session.id, stored.id)).turn_id == second
+
+        await kit.worker.update_session(session.id, {"permission_mode": "full-ask"})  # permissions shrink
+        third = await run(kit, session.id, "resume again")
+        results = [e.data for e in await turn_events(kit, session.id, third) if e.type == "agent.tool_result"]
+        by_call = {r["tool_use_id"]: r for r in results}  # the two ran in parallel: any order
+        assert all(r["is_error"] for r in results) and len(by_call) == 2
+        assert "was the researcher agent's" in by_call["toolu_s4_0"]["content"][0]["text"]
+        shrank = by_call["toolu_s4_1"]["content"][0]["text"]
+        assert "ran under full-auto" in shrank and "narrower now (full-ask)" in shrank
+
+        other = await kit.worker.create_session(
+            "scripted", script=[{"tool_calls": [resume_call("researcher", "steal", [])]}, {"text": "ok"}],
+            permission_mode="full-auto",
+        )  # fmt: skip
+        turn = await run(kit, other.id, "resume the other session's task")
+        (refused,) = [e.data for e in await turn_events(kit, other.id, turn) if e.type == "agent.tool_result"]
+        assert (
+            refused["is_error"]
+            and refused["content"][0]["text"] == f"No task {stored.id} in this session to resume."
+        )
+    finally:
+        await kit.close()

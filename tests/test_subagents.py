@@ -25,6 +25,7 @@ from agentbox.agent.agents import (
     canonical_names,
     canonical_tool,
     load_agents,
+    parse_agent,
     roster,
 )
 from agentbox.agent.models import (
@@ -40,6 +41,7 @@ from agentbox.agent.subagents import (
     MAX_DEPTH,
     MAX_PARALLEL_READ_ONLY,
     NO_TEXT,
+    BackgroundTasks,
     Subagents,
     calling,
 )
@@ -738,3 +740,57 @@ async def test_workspace_agent_files_load_on_an_ssh_machine(ssh: SshMachine, rem
         f"skipped agent file {folder}/fifo.md: it is not a regular file",
         f"skipped agent file {folder}/linked.md: it links out of the working directory",
     ]
+
+
+# ---------------------------------------------------------------- background tasks
+
+
+async def test_a_background_tasks_question_is_the_sessions_and_closing_cancels_it(
+    machine: LocalMachine, db: Database
+) -> None:
+    """A background task may outlive its turn: an approval it asks for names no turn (so the
+    turn that goes on is not marked waiting), and a shutdown cancels it without a notice."""
+    tools, events = session_tools(machine, db, Tier.FULL_ASK), Events()
+    background = BackgroundTasks()
+    fetch = [
+        {"tool_calls": [{"name": "web_fetch", "input": {"url": "https://example.com/"}}]},
+        {"text": "read"},
+    ]
+    delegate(tools, root(task_call("researcher", fetch)), events, background=background)
+    with calling("toolu_s0_0"):
+        started = await tools.call("task", {"agent": "researcher", "prompt": "go", "background": True})
+    assert not started.is_error and started.data == {
+        "task_id": "toolu_s0_0",
+        "agent": "researcher",
+        "status": "running",
+    }
+    deadline = asyncio.get_running_loop().time() + DEADLINE
+    while not (pending := await tools.approvals.repo.pending(SESSION)):
+        assert asyncio.get_running_loop().time() < deadline, "the background task never asked"
+        await asyncio.sleep(0.01)
+    assert [(a.action, a.turn_id) for a in pending] == [("web", None)]
+    assert list(background.running) == ["toolu_s0_0"]
+    await background.close()
+    assert background.running == {} and background.take() == []
+    assert events.of("subagent.started")[0]["background"] is True and not events.of("subagent.completed")
+
+
+async def test_background_is_refused_below_the_sessions_own_agent_and_without_a_registry(
+    machine: LocalMachine, db: Database
+) -> None:
+    refusal = "Only the session's own agent can start background tasks."
+    tools, events = session_tools(machine, db, Tier.FULL_AUTO), Events()
+    spec = parse_agent({"description": "Delegates.", "tools": ["read", "task"]}, "", "deep", "test")
+    nested = {
+        "tool_calls": [{"name": "task", "input": {"agent": "explore", "prompt": "go", "background": True}}]
+    }
+    model = Recording(root(task_call("deep", [nested, {"text": "done"}])))
+    delegate(tools, model, events, {**BUILTIN_AGENTS, "deep": spec}, background=BackgroundTasks())
+    assert (await task(tools, "toolu_s0_0", "deep")).as_text() == "done"
+    told = [r.messages[-1] for r in model.requests if r.task_path == ("toolu_s0_0",)][-1]
+    assert told.role == "tool" and told.is_error and told.text == refusal  # a child cannot start one
+    bare, bare_events = session_tools(machine, db, Tier.FULL_AUTO), Events()
+    delegate(bare, root(), bare_events)  # a runner without the session's background registry
+    with calling("toolu_s0_0"):
+        refused = await bare.call("task", {"agent": "explore", "prompt": "go", "background": True})
+    assert refused.is_error and refused.as_text() == refusal

@@ -1,7 +1,8 @@
 """Compaction (Flue a.10) as pure functions over a transcript of `ChatMessage`s.
 
-When the conversation nears the model's context window, the older part is summarised by the
-session's model and replaced by that summary; the most recent part is kept verbatim:
+When the conversation nears the model's context window, the older part is summarised (by the
+session's model, or the one `compaction.model` names) and replaced by that summary; the most
+recent part is kept verbatim:
 
 1. `reserve_tokens(window, max_output)`: room kept free for the reply.
 2. `should_compact(context_tokens, window, reserve)`: the threshold trigger, checked at a turn
@@ -25,11 +26,11 @@ after it; a real tokenizer per provider would add dependencies for no change in 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentbox.agent.models import ChatMessage, ModelRequest
+from agentbox.agent.models import ChatMessage, ModelRequest, model_name_problem
 from agentbox.agent.vision import MAX_IMAGES_PER_MESSAGE
 from agentbox.tools.base import ImageBlock, TextBlock
 from agentbox.tools.toolsets import TOOLSETS
@@ -52,7 +53,9 @@ MAX_SUMMARY_TOKENS = 16_000
 #: Share of the reserve the summary may use as its max output tokens (Flue: 0.8).
 SUMMARY_RESERVE_SHARE = 0.8
 #: Keys allowed in a `compaction` config object; any other is a mistake (Flue throws too).
-CONFIG_KEYS = frozenset({"reserve_tokens", "keep_recent_tokens"})
+CONFIG_KEYS = frozenset({"reserve_tokens", "keep_recent_tokens", "model"})
+#: The keys of `CONFIG_KEYS` that hold a count of tokens.
+TOKEN_KEYS = frozenset({"reserve_tokens", "keep_recent_tokens"})
 #: Tool names (as any toolset calls them) whose `path` argument counts as read / modified for
 #: the summary's file lists.
 READ_TOOLS = frozenset(
@@ -73,10 +76,15 @@ class CompactionConfig:
     reserve_tokens: int | None = None
     """Fixed reserve; None = model-aware (`reserve_tokens()`)."""
     keep_recent_tokens: int = DEFAULT_KEEP_RECENT_TOKENS
+    model: str | None = None
+    """The model that writes the summary (`provider:name`, one of the server's configured
+    `models`, or the session's own); None = the session's model. A smaller, cheaper model
+    summarises as well, and its own window is what the summary request must fit."""
 
 
 def parse_config(value: Any) -> CompactionConfig:
-    """`compaction: false | {reserve_tokens, keep_recent_tokens}`; None or true mean the defaults."""
+    """`compaction: false | {reserve_tokens, keep_recent_tokens, model}`; None or true mean the
+    defaults. Whether `model` is configured is the caller's check (`check_model`)."""
     if value is None or value is True:
         return CompactionConfig()
     if value is False:
@@ -88,13 +96,30 @@ def parse_config(value: Any) -> CompactionConfig:
         raise CompactionConfigError(
             f"compaction has unknown keys {sorted(unknown)}; allowed: {sorted(CONFIG_KEYS)}"
         )
-    for key in CONFIG_KEYS & set(value):
+    for key in TOKEN_KEYS & set(value):
         if not isinstance(value[key], int) or isinstance(value[key], bool) or value[key] < 1:
             raise CompactionConfigError(f"compaction.{key} must be a positive integer")
+    model = value.get("model")
+    if model is not None and (not isinstance(model, str) or model_name_problem(model) is not None):
+        raise CompactionConfigError(
+            f"compaction.model must be a model name ('<provider>:<name>'), not {model!r}"
+        )
     return CompactionConfig(
         reserve_tokens=value.get("reserve_tokens"),
         keep_recent_tokens=value.get("keep_recent_tokens", DEFAULT_KEEP_RECENT_TOKENS),
+        model=model,
     )
+
+
+def check_model(config: CompactionConfig, session_model: str, configured: Iterable[str]) -> None:
+    """Refuse a summary model that is neither the session's own nor one the operator configured
+    (`[models."provider:name"]`): another provider's model runs on the server's own credentials
+    for it, so which ones may read a session's conversation is the operator's choice."""
+    allowed = {session_model, *configured}
+    if config.model is not None and config.model not in allowed:
+        raise CompactionConfigError(
+            f"compaction.model {config.model!r} is not a configured model; configured: {sorted(allowed)}"
+        )
 
 
 # -- trigger -------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ a restart, sees exactly what the rows say:
                     then the transcript from its first kept message, up to this turn, each
                     result's images read back from the image store (`agent.vision`); first
                     compacts when the context exceeds window - reserve (Flue's trigger)
-    compact(why)    summarise the older part with the session's model, keep the recent part,
+    compact(why)    summarise the older part with the summary model (`summarizer`: the
+                    session's, or `compaction.model`'s), keep the recent part,
                     rebaseline the prompt against the current surroundings; records
                     `agent.context_compacted` (and the summary call's `model.usage`)
 
@@ -146,9 +147,12 @@ class TurnContext:
         retry: RetryPolicy | None = None,
         vision: Vision | None = None,
         images: ImageStore | None = None,
+        summarizer: Model | None = None,
     ) -> None:
         self.store, self.baselines, self.bus, self.turn = store, baselines, bus, turn
         self.model, self.surroundings = model, surroundings
+        self.summarizer = summarizer or model
+        """The model that writes compaction summaries (`CompactionConfig.model`; default the session's)."""
         self.limits, self.compaction, self.retry = limits, compaction, retry or RetryPolicy()
         self.vision, self.images = vision or Vision(model.name), images
         """Results' images are read back from `images` for each request (`agent.vision`)."""
@@ -183,9 +187,11 @@ class TurnContext:
         if signals:
             await self.record_signals(signals, env)
 
-    async def record_signals(self, signals: Sequence[Signal], env: Environment) -> None:
+    async def record_signals(self, signals: Sequence[Signal], env: Environment | None = None) -> None:
+        """One signal message and its `agent.signal` event; `env`: the environment they told
+        (None for notices that change nothing the prompt describes, e.g. a finished task)."""
         text = "\n\n".join(s.render() for s in signals)
-        row = SignalRow(text, [s.type for s in signals], environment_data(env))
+        row = SignalRow(text, [s.type for s in signals], environment_data(env) if env is not None else None)
         data = {"signals": [{"type": s.type, "body": s.body, **dict(s.attributes)} for s in signals]}
         self.bus.publish(await self.baselines.add_signals(self.turn.id, row, [NewEvent(SIGNAL_EVENT, data)]))
 
@@ -275,7 +281,7 @@ class TurnContext:
             await self.append([model_error_event(exc, attempt, self.retry.attempts, delay, "compaction")])
 
         try:
-            reply = await with_retries(lambda: self.model.query(request), self.retry, retrying)
+            reply = await with_retries(lambda: self.summarizer.query(request), self.retry, retrying)
         except ModelError as exc:
             raise CompactionFailed(f"the summary call failed: {exc}") from exc
         if not reply.text.strip():
@@ -287,7 +293,7 @@ class TurnContext:
         after = sum(estimate_tokens(m) for m in [summary_message(summary), *kept])
         events = [
             NewEvent("model.usage", {
-                "model": self.model.name, "input_tokens": reply.usage.input_tokens,
+                "model": self.summarizer.name, "input_tokens": reply.usage.input_tokens,
                 "output_tokens": reply.usage.output_tokens,
                 "latency_ms": round((time.monotonic() - started) * 1000), "purpose": "compaction",
             }),

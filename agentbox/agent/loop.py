@@ -32,6 +32,12 @@ new model call (so a scripted retry consumes the next step). A context-overflow 
 compacts (`Context.after_overflow`) and retries once; the context may compact on its own
 threshold while it builds a request (`Context.request`).
 
+Step boundaries: after a reply's tool calls have their results, and where a reply without
+tool calls would end the turn, the loop asks its `boundary` (the worker's: messages that arrived
+meanwhile join the turn, background tasks' notices are told) what arrived; whatever did is in
+the transcript before the next model call, and a turn that would have ended goes on to answer
+it. The last allowed step takes nothing in: what arrives then waits for its own turn.
+
 Parallel calls: a run of consecutive calls the host marks `parallel` (`task` calls to
 read-only subagents) runs concurrently; the subagents bound how many at once. Everything
 else runs one at a time, in order.
@@ -42,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -68,6 +74,10 @@ from agentbox.tools.base import ToolResult
 MAX_STEPS = 50
 #: The result of a call the turn did not run because the user took the browser over.
 NOT_RUN_AFTER_TAKEOVER = "Not run: the user took over the browser, which ended this turn."
+
+
+#: Takes in what arrived since the last model call (see "Step boundaries"); whether anything did.
+Boundary = Callable[[], Awaitable[bool]]
 
 
 class TurnEnded(Exception):
@@ -139,6 +149,7 @@ class TurnLoop:
         config: LoopConfig | None = None,
         vision: Vision | None = None,
         images: ImageStore | None = None,
+        boundary: Boundary | None = None,
     ) -> None:
         self.store, self.bus, self.model, self.tools, self.turn = store, bus, model, tools, turn
         self.context = context
@@ -147,6 +158,7 @@ class TurnLoop:
         """Whether results' images are shown to the model (`agent.vision`)."""
         self.images = images
         """Where they are kept for later requests (None: they are only named in the text)."""
+        self.boundary = boundary
         self.steps = 0
         self._call_ids: set[str] | None = None  # the session's tool call ids, read once per turn
 
@@ -163,9 +175,17 @@ class TurnLoop:
             raise Completed("max_steps")
         self.steps += 1
         reply = await self.query()
-        if not reply.tool_calls:
+        if reply.tool_calls:
+            await self.execute_actions(reply.tool_calls)
+            await self.take_in()
+        elif not await self.take_in():
             raise Completed("end_turn")
-        await self.execute_actions(reply.tool_calls)
+
+    async def take_in(self) -> bool:
+        """At a step boundary: what arrived meanwhile (see "Step boundaries"); whether anything did."""
+        if self.boundary is None or self.steps >= self.config.max_steps:
+            return False
+        return await self.boundary()
 
     async def query(self) -> Reply:
         """One model reply, retried on retryable errors; recorded before it is returned."""

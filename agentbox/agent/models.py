@@ -18,7 +18,9 @@ so a restart continues the script where the dead process stopped. A step is an o
                 `tool_use`); call i of step n gets the id `toolu_s{n}_{i}`. `script` (a `task`
                 call's): the steps of the subagent that call starts (see below)
     expect      {"tool_result_contains": s}: checked first, against the latest tool result
-                of the conversation; absent → `ScriptError` (the turn fails with that message)
+                of the conversation; absent → `ScriptError` (the turn fails with that message);
+                {"user_message_contains": s}: the same against the latest user-role message
+                (a message that joined the turn, a signal)
     delay_ms    wait that long before replying
     hang        true: never reply (until the call is cancelled: the turn was aborted)
     error       "rate_limited" | "overloaded": raise that error (the step is consumed)
@@ -336,16 +338,20 @@ def check_script(script: Any) -> list[dict[str, Any]]:
 def _expect(expect: Any, messages: Sequence[ChatMessage], index: int) -> None:
     if not expect:
         return
-    wanted = expect.get("tool_result_contains") if isinstance(expect, dict) else None
-    if not isinstance(wanted, str):
-        raise ScriptError(f"script step {index}: expect needs a string `tool_result_contains`")
-    results = [m for m in messages if m.role == "tool"]
-    if not results:
+    kinds = {
+        "tool_result_contains": ("tool", "tool result"),
+        "user_message_contains": ("user", "user message"),
+    }
+    key = next((k for k in kinds if isinstance(expect, dict) and k in expect), None)
+    wanted = expect.get(key) if key is not None else None
+    if key is None or not isinstance(wanted, str):
+        raise ScriptError(f"script step {index}: expect needs a string `{'` or `'.join(kinds)}`")
+    role, what = kinds[key]
+    found = [m for m in messages if m.role == role]
+    if not found:
+        raise ScriptError(f"script step {index} expected a {what} containing {wanted!r}, but there is none")
+    if wanted not in found[-1].text:
+        shown = found[-1].text[:300]
         raise ScriptError(
-            f"script step {index} expected a tool result containing {wanted!r}, but there is none"
-        )
-    if wanted not in results[-1].text:
-        shown = results[-1].text[:300]
-        raise ScriptError(
-            f"script step {index} expected the last tool result to contain {wanted!r}; it was: {shown!r}"
+            f"script step {index} expected the last {what} to contain {wanted!r}; it was: {shown!r}"
         )

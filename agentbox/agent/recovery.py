@@ -9,7 +9,8 @@ by the dead process becomes `aborted`), then classify and act by `RECOVERY`:
     input_only          started, no complete reply yet                  continue (query the model)
     tool_results        the last reply's tool calls all have results    continue
     tools_unresolved    some of its calls have no result                repair, then continue
-    replied             the last reply had no tool calls                complete (end_turn)
+    replied             the last reply had no tool calls, and no        complete (end_turn)
+                        message joined the turn after it
 
 Repair keeps recorded results (never re-run), re-runs read-only tools, and gives every other
 unresolved call the "interrupted, outcome unknown" result, except a call whose approval was
@@ -67,7 +68,8 @@ def classify(turn: Turn, transcript: Sequence[Message]) -> State:
     if not replies:
         return State.INPUT_ONLY
     calls = replies[-1].content.get("tool_calls", [])
-    if not calls:
-        return State.REPLIED
+    if not calls:  # a message that joined after the reply (or a signal told then) is still unanswered
+        later = any(m.turn_id == turn.id and m.role == "user" and m.id > replies[-1].id for m in transcript)
+        return State.INPUT_ONLY if later else State.REPLIED
     answered = {m.tool_use_id for m in transcript if m.role == "tool"}
     return State.TOOL_RESULTS if all(c["id"] in answered for c in calls) else State.TOOLS_UNRESOLVED

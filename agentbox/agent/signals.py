@@ -19,6 +19,9 @@ snapshot. Signal types:
                   as catalog lines, removals, updates, then all names of that kind
     permissions   the permission mode changed (an agentbox addition; Flue has no tiers)
     instructions  fixed body "System instructions updated." (the instructions are sent anew)
+    task          attributes task_id, agent, status: a background task (`task` with
+                  `background: true`) finished; the body is its final message. Not a change of
+                  the environment: told at the first step boundary after it finished
 
 An entry counts as updated when its description changes, or, for tools, the digest of its
 input schema (the schema itself reaches the model in the tools array, so only the name is told).
@@ -179,3 +182,9 @@ def resource_signal(
             lines.append(f'The {one} "{r.name}" was updated:\n{r.catalog_line()}')
     lines.append(f"All available {many}: " + (", ".join(r.name for r in after) or "none"))
     return Signal("resources", "\n".join(lines), (("resource", kind),))
+
+
+def task_signal(task_id: str, agent: str, status: str, result: str) -> Signal:
+    """The notice of a finished background task: its final message (or why it failed) as the body."""
+    head = f"The background task {task_id} ({agent}) finished with status {status}. Its final message:"
+    return Signal("task", f"{head}\n\n{result}", (("task_id", task_id), ("agent", agent), ("status", status)))

@@ -26,6 +26,32 @@ Which task call a child belongs to: its tool_use_id, taken from the context vari
 `calling(tool_use_id)` around the call (the turn's tool host wraps each call; the child loop
 does so itself). A context variable, because parallel calls each see their own.
 
+Background tasks (`task` with `background: true`): the call returns at once with the task's
+id (its tool_use_id) and the parent goes on; the child runs as an asyncio task of the
+session's `BackgroundTasks`, in a read-only slot like any read-only task (the slots are the
+session's, so tasks left running by an earlier turn count). Only the session's own agent may
+start one, only for an agent that cannot change anything (`read_only`: a writer's change sets
+need the turn that reviews them), and at most `MAX_BACKGROUND_TASKS` run at once per session.
+An approval it asks for (a researcher's web access under `full-ask`) is the session's, not
+the turn's: it may outlive the turn, and a question of its own must not mark the turn that
+goes on as waiting. When it finishes, its `subagent.completed` event (`background: true`,
+`result`) goes to the session's log and a `Notice` waits in `BackgroundTasks.notices`; the
+worker tells it to the model as a `task` signal at the next step boundary of the running
+turn, or at the start of the next turn.
+A background task lives in the server's memory: a restart or the session's deletion cancels it
+(its notice is never told), as it cancels a foreground task with its turn.
+
+Durable runs (`runs`, the store's `SubagentRuns`; the worker always gives it): each child's
+transcript is written as it grows, under a run id (`sub_...`) that its `subagent.started` /
+`subagent.completed` events carry and its answer ends with (`RUN_TRAILER`), and the sessions
+API reads it. `task` with `resume: <run id>` continues that run: the same agent, its own
+conversation, the new prompt as its next message. A resume is refused for a run of another
+session (it is not found), for another agent's run, for a run still running, and when the
+permissions it would run under are narrower than those it ran under (a lower intersected
+tier, or plan mode since): what it learned and planned assumed the wider ones. A run cut
+short (its turn aborted, a shutdown, a crash: `SubagentRuns.interrupt_running` at start) ends
+`failed` and can be resumed.
+
 How a child run ends (never an exception out of `__call__`, except cancellation):
 
     completed   a reply without tool calls: its text is the result (`NO_TEXT` if empty)
@@ -53,9 +79,10 @@ from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, 
 from agentbox.agent.providers.arguments import invalid_arguments
 from agentbox.agent.vision import Vision, budget, shown_parts
 from agentbox.store.sessions import NewEvent
-from agentbox.tools.base import Action, Tool, ToolResult
+from agentbox.store.subagents import SubagentRun, SubagentRunNotFound, SubagentRuns
+from agentbox.tools.base import Action, TextBlock, Tool, ToolResult
 from agentbox.tools.runner import SessionTools
-from agentbox.tools.tiers import Tier, intersect
+from agentbox.tools.tiers import ORDER, Tier, intersect
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +97,16 @@ DELEGATED_AS = {"browser": "browser_read"}
 MAX_PARALLEL_READ_ONLY = 3
 #: Model calls one child run may make before it stops with status `max_steps`.
 MAX_CHILD_STEPS = 50
+#: Background tasks (`task` with `background: true`) one session may have running at once.
+MAX_BACKGROUND_TASKS = 4
 NO_TEXT = "(task completed with no text)"
+#: What a stored run's answer ends with, so the agent that delegated can resume it.
+RUN_TRAILER = "[task id: {id}; to continue this agent's work where it stopped, call task with resume={id}]"
 
 Status = Literal["completed", "failed", "max_steps"]
 Emit = Callable[[list[NewEvent]], Awaitable[Any]]
+#: Keeps one new message of a child's conversation.
+Journal = Callable[[ChatMessage], Awaitable[None]]
 
 #: The tool_use_id of the tool call running in this context (see `calling`).
 _tool_use_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -96,6 +129,65 @@ def calling(tool_use_id: str) -> Iterator[None]:
         yield
     finally:
         _tool_use_id.reset(token)
+
+
+# ---------------------------------------------------------------- background tasks
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A background task that finished, for the model to be told at the next step boundary."""
+
+    task_id: str
+    agent: str
+    status: Status
+    result: str
+    """The child's final message, or why it failed."""
+
+
+class BackgroundTasks:
+    """One session's background tasks: those running, and the notices not yet told.
+
+    Kept by the worker per session, across that session's turns: a task outlives the turn
+    that started it. `semaphore` holds the session's read-only task slots
+    (`MAX_PARALLEL_READ_ONLY`), shared by every turn's `Subagents`, so that tasks still
+    running from an earlier turn count.
+    """
+
+    def __init__(self, limit: int = MAX_BACKGROUND_TASKS) -> None:
+        self.limit = limit
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self.notices: list[Notice] = []
+        self.semaphore = asyncio.Semaphore(MAX_PARALLEL_READ_ONLY)
+
+    def full(self) -> bool:
+        return len(self.running) >= self.limit
+
+    def start(self, task_id: str, work: Awaitable[Notice]) -> None:
+        async def run() -> None:
+            try:
+                notice = await work
+            finally:
+                self.running.pop(task_id, None)
+            self.notices.append(notice)
+
+        self.running[task_id] = asyncio.get_running_loop().create_task(run(), name=f"background-{task_id}")
+
+    def take(self) -> list[Notice]:
+        """The notices not yet told, oldest first; they are the caller's now."""
+        taken, self.notices = self.notices, []
+        return taken
+
+    def give_back(self, notices: Sequence[Notice]) -> None:
+        """Notices taken but not told (the turn ended first): told at the next boundary."""
+        self.notices[:0] = notices
+
+    async def close(self) -> None:
+        """Cancel what still runs (a restart or the session's end); wait for it to stop."""
+        tasks = list(self.running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # ---------------------------------------------------------------- running a task
@@ -124,6 +216,8 @@ class Subagents:
         writer_lock: asyncio.Lock | None = None,
         max_steps: int = MAX_CHILD_STEPS,
         vision: Callable[[AgentSpec], Vision] | None = None,
+        background: BackgroundTasks | None = None,
+        runs: SubagentRuns | None = None,
     ) -> None:
         self.agents, self.parent, self.canonical = agents, parent, canonical
         self.models, self.emit, self.system_facts = models, emit, system_facts
@@ -135,6 +229,10 @@ class Subagents:
         self.writer_lock = writer_lock or asyncio.Lock()
         """Held by a task that may change things, shared by the whole tree."""
         self.max_steps = max_steps
+        self.background = background
+        """The session's background tasks; None: `background: true` is refused."""
+        self.runs = runs
+        """Where children's transcripts are kept; None: kept in memory only, never resumable."""
         self._unnamed = itertools.count(1)
 
     def read_only(self, agent: str) -> bool:
@@ -148,7 +246,15 @@ class Subagents:
             return True
         return intersect(self.parent.tier, spec.tier) == Tier.READ_ONLY
 
-    async def __call__(self, agent: str, prompt: str, description: str = "") -> ToolResult:
+    async def __call__(
+        self,
+        agent: str,
+        prompt: str,
+        description: str = "",
+        *,
+        background: bool = False,
+        resume: str | None = None,
+    ) -> ToolResult:
         spec = self.agents.get(agent.strip())
         if spec is None:
             return ToolResult.error(miss(agent, self.agents))
@@ -157,30 +263,115 @@ class Subagents:
                 f"The delegation depth limit {self.max_depth} was reached: this agent runs at depth "
                 f"{self.depth} and cannot delegate further. Do the task yourself."
             )
+        resumed = None
+        if resume is not None:
+            if background:
+                return ToolResult.error(
+                    "A resumed task runs in the foreground: call it without `background`."
+                )
+            found = await self.resumable(spec, resume)
+            if isinstance(found, str):
+                return ToolResult.error(found)
+            resumed = found
+        if background:
+            return self.start_background(spec, prompt, description)
         call_id = self._call_id()
         if _inside_task.get():  # nested: runs in the slot its ancestor holds and waits with
-            return await self._run(spec, call_id, prompt, description)
+            return await self._run(spec, call_id, prompt, description, resumed=resumed)
         guard: contextlib.AbstractAsyncContextManager[Any] = (
             self.semaphore if self.read_only(spec.name) else self.writer_lock
         )
         async with guard:
             token = _inside_task.set(True)
             try:
-                return await self._run(spec, call_id, prompt, description)
+                return await self._run(spec, call_id, prompt, description, resumed=resumed)
             finally:
                 _inside_task.reset(token)
+
+    async def resumable(self, spec: AgentSpec, run_id: str) -> SubagentRun | str:
+        """The stored run `run_id` if `spec` may continue it here, else why not (see the module docstring)."""
+        if self.runs is None:
+            return "Tasks are not kept in this session, so none can be resumed."
+        try:
+            run = await self.runs.get(self.parent.session_id, run_id.strip())
+        except SubagentRunNotFound:
+            return f"No task {run_id} in this session to resume."
+        if run.agent != spec.name:
+            return f"Task {run.id} was the {run.agent} agent's; resume it with agent {run.agent!r}."
+        if run.status == "running":
+            return f"Task {run.id} is still running; wait for it to finish before resuming it."
+        now = intersect(self.parent.tier, spec.tier)
+        if ORDER.index(now) < ORDER.index(Tier(run.tier)) or (self.parent.plan and not run.plan):
+            was = f"{run.tier}{' plan' if run.plan else ''}"
+            return (
+                f"Task {run.id} ran under {was}, and this session's permissions are narrower now "
+                f"({now}{' plan' if self.parent.plan else ''}): start a new task instead of resuming it."
+            )
+        return run
+
+    def start_background(self, spec: AgentSpec, prompt: str, description: str) -> ToolResult:
+        """Start `spec` as a background task and answer at once with its id (see the module
+        docstring); an error result when it may not run in the background."""
+        if self.background is None or self.depth > 0 or _inside_task.get():
+            return ToolResult.error("Only the session's own agent can start background tasks.")
+        if not self.read_only(spec.name):
+            return ToolResult.error(
+                f"The {spec.name} agent can change files, so it cannot run in the background: "
+                "call it without `background`."
+            )
+        if self.background.full():
+            return ToolResult.error(
+                f"{self.background.limit} background tasks are already running in this session, the most "
+                "at once: wait for one to finish, or call this one without `background`."
+            )
+        task_id = self._call_id()
+
+        async def work() -> Notice:
+            async with self.semaphore:
+                token = _inside_task.set(True)
+                try:
+                    result = await self._run(spec, task_id, prompt, description, background=True)
+                finally:
+                    _inside_task.reset(token)
+            return Notice(task_id, spec.name, result.data.get("status", "failed"), result.as_text())
+
+        self.background.start(task_id, work())
+        return ToolResult.text(
+            f"Started background task {task_id} ({spec.name}). Go on with your work: its final message "
+            "will arrive as a task signal when it finishes.",
+            task_id=task_id, agent=spec.name, status="running",
+        )  # fmt: skip
 
     def _call_id(self) -> str:
         """The tool_use_id of the running `task` call (see the module docstring)."""
         return _tool_use_id.get() or f"task_{self.depth}_{next(self._unnamed)}"
 
-    async def _run(self, spec: AgentSpec, call_id: str, prompt: str, description: str) -> ToolResult:
+    async def _run(
+        self,
+        spec: AgentSpec,
+        call_id: str,
+        prompt: str,
+        description: str,
+        *,
+        background: bool = False,
+        resumed: SubagentRun | None = None,
+    ) -> ToolResult:
         path = (*self.task_path, call_id)
         tools = self.child_tools(spec, path)
-        await self.emit([NewEvent("subagent.started", {
+        stored, history = await self.open_run(spec, call_id, tools, resumed)
+        if (
+            background
+        ):  # it outlives the turn: what it asks is the session's, and leaves the turn's status alone
+            tools.turn_id = None
+        started = {
             "tool_use_id": call_id, "agent": spec.name, "description": description,
             "depth": self.depth + 1, "task_path": list(path),
-        })])  # fmt: skip
+        }  # fmt: skip
+        if stored is not None:
+            started.update(subagent_id=stored, **({"resumed": True} if resumed is not None else {}))
+        await self.emit(
+            [NewEvent("subagent.started", {**started, **({"background": True} if background else {})})]
+        )
         delivered = tools.deliveries
         model = self.models(spec)
         run = ChildRun(
@@ -192,14 +383,57 @@ class Subagents:
             task_path=path,
             emit=self.emit,
             max_steps=self.max_steps,
+            journal=self.journal(stored) if stored is not None else None,
         )
-        result = await run.run(prompt)
+        try:
+            result = await run.run(prompt, history)
+        except asyncio.CancelledError:  # aborted with its turn, or shut down: it ended, unfinished
+            if stored is not None and self.runs is not None:
+                with contextlib.suppress(Exception):  # the database is closing: the next start settles it
+                    await asyncio.shield(self.runs.set_status(stored, "failed"))
+            raise
         self.parent.deliveries += tools.deliveries - delivered
-        await self.emit([NewEvent("subagent.completed", {
+        completed = {
             "tool_use_id": call_id, "agent": spec.name, "status": run.status, "steps": run.steps,
             "output_chars": len(result.as_text()), "task_path": list(path),
-        })])  # fmt: skip
+        }  # fmt: skip
+        answer = result.as_text()
+        if stored is not None and self.runs is not None:
+            await self.runs.set_status(stored, run.status)
+            completed["subagent_id"] = stored
+            result = ToolResult(
+                [*result.content, TextBlock(RUN_TRAILER.format(id=stored))],
+                result.is_error,
+                {**result.data, "subagent_id": stored},
+            )
+        if background:  # no tool result carries its answer: the client reads it here
+            completed.update(background=True, result=answer)
+        await self.emit([NewEvent("subagent.completed", completed)])
         return result
+
+    async def open_run(
+        self, spec: AgentSpec, call_id: str, tools: SessionTools, resumed: SubagentRun | None
+    ) -> tuple[str | None, list[ChatMessage]]:
+        """(the stored run's id, the conversation it continues): a new run, or the resumed one
+        moved to this turn; (None, []) where runs are not kept."""
+        if self.runs is None:
+            return None, []
+        if resumed is not None:
+            await self.runs.set_status(resumed.id, "running", tools.turn_id)
+            return resumed.id, [message_of(m.role, m.content) for m in await self.runs.messages(resumed.id)]
+        run = await self.runs.create(
+            tools.session_id, tools.turn_id, call_id, spec.name, tools.tier.value, tools.plan
+        )
+        return run.id, []
+
+    def journal(self, run_id: str) -> Journal:
+        runs = self.runs
+        assert runs is not None
+
+        async def record(message: ChatMessage) -> None:
+            await runs.append(run_id, message.role, message_content(message))
+
+        return record
 
     def child_tools(self, spec: AgentSpec, path: tuple[str, ...]) -> SessionTools:
         """The child's `SessionTools`: the parent's tools it lists and may be given (never
@@ -224,7 +458,7 @@ class Subagents:
                 agents=self.agents, parent=child, canonical=self.canonical, models=self.models,
                 emit=self.emit, system_facts=self.system_facts, depth=self.depth + 1,
                 max_depth=self.max_depth, task_path=path, semaphore=self.semaphore,
-                writer_lock=self.writer_lock, max_steps=self.max_steps, vision=self.vision,
+                writer_lock=self.writer_lock, max_steps=self.max_steps, vision=self.vision, runs=self.runs,
             )  # fmt: skip
         return child
 
@@ -245,6 +479,23 @@ class Subagents:
         return "\n\n".join(part for part in (spec.instructions, roster_part, self.system_facts) if part)
 
 
+def message_content(message: ChatMessage) -> dict[str, Any]:
+    """A child's message as its stored row's content (`store/subagents.py`)."""
+    return {
+        "text": message.text,
+        "tool_calls": [{"id": c.id, "name": c.name, "input": c.input} for c in message.tool_calls],
+        "tool_use_id": message.tool_use_id,
+        "is_error": message.is_error,
+    }
+
+
+def message_of(role: Literal["user", "assistant", "tool"], content: Mapping[str, Any]) -> ChatMessage:
+    calls = [ToolCall(c["id"], c["name"], c["input"]) for c in content.get("tool_calls") or []]
+    return ChatMessage(
+        role, str(content.get("text", "")), calls, content.get("tool_use_id"), bool(content.get("is_error"))
+    )
+
+
 def delegable(canonical: str, tool: Tool) -> bool:
     """Whether a child may be given `tool` at all (see `NEVER_DELEGATED`)."""
     return tool.action not in NEVER_DELEGATED and not canonical.startswith(f"{MCP_PREFIX}__")
@@ -263,16 +514,20 @@ class ChildRun:
     max_steps: int = MAX_CHILD_STEPS
     vision: Vision = field(default_factory=lambda: Vision(""))
     """Whether its model is shown its results' images (kept in memory, fitted as a turn's are)."""
+    journal: Journal | None = None
+    """Where each new message is kept as it is made (a stored run); None: memory only."""
     messages: list[ChatMessage] = field(default_factory=list)
     steps: int = 0
     """Model calls made (also the `call_index` of the next one)."""
     status: Status = "completed"
 
-    async def run(self, prompt: str) -> ToolResult:
-        """The child's final text as the result; failures are error results (cancellation raises)."""
-        self.messages = [ChatMessage("user", prompt)]
+    async def run(self, prompt: str, history: Sequence[ChatMessage] = ()) -> ToolResult:
+        """The child's final text as the result; failures are error results (cancellation raises).
+        `history`: the conversation a resumed run continues."""
+        self.messages = list(history)
         last = ""
         try:
+            await self.add(ChatMessage("user", prompt))
             while self.steps < self.max_steps:
                 reply = await self.query()
                 if not reply.tool_calls:
@@ -313,8 +568,13 @@ class ChildRun:
             "latency_ms": round((time.monotonic() - started) * 1000),
             "agent": self.spec.name, "task_path": list(self.task_path),
         })])  # fmt: skip
-        self.messages.append(ChatMessage("assistant", reply.text, list(reply.tool_calls)))
+        await self.add(ChatMessage("assistant", reply.text, list(reply.tool_calls)))
         return reply
+
+    async def add(self, message: ChatMessage) -> None:
+        self.messages.append(message)
+        if self.journal is not None:
+            await self.journal(message)
 
     async def execute(self, calls: Sequence[ToolCall]) -> None:
         for call in calls:
@@ -323,7 +583,7 @@ class ChildRun:
             if events:
                 await self.emit(events)
             text, parts = await shown_parts(result.content, self.vision)
-            self.messages.append(
+            await self.add(
                 ChatMessage("tool", text, tool_use_id=call.id, is_error=result.is_error, parts=parts)
             )
 

@@ -6,15 +6,25 @@ and classifies every open turn (Flue's recovery, a.9) before acting on it.
 
 What a turn is given (`_work`): the session's model (`models(session)`: the scripted model or
 a provider with the session's `model_options`), its tools (the toolset, its MCP servers' tools,
-`task` with a `Subagents` delegate; a session whose machine is `NO_MACHINE` keeps only the tools
-that need no machine) and a `TurnContext` over the session's baselines. The system prompt and
-the signals describe the machine (seed 004's machine line, the workspace listing, AGENTS.md)
-through `Registry.view`, which starts nothing: a sandbox starts at the first tool call that
-needs it, so a turn that only talks costs no sandbox.
+`task` with a `Subagents` delegate over the session's `BackgroundTasks` and the stored
+subagent runs; a session whose machine is `NO_MACHINE` keeps only the tools that need no
+machine) and a `TurnContext` over the session's baselines, with the summary model that
+`compaction.model` names (else the config's `[compaction] model`, else the session's). The system prompt and the signals describe the machine (seed 004's
+machine line, the workspace listing, AGENTS.md) through `Registry.view`, which starts nothing:
+a sandbox starts at the first tool call that needs it, so a turn that only talks costs no
+sandbox.
 
 FIFO: each session has at most one drain task, which takes the first open turn, runs it to
-its end, and takes the next. A message that arrives while a turn runs is queued as its own
-turn (we do not join it into the running turn at a step boundary, as Flue can).
+its end, and takes the next. A message is always accepted as a queued turn first (a row before
+anything else); one that arrives while a turn runs joins that turn at its next step boundary
+(`SessionStore.join_queued`, Flue's turn-boundary join): after the current model call and its
+tool calls, before the next model call, or where the turn would have ended. It is answered in
+that turn and its own turn ends with it. A message joins no turn, and runs as its own, when
+the turn has already ended (or takes its last step), or when it brings files. A turn waiting
+for an approval has no boundary until the approval is answered (the call that asked is still
+running): a message sent meanwhile joins after the answer, read together with the call's
+result, since the user's answer to a question comes before what they said next. Aborting a
+joined turn aborts the turn it joined.
 
 Abort: a queued turn (or one with no live task, e.g. awaiting approval after a restart) is
 finished `aborted` at once. A running turn's task is cancelled (a hanging model call, a
@@ -44,7 +54,7 @@ from datetime import date
 from typing import Any
 
 from agentbox.agent.agents import AgentSpec, canonical_names, load_agents, roster
-from agentbox.agent.compaction import parse_config
+from agentbox.agent.compaction import check_model, parse_config
 from agentbox.agent.context import Surroundings, TurnContext
 from agentbox.agent.events import EventBus
 from agentbox.agent.inputs import PlacementError, place_inputs
@@ -66,7 +76,8 @@ from agentbox.agent.providers import check_endpoint, provider_model
 from agentbox.agent.providers.retry import RetryingModel
 from agentbox.agent.reach import Reach
 from agentbox.agent.recovery import RECOVERY, Act, classify
-from agentbox.agent.subagents import Subagents, running_call
+from agentbox.agent.signals import task_signal
+from agentbox.agent.subagents import BackgroundTasks, Subagents, running_call
 from agentbox.agent.tool_host import SessionToolHost
 from agentbox.agent.vision import Vision
 from agentbox.config import MachineConfig
@@ -91,6 +102,7 @@ from agentbox.store.sessions import (
     Turn,
     TurnClosed,
 )
+from agentbox.store.subagents import SubagentRuns
 from agentbox.store.todos import TodoRepo
 from agentbox.tools.approvals import Approvals, EventKind
 from agentbox.tools.base import Action, Tool, ToolResult
@@ -176,6 +188,8 @@ class Worker:
         self.baselines = BaselineStore(store.db)
         self.images = ImageStore(registry.settings.home)
         """The images tool results showed the model, for every later request (`agent.vision`)."""
+        self.runs = SubagentRuns(store.db)
+        """Subagents' transcripts (read by the sessions API, continued by `task` with `resume`)."""
         self._drains: dict[str, asyncio.Task[None]] = {}
         self._turns: dict[str, asyncio.Task[None]] = {}
         self._active: dict[str, str] = {}  # session id -> the turn it runs now
@@ -184,6 +198,7 @@ class Worker:
         self._resumes: dict[str, str] = {}  # turn id -> approval answered while no task waited for it
         self._mcp: dict[str, McpTools] = {}  # session id -> its connected MCP servers
         self._asking: dict[str, str | None] = {}  # approval id -> the tool_use_id that asked
+        self._background: dict[str, BackgroundTasks] = {}  # session id -> its background tasks
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -196,6 +211,7 @@ class Worker:
         self.approvals.shutting_down = False
         self.registry.on_ready.append(self._sandbox_ready)
         self.approvals.listeners.append(self._approval_event)
+        await self.runs.interrupt_running()
         for session_id in dict.fromkeys(turn.session_id for turn in await self.store.open_turns()):
             self.wake(session_id)
 
@@ -213,6 +229,9 @@ class Worker:
         for mcp in self._mcp.values():
             await mcp.close()
         self._mcp.clear()
+        for background in self._background.values():
+            await background.close()
+        self._background.clear()
         if self._own_services:
             await self.services.close()
         self._started = False
@@ -248,7 +267,7 @@ class Worker:
             raise ValueError("`script` is only for the scripted model")
         settings, reach = self.registry.settings, self._reach(config)
         await check_servers(mcp_servers, settings.mcp_servers, config, reach)
-        parse_config(compaction)
+        check_model(parse_config(compaction), model, settings.models)
         check_limit_options(model_options or {})
         if model != SCRIPTED:
             try:  # an option the adapter cannot take (a `timeout` that is not a number) fails here, not in a turn
@@ -287,6 +306,9 @@ class Worker:
             drain.cancel()
             await asyncio.gather(drain, return_exceptions=True)
         await self._release_mcp(session_id)
+        background = self._background.pop(session_id, None)
+        if background is not None:
+            await background.close()
         await self.registry.close_session(session_id, purge=True)
         await self.store.delete_session(session_id)
 
@@ -306,6 +328,9 @@ class Worker:
         turn = await self.store.get_turn(turn_id)
         if turn.terminal:
             return turn
+        if turn.joined_into is not None:  # answered inside that turn: only stopping it stops this
+            await self.abort(turn.joined_into, reason)
+            return await self.store.get_turn(turn_id)
         task = self._turns.get(turn_id)
         if task is not None:
             self._aborting[turn_id] = reason
@@ -390,25 +415,55 @@ class Worker:
             session.model, session.model_options, self.registry.settings.models.get(session.model)
         )
         vision = Vision(session.model, limits.vision)
+        compaction = parse_config(session.compaction)
+        summary_model = compaction.model or self.registry.settings.compaction_model
+        try:
+            summarizer = self._named_model(session, summary_model) if summary_model else model
+        except (UnknownModel, ModelError, TypeError, ValueError) as exc:
+            return Failed("model_unavailable", f"the compaction model is not available: {exc}")
         context = TurnContext(
             self.store, self.baselines, self.bus, turn, model, lambda: self._surroundings(session, host),
-            limits=limits, compaction=parse_config(session.compaction), retry=self.config.retry,
+            limits=limits, compaction=compaction, retry=self.config.retry, summarizer=summarizer,
             vision=vision, images=self.images,
         )  # fmt: skip
         loop = TurnLoop(
             self.store, self.bus, model, host, turn, context=context, config=self.config,
-            vision=vision, images=self.images,
+            vision=vision, images=self.images, boundary=lambda: self._boundary(turn, context),
         )  # fmt: skip
         try:
             await self._place(session, turn)
             await context.begin(boundary=before.status == "queued")
             if before.status == "queued":
+                await self._tell_notices(turn, context)
                 return await loop.run()
             return await self._recover(loop, before)
         except PlacementError as exc:
             return Failed("internal_error", str(exc))
         except MachineError as exc:  # the sandbox cannot start (also at a tool call): nothing could use it
             return Failed("machine_unavailable", f"the session's machine is not available: {exc}", True)
+
+    async def _boundary(self, turn: Turn, context: TurnContext) -> bool:
+        """At a step boundary of `turn`: the messages queued behind it join it, and the notices
+        of background tasks that finished are told; whether anything arrived."""
+        joined = await self.store.join_queued(turn.id)
+        self.bus.publish(joined)
+        told = await self._tell_notices(turn, context)
+        return bool(joined) or told
+
+    async def _tell_notices(self, turn: Turn, context: TurnContext) -> bool:
+        """The session's finished background tasks, told as `task` signals; whether any were."""
+        background = self._background.get(turn.session_id)
+        notices = background.take() if background is not None else []
+        if background is None or not notices:
+            return False
+        try:
+            await context.record_signals(
+                [task_signal(n.task_id, n.agent, n.status, n.result) for n in notices]
+            )
+        except BaseException:
+            background.give_back(notices)
+            raise
+        return True
 
     async def _place(self, session: Session, turn: Turn) -> None:
         """Put the message's files in the workspace, once (seed 000: /workspace/inputs)."""
@@ -516,6 +571,14 @@ class Worker:
         """The session's model, reporting each call to `on_model_call`."""
         return ReportingModel(self._models(session), session.model.partition(":")[0], self._model_called)
 
+    def _named_model(self, session: Session, name: str) -> Model:
+        """Another model for work of the session (a subagent's, the compaction summary's): the
+        session's options (endpoint, key) go with it only when it is the same provider's;
+        another provider's is configured by the server's environment."""
+        same = name.partition(":")[0] == session.model.partition(":")[0]
+        chosen = dataclasses.replace(session, model=name, model_options=session.model_options if same else {})
+        return self.models(self.store.reveal(chosen))
+
     def _model_called(self, call: ModelCall) -> None:
         for listener in self.on_model_call:
             listener(call)
@@ -588,27 +651,27 @@ class Worker:
         async def retrying(exc: ModelError, attempt: int, delay: float) -> None:
             await emit([model_error_event(exc, attempt, self.config.retry.attempts, delay, "subagent")])
 
-        def chosen(spec: AgentSpec) -> Session:
-            """The agent's own model if it names one: the session's options (endpoint, key) go with
-            it only when it is the same provider's; another provider's is configured by the env."""
-            if not spec.model:
-                return session
-            same = spec.model.partition(":")[0] == session.model.partition(":")[0]
-            options = session.model_options if same else {}
-            return dataclasses.replace(session, model=spec.model, model_options=options)
-
         def child_model(spec: AgentSpec) -> Model:
-            return RetryingModel(self.models(self.store.reveal(chosen(spec))), self.config.retry, retrying)
+            """The agent's own model if it names one, else the session's."""
+            chosen = (
+                self._named_model(session, spec.model)
+                if spec.model
+                else self.models(self.store.reveal(session))
+            )
+            return RetryingModel(chosen, self.config.retry, retrying)
 
         def child_vision(spec: AgentSpec) -> Vision:
-            child = chosen(spec)
-            configured = self.registry.settings.models.get(child.model)
-            return Vision(child.model, model_limits(child.model, child.model_options, configured).vision)
+            name = spec.model or session.model
+            options = session.model_options if name.partition(":")[0] == session.model.partition(":")[0] else {}
+            configured = self.registry.settings.models.get(name)
+            return Vision(name, model_limits(name, options, configured).vision)
 
         canonical = canonical_names(session.toolset)
+        background = self._background.setdefault(session.id, BackgroundTasks())
         return Subagents(
             agents={}, parent=host.tools, canonical=canonical, models=child_model,
-            system_facts="", emit=emit, vision=child_vision,
+            system_facts="", emit=emit, vision=child_vision, semaphore=background.semaphore,
+            background=background, runs=self.runs,
         )  # fmt: skip
 
     async def _surroundings(self, session: Session, host: SessionToolHost) -> Surroundings:

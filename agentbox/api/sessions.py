@@ -9,6 +9,7 @@
     GET    /v1/sessions/{id}/events     ?after&limit      {items, has_more, next_after}
     GET    /v1/sessions/{id}/events/stream                SSE, resumable (Last-Event-ID / ?after)
     GET    /v1/sessions/{id}/turns[/{turn_id}]            POST .../turns/{turn_id}/abort, .../abort
+    GET    /v1/sessions/{id}/subagents[/{run_id}]         subagent runs; one with its transcript
     GET    /v1/sessions/{id}/approvals  ?status=pending   POST .../approvals/{approval_id}
     GET    /v1/sessions/{id}/changes[/{cid}]              POST .../changes/{cid}/apply|reject
     POST   /v1/sessions/{id}/browser/takeover | release   the user drives the session's browser
@@ -79,6 +80,7 @@ from agentbox.store.sessions import (
     UnknownFiles,
     UnsupportedUpdate,
 )
+from agentbox.store.subagents import SubagentRun, SubagentRunNotFound
 from agentbox.system import System
 from agentbox.tools.browser import has_browser
 from agentbox.tools.changes import GovernedMachine
@@ -102,6 +104,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ERRORS: dict[type[Exception], tuple[int, str]] = {
     SessionNotFound: (404, "not_found"),
     TurnNotFound: (404, "not_found"),
+    SubagentRunNotFound: (404, "not_found"),
     ApprovalNotFound: (404, "not_found"),
     ChangeSetNotFound: (404, "not_found"),
     OperationNotFound: (404, "not_found"),
@@ -200,7 +203,9 @@ class CreateSession(BaseModel):
         "other keys (temperature, max_tokens, ...) go into each request body. Secrets are redacted when shown.",
     )
     compaction: bool | dict[str, Any] | None = Field(
-        None, description="false, or {reserve_tokens, keep_recent_tokens}; absent = the defaults."
+        None,
+        description="false, or {reserve_tokens, keep_recent_tokens, model}; absent = the defaults. `model` "
+        "writes the summary: the session's own or a configured one.",
     )
 
 
@@ -298,6 +303,28 @@ class TurnList(BaseModel):
 
 class AbortedTurn(BaseModel):
     turn: Turn | None
+
+
+class SubagentRunList(BaseModel):
+    items: list[SubagentRun]
+
+
+class SubagentMessage(BaseModel):
+    """One message of a child's conversation (as the child's model saw it)."""
+
+    role: Literal["user", "assistant", "tool"]
+    text: str
+    tool_calls: list[dict[str, Any]]
+    tool_use_id: str | None
+    is_error: bool
+    created_at: str
+
+
+class SubagentTranscript(BaseModel):
+    """A subagent run and its whole conversation."""
+
+    run: SubagentRun
+    messages: list[SubagentMessage]
 
 
 class SessionEvent(BaseModel):
@@ -483,6 +510,23 @@ async def list_turns(request: Request, session_id: str) -> Any:
     p = platform(request)
     await p.store.get_session(session_id)
     return {"items": [t.to_dict() for t in await p.store.list_turns(session_id)]}
+
+
+@router.get("/{session_id}/subagents", responses=plain_reply(SubagentRunList))
+async def list_subagents(request: Request, session_id: str) -> Any:
+    """The session's subagent runs (each `task` call's child), oldest first."""
+    p = platform(request)
+    await p.store.get_session(session_id)
+    return {"items": [r.to_dict() for r in await p.worker.runs.of_session(session_id)]}
+
+
+@router.get("/{session_id}/subagents/{run_id}", responses=plain_reply(SubagentTranscript))
+async def get_subagent(request: Request, session_id: str, run_id: str) -> Any:
+    """One run with its transcript; a run of another session is not found."""
+    p = platform(request)
+    await p.store.get_session(session_id)
+    run = await p.worker.runs.get(session_id, run_id)
+    return {"run": run.to_dict(), "messages": [m.to_dict() for m in await p.worker.runs.messages(run.id)]}
 
 
 @router.get("/{session_id}/turns/{turn_id}", responses=plain_reply(Turn))

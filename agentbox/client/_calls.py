@@ -40,7 +40,7 @@ class SessionFields(TypedDict, total=False):
     model_options: dict[str, Any]
     """Provider options: base_url, api_key, timeout, context_window, max_output_tokens, ..."""
     compaction: bool | dict[str, Any]
-    """False, or `{reserve_tokens, keep_recent_tokens}`; absent: the defaults."""
+    """False, or `{reserve_tokens, keep_recent_tokens, model}`; absent: the defaults."""
 
 
 def segment(value: str) -> str:

@@ -94,7 +94,15 @@ class EventFeed:
 
 
 def turn_events(events: Sequence[Event], turn_id: str) -> TurnResult:
-    return TurnResult(turn_id, [e for e in events if e.turn_id == turn_id])
+    """The turn's events; for a message that joined a running turn (`turn.joined`), also what
+    that turn did after the join (its answer), though not its end: the last is this turn's own."""
+    join = next((e for e in events if e.turn_id == turn_id and e.type == "turn.joined"), None)
+    host = join.data.get("joined_into") if join is not None else None
+    return TurnResult(turn_id, [
+        e for e in events
+        if e.turn_id == turn_id
+        or (join is not None and e.turn_id == host and e.seq > join.seq and not isinstance(e, TurnEnded))
+    ])  # fmt: skip
 
 
 # ================================================================ sync

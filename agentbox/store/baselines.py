@@ -42,8 +42,8 @@ class SignalRow:
     text: str
     """The rendered `<signal>` elements the model reads."""
     types: list[str]
-    environment: dict[str, Any]
-    """The environment snapshot after these signals."""
+    environment: dict[str, Any] | None
+    """The environment snapshot after these signals; None when they told no change of it."""
 
 
 class BaselineStore:
@@ -57,10 +57,12 @@ class BaselineStore:
         return _baseline(row) if row is not None else None
 
     async def last_signal(self, session_id: str, after: int) -> dict[str, Any] | None:
-        """The environment the newest signal row after message `after` told (None: no such row)."""
+        """The environment the newest signal row after message `after` told (None: no such row;
+        rows that told no environment, such as a finished task's notice, are passed over)."""
         row = await self.db.fetchone(
             "SELECT json_extract(content, '$.environment') FROM messages WHERE session_id = ?"
             " AND role = 'user' AND id > ? AND json_extract(content, '$.signal') IS NOT NULL"
+            " AND json_extract(content, '$.environment') IS NOT NULL"
             " ORDER BY id DESC LIMIT 1",
             (session_id, after),
         )

@@ -206,6 +206,8 @@ class Turn:
     created_at: str
     started_at: str | None
     ended_at: str | None
+    joined_into: str | None = None
+    """The turn this message joined at a step boundary (`join_queued`); it ends with that turn."""
 
     @property
     def terminal(self) -> bool:
@@ -526,7 +528,8 @@ class SessionStore:
         """Move an open turn to `outcome` and append its terminal event; [] if it was already terminal.
 
         `data` is the terminal event's payload: `stop_reason` (completed), `error` (failed),
-        `reason` (aborted). Dangling state is settled first, in the same transaction.
+        `reason` (aborted). Dangling state is settled first, in the same transaction, and the
+        turns joined into this one end with it (the same outcome, `joined_into` in the payload).
         """
         payload = dict(data or {})
 
@@ -545,7 +548,69 @@ class SessionStore:
             ).rowcount  # fmt: skip
             if changed != 1:
                 return []
-            return [*settled, insert_event(conn, row["session_id"], turn_id, f"turn.{outcome}", payload)]
+            ended = [*settled, insert_event(conn, row["session_id"], turn_id, f"turn.{outcome}", payload)]
+            for (joined,) in conn.execute(
+                f"SELECT id FROM turns WHERE joined_into = ? AND status IN {_OPEN_SQL} ORDER BY seq",
+                (turn_id,),
+            ).fetchall():
+                conn.execute(
+                    "UPDATE turns SET status = ?, stop_reason = ?, error = ?, ended_at = ? WHERE id = ?",
+                    (outcome, payload.get("stop_reason"),
+                     _json(payload["error"]) if "error" in payload else None, timestamp(), joined),
+                )  # fmt: skip
+                data = {**payload, "joined_into": turn_id}
+                ended.append(insert_event(conn, row["session_id"], joined, f"turn.{outcome}", data))
+            return ended
+
+        return await self.db.transaction(write)
+
+    async def join_queued(self, turn_id: str) -> list[Event]:
+        """Take the messages queued behind a running turn into it, at one of its step boundaries.
+
+        Flue's turn-boundary join: the contiguous run of queued turns right after this one, in
+        FIFO order, that were accepted while this one ran (after its latest `turn.started`), up
+        to the first that brings files. One accepted before was already waiting as a turn of its
+        own (behind a turn that waited for the user, or across a restart) and stays one; one
+        with files too, since placing them could fail, which fails the turn that owns them. The
+        turns behind either run as their own as well.
+
+        Each joined message becomes a user row of this turn, after everything it recorded so far
+        (a new row: the transcript is ordered by turn, then row), with a `user.message` event of
+        this turn (`joined_from`: the message's own turn); its own turn moves to `running` with
+        `joined_into` and a `turn.joined` event, and ends when this one does (`finish`). [] when
+        nothing is queued, or this turn is not running (fenced).
+        """
+
+        def write(conn: sqlite3.Connection) -> list[Event]:
+            host = open_turn(conn, turn_id)
+            if host.status != "running":
+                return []
+            started = conn.execute(
+                "SELECT COALESCE(MAX(seq), 0) FROM events WHERE turn_id = ? AND type = 'turn.started'",
+                (turn_id,),
+            ).fetchone()[0]
+            events: list[Event] = []
+            for row in conn.execute(
+                f"SELECT t.*, (SELECT MIN(e.seq) FROM events e WHERE e.turn_id = t.id) AS accepted FROM turns t"
+                f" WHERE t.session_id = ? AND t.seq > ? AND t.status IN {_OPEN_SQL} ORDER BY t.seq",
+                (host.session_id, host.seq),
+            ).fetchall():
+                queued = _turn(row)
+                if queued.status != "queued" or queued.files or (row["accepted"] or 0) < started:
+                    break
+                conn.execute("DELETE FROM messages WHERE turn_id = ? AND role = 'user'", (queued.id,))
+                content = {"text": queued.content, "files": [], "joined_from": queued.id}
+                insert_message(conn, host.session_id, turn_id, "user", content)
+                conn.execute(
+                    "UPDATE turns SET status = 'running', joined_into = ?, started_at = ? WHERE id = ?",
+                    (turn_id, timestamp(), queued.id),
+                )
+                events += [
+                    insert_event(conn, host.session_id, turn_id, "user.message",
+                                 {"content": queued.content, "files": [], "joined_from": queued.id}),
+                    insert_event(conn, host.session_id, queued.id, "turn.joined", {"joined_into": turn_id}),
+                ]  # fmt: skip
+            return events
 
         return await self.db.transaction(write)
 
@@ -940,6 +1005,7 @@ def _turn(row: sqlite3.Row) -> Turn:
         created_at=row["created_at"],
         started_at=row["started_at"],
         ended_at=row["ended_at"],
+        joined_into=row["joined_into"],
     )
 
 

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
@@ -80,9 +80,20 @@ _preapproved: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
 )
 
 
-#: What the `task` tool calls: (agent, prompt, description) -> the child's final text as a result.
-#: The agent layer implements it (`agent/subagents.py`); tools only hold it.
-Delegate = Callable[[str, str, str], Awaitable[ToolResult]]
+class Delegate(Protocol):
+    """What the `task` tool calls: the child's final text as a result (or, `background`, the
+    id of the task it started; `resume`: an earlier run of the session continued). The agent layer implements it (`agent/subagents.py`); tools
+    only hold it."""
+
+    def __call__(
+        self,
+        agent: str,
+        prompt: str,
+        description: str = "",
+        *,
+        background: bool = False,
+        resume: str | None = None,
+    ) -> Awaitable[ToolResult]: ...
 
 
 def not_permitted(tool: str, action: Action, tier: Tier, plan: bool) -> str:

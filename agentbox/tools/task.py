@@ -31,13 +31,29 @@ class TaskParams(ToolParams):
         description="The full task for the subagent. It sees only this text, so include every detail it needs."
     )
     description: str = Field(default="", description="A 3-5 word label for the task, shown to the user.")
+    resume: str | None = Field(
+        default=None,
+        description=(
+            "The id of an earlier task of this session (`sub_...`, given with its answer) to continue: the "
+            "same agent goes on from its own conversation, with `prompt` as its next message."
+        ),
+    )
+    background: bool = Field(
+        default=False,
+        description=(
+            "Run it in the background (read-only agents only): the call returns at once with a task id "
+            "and you go on working; the agent's final message arrives later as a `task` signal."
+        ),
+    )
 
 
 async def run(ctx: ToolContext, params: TaskParams) -> ToolResult:
     delegate = getattr(ctx, "delegate", None)
     if delegate is None:
         return ToolResult.error("Subagents are not available in this session.")
-    result: ToolResult = await delegate(params.agent, params.prompt, params.description)
+    result: ToolResult = await delegate(
+        params.agent, params.prompt, params.description, background=params.background, resume=params.resume
+    )
     return result
 
 

@@ -188,6 +188,7 @@ class SessionPage {
       "user.message": (e) => this.userMessage(e),
       "turn.queued": () => this.setRunning(true),
       "turn.started": () => this.setRunning(true),
+      "turn.joined": () => {},
       "turn.completed": (e) => this.turnEnd(e),
       "turn.aborted": (e) => this.turnEnd(e),
       "turn.failed": (e) => this.turnEnd(e),
@@ -216,6 +217,10 @@ class SessionPage {
   }
 
   userMessage(event) {
+    if (event.joined_from) {  // shown when it was sent; this is where the running turn took it in
+      this.note(event, `Your message "${String(event.content || "")}" joined the running turn.`);
+      return;
+    }
     const files = (event.files || []).map((f) => h("li", {}, `attached: ${f.filename}`));
     this.add(
       h("li", { class: "message user", "data-type": event.type }, h("div", { class: "who" }, "You"), h("div", { class: "text" }, String(event.content || "")), files.length ? h("ul", { class: "attached" }, files) : null),
