@@ -84,7 +84,11 @@ def serve(
     except ValueError as exc:
         typer.echo(f"agentbox serve: {exc}", err=True)
         raise typer.Exit(2) from None
-    settings = config_mod.load()
+    try:
+        settings = config_mod.load()
+    except config_mod.ConfigError as exc:
+        typer.echo(f"agentbox serve: {exc}", err=True)
+        raise typer.Exit(2) from None
     settings.bind_host = host
     refusal = bind_refusal(host, settings.api_key, insecure)
     if refusal:

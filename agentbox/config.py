@@ -53,6 +53,11 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     model = "openai:my-local-model" # writes every session's summaries (one of `models`), unless
                                     # the session's own `compaction.model` names another
 
+    [tools]                         # the model-facing tools (ToolConfig)
+    web = true                      # false: no tool reaches the web from the server
+    web_search_url = "http://127.0.0.1:8888/search"  # GET ?q=&n= answers JSON results
+    skill_dirs = ["/srv/skills"]    # skills every session has, besides the workspace's
+
     [[agents]]                      # a subagent for the `task` tool (agentbox.agent.subagents)
     name = "reviewer"
     description = "Reviews a diff and reports problems"
@@ -79,6 +84,7 @@ when the machine is opened.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import tomllib
@@ -190,6 +196,62 @@ class MachineConfig:
         return self.kind not in HOST_KINDS
 
 
+class ConfigError(ValueError):
+    """The config file says something this server cannot take; the message names the setting."""
+
+
+@dataclass
+class ToolConfig:
+    """The `[tools]` table: settings the model-facing tools read; every field has a default so a
+    bare session works."""
+
+    web: bool = True
+    """The networking setting of the tools that reach the web from the server (`web_fetch`,
+    `web_search`, the workbench's `search target=web` and `read url`): false, none is offered.
+    A sandbox's own network is its machine entry's `network`."""
+    web_search_url: str | None = None
+    """An HTTP endpoint answering `GET ?q=...&n=...` with JSON results; None = web_search unavailable."""
+    skill_dirs: list[str] = field(default_factory=list)
+    """Extra host directories holding skills (besides the workspace's .agents/skills)."""
+    exec_env_allow: list[str] = field(default_factory=list)
+    """Variable names kept even though they look secret (KEY, TOKEN, SECRET, PASSWORD, ...)."""
+    web_allow_private: bool = False
+    """Let web_fetch reach loopback, private and link-local addresses. web_fetch runs in the server,
+    not in the sandbox: off, a model cannot use it to reach the server's own network or host services."""
+
+
+def tool_config(table: dict[str, Any]) -> ToolConfig:
+    """The `[tools]` table; a name it does not have or a value of the wrong type is an error
+    (a misspelt `web_search_url` must not leave search silently off)."""
+    known = [f.name for f in dataclasses.fields(ToolConfig)]
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"[tools] has no setting {unknown[0]!r}; it has {', '.join(known)}")
+
+    def flag(name: str, default: bool) -> bool:
+        value = table.get(name, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"[tools] {name} must be true or false, not {value!r}")
+        return value
+
+    def names(name: str) -> list[str]:
+        value = table.get(name, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"[tools] {name} must be a list of strings, not {value!r}")
+        return list(value)
+
+    url = table.get("web_search_url")
+    if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+        raise ConfigError(f"[tools] web_search_url must be an http(s) URL, not {url!r}")
+    return ToolConfig(
+        web=flag("web", True),
+        web_search_url=url,
+        skill_dirs=names("skill_dirs"),
+        exec_env_allow=names("exec_env_allow"),
+        web_allow_private=flag("web_allow_private", False),
+    )
+
+
 @dataclass
 class Settings:
     home: Path = field(default_factory=default_home)
@@ -236,6 +298,8 @@ class Settings:
     model_endpoints: list[str] = field(default_factory=list)
     """URL prefixes a session's `base_url` (and MCP `url`) may reach although they are not
     public addresses (a local Ollama on loopback); the server's keys still do not go there."""
+    tools: ToolConfig = field(default_factory=ToolConfig)
+    """The `[tools]` table (`ToolConfig`)."""
 
     def machine(self, name: str) -> MachineConfig | None:
         return self.machines.get(name)
@@ -299,6 +363,7 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
         allowed_origins=listed(env.get("AGENTBOX_ALLOWED_ORIGINS") or data.get("allowed_origins")),
         mcp_servers={str(k): dict(v) for k, v in (data.get("mcp_servers") or {}).items()},
         model_endpoints=[str(u) for u in data.get("model_endpoints") or []],
+        tools=tool_config(dict(data.get("tools") or {})),
     )
     if settings.compaction_model is not None and settings.compaction_model not in settings.models:
         raise ValueError(

@@ -200,6 +200,7 @@ class ToolHost:
                 todos=self.system.todos,
                 files=self.system.files,
                 services=services,
+                config=self.system.settings.tools,
             )
             self._sessions[key] = tools
         tools.machine, tools.services = machine, services  # the same unless the session was reopened

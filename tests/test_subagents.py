@@ -442,7 +442,9 @@ async def test_explore_cannot_write_even_under_a_full_auto_parent(
     delegate(tools, model, events)
     result = await task(tools, "toolu_s0_0", "explore")
     assert result.as_text() == "could not write"
-    assert model.offered(("toolu_s0_0",)) == {"read_file", "glob", "grep", "list", "search", "read_image"}
+    assert model.offered(("toolu_s0_0",)) == {
+        "read_file", "glob", "grep", "list", "search", "read_image", "web_fetch",
+    }  # fmt: skip
     assert not (ws / "x.txt").exists()
 
 

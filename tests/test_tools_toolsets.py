@@ -20,7 +20,7 @@ from agentbox.tools.base import Action
 from agentbox.tools.changes import ChangeSets
 from agentbox.tools.runner import SessionTools
 from agentbox.tools.tiers import Tier
-from agentbox.tools.toolsets import TOOLSETS, canonical_tools, toolset, unavailable
+from agentbox.tools.toolsets import TOOLSETS, canonical_tools, toolset, unavailable, variants
 
 # The names as the seeds give them (000: the hosted platform, 001: the desktop agent without
 # `browser`, 003: Flue's six plus its reserved framework tools).
@@ -77,7 +77,7 @@ def test_renamed_tools_share_one_implementation_and_one_schema() -> None:
         for shown, original in TOOLSETS[name]:
             if shown not in tools:
                 continue
-            tool, source = tools[shown], canonical[original]
+            tool, source = tools[shown], variants(name).get(original) or canonical[original]
             assert tool.params is source.params
             assert tool.run is source.run or original == "write"  # write is built per overwrite rule
             assert tool.action == source.action and tool.read_only == source.read_only
@@ -90,7 +90,7 @@ def test_parameter_names_are_the_same_in_every_toolset() -> None:
     for name in TOOLSETS:
         tools = toolset(name)
         for shown, original in TOOLSETS[name]:
-            if shown in tools:
+            if shown in tools and original not in variants(name):
                 by_canonical.setdefault(original, []).append(tools[shown].schema()["properties"])
     assert by_canonical["exec"][0].keys() >= {"command", "cwd", "timeoutSeconds"}
     assert by_canonical["write"][0].keys() >= {"path", "content"}
@@ -212,3 +212,13 @@ async def test_the_browser_is_offered_where_enabled_and_the_tier_allows_it(
             "browser", {"action": "tabs.list"}
         )
         assert called.is_error
+
+
+def test_the_workbench_variants_only_add_targets_to_the_canonical_tools() -> None:
+    canonical = canonical_tools(overwrite_if_read=False)
+    added = {"search": {"target"}, "read": {"url", "target", "skillId"}}
+    for original, tool in variants("workbench").items():
+        base = canonical[original]
+        assert issubclass(tool.params, base.params) and tool.action == base.action
+        assert tool.schema()["properties"].keys() == base.schema()["properties"].keys() | added[original]
+    assert variants("default") == variants("flue") == {}

@@ -53,7 +53,9 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 LOOKING = frozenset({Action.READ, Action.READ_EXTERNAL, Action.WEB, Action.BROWSER_READ, Action.META})
 
 EXPLORE_TOOLS: tuple[str, ...] = ("read", "glob", "grep", "list", "search", "read_image")
-RESEARCHER_TOOLS: tuple[str, ...] = (*EXPLORE_TOOLS, "web_search", "web_fetch", "browser_read")
+#: Read-only web research, which explore has too (seed 001: read-only roles may research).
+WEB_TOOLS: tuple[str, ...] = ("web_search", "web_fetch")
+RESEARCHER_TOOLS: tuple[str, ...] = (*EXPLORE_TOOLS, *WEB_TOOLS, "browser_read")
 WRITER_TOOLS: tuple[str, ...] = (*EXPLORE_TOOLS, "write", "edit")
 
 
@@ -120,18 +122,20 @@ BUILTIN_AGENTS: dict[str, AgentSpec] = {
             name="explore",
             description=(
                 "Read-only codebase exploration: finds files, searches code and reads it to answer a "
-                "question about the workspace. Cannot change files or run commands."
+                "question about the workspace, looking up a library's documentation on the web where the "
+                "session allows it. Cannot change files or run commands."
             ),
             instructions=(
                 "You are explore, a subagent that investigates the workspace for another agent. Answer the "
                 "task you were given by searching and reading: find candidates by file name and by content, "
-                "then read the parts that matter to confirm what you found. You cannot change files or run "
-                "commands. Prefer targeted searches to reading whole trees, and stop as soon as you can "
+                "then read the parts that matter to confirm what you found. Where the session allows the web, "
+                "you may search it and fetch a page (a library's documentation, an error message) when the "
+                "workspace does not answer. You cannot change files or run commands. Prefer targeted searches to reading whole trees, and stop as soon as you can "
                 f"answer. {FINAL_MESSAGE} Give exact paths (and line numbers where they matter), quote the "
                 "few lines that prove a point, and say what you could not find."
             ),
-            tools=EXPLORE_TOOLS,
-            tier=Tier.READ_ONLY,
+            tools=(*EXPLORE_TOOLS, *WEB_TOOLS),
+            tier=Tier.FULL_AUTO,  # its tools only look: the tier only lets the parent's web through
         ),
         AgentSpec(
             name="researcher",

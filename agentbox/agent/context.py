@@ -75,6 +75,8 @@ class Surroundings:
     tools: list[ToolSpec] = field(default_factory=list)
     skills: list[Skill] = field(default_factory=list)
     subagents: list[Subagent] = field(default_factory=list)
+    toolset: str = "default"
+    """The session's toolset: the prompt says how it loads a skill (`prompt.SKILL_CALLS`)."""
 
     def environment(self) -> Environment:
         return Environment(
@@ -89,8 +91,9 @@ class Surroundings:
 
     async def prompt(self, today: date | None = None) -> str:
         return await assemble(
-            self.instructions, self.machine, skills=self.skills, subagents=self.subagents, today=today
-        )
+            self.instructions, self.machine, skills=self.skills, subagents=self.subagents, today=today,
+            toolset=self.toolset,
+        )  # fmt: skip
 
 
 def environment_data(env: Environment) -> dict[str, Any]:

@@ -46,10 +46,14 @@ MAX_LISTING_ENTRIES = 100
 MAX_CONTEXT_FILE_BYTES = 4 * (MAX_CONTEXT_FILE_CHARS + 1)
 
 SKILLS_HEADING = "## Available Skills"
-SKILLS_INTRO = (
-    "Before starting work that matches a skill below, call `use_skill` with its name to load "
-    "its instructions."
-)
+#: Before a skill's catalog: `{call}` is how the session's toolset loads one (`SKILL_CALLS`).
+SKILLS_INTRO = "Before starting work that matches a skill below, {call} to load its instructions."
+#: How each toolset loads a skill: the workbench has no skill tool, its `read` takes skills.
+SKILL_CALLS = {
+    "default": "call `use_skill` with its name",
+    "flue": "call `activate_skill` with its name",
+    "workbench": 'call `read` with `"target": "skill"` and its name as `skillId`',
+}
 AGENTS_HEADING = "## Available Agents"
 AGENTS_INTRO = "Delegate with the `task` tool to one of these agents:"
 NO_AGENTS = "None. There are no subagents: do not call `task`."
@@ -73,12 +77,13 @@ async def assemble(
     skills: Sequence[Skill] = (),
     subagents: Sequence[Subagent] = (),
     today: date | None = None,
+    toolset: str = "default",
 ) -> str:
     """The system prompt for one baseline. `machine` is None for a session without a sandbox."""
     sections = [
         instructions.strip(),
         await context_files(machine) if machine is not None else "",
-        skills_section(skills),
+        skills_section(skills, toolset),
         agents_section(subagents),
         await facts(machine, today or date.today()),
     ]
@@ -111,10 +116,11 @@ async def read_context_file(machine: Machine, name: str) -> str | None:
     return text
 
 
-def skills_section(skills: Sequence[Skill]) -> str:
+def skills_section(skills: Sequence[Skill], toolset: str = "default") -> str:
     if not skills:
         return ""
-    return f"{SKILLS_HEADING}\n\n{SKILLS_INTRO}\n\n{catalog_text(list(skills))}"
+    intro = SKILLS_INTRO.format(call=SKILL_CALLS.get(toolset, SKILL_CALLS["default"]))
+    return f"{SKILLS_HEADING}\n\n{intro}\n\n{catalog_text(list(skills))}"
 
 
 def agents_section(subagents: Sequence[Subagent]) -> str:

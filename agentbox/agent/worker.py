@@ -633,6 +633,7 @@ class Worker:
         session_tools = SessionTools(
             machine=None, session_id=session.id, tier=tier, toolset=tools,
             changes=self.changes, approvals=self.approvals, todos=self.todos, files=self.files, plan=plan,
+            config=self.registry.settings.tools,
         )  # fmt: skip
         session_tools.begin_turn(turn.id)
         host = SessionToolHost(session_tools, lambda: self._services(session))
@@ -691,7 +692,7 @@ class Worker:
             agents = roster(found.agents)
         return Surroundings(
             instructions=session.instructions, permission_mode=session.permission_mode, machine=machine,
-            tools=host.specs(), skills=skills, subagents=agents,
+            tools=host.specs(), skills=skills, subagents=agents, toolset=session.toolset,
         )  # fmt: skip
 
     async def _described(self, session: Session) -> Machine | None:

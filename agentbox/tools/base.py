@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from agentbox.config import ToolConfig
+
 if TYPE_CHECKING:
     from agentbox.tools.services import MachineServices
 
@@ -94,21 +96,6 @@ class Operation:
     after: str | None = None
     expect: str | None = None
     summary: str = ""
-
-
-@dataclass
-class ToolConfig:
-    """Settings tools read; every field has a default so a bare session works."""
-
-    web_search_url: str | None = None
-    """An HTTP endpoint answering `GET ?q=...&n=...` with JSON results; None = web_search unavailable."""
-    skill_dirs: list[str] = field(default_factory=list)
-    """Extra host directories holding skills (besides the workspace's .agents/skills)."""
-    exec_env_allow: list[str] = field(default_factory=list)
-    """Variable names kept even though they look secret (KEY, TOKEN, SECRET, PASSWORD, ...)."""
-    web_allow_private: bool = False
-    """Let web_fetch reach loopback, private and link-local addresses. web_fetch runs in the server,
-    not in the sandbox: off, a model cannot use it to reach the server's own network or host services."""
 
 
 class TodoStore(Protocol):

@@ -382,10 +382,20 @@ async def _find(ctx: ToolContext, name: str) -> tuple[Skill | None, list[Skill]]
     return next((s for s in skills if s.name == name), None), skills
 
 
+#: How the instructions tell the model to read one of a skill's files (`{name}`: the skill's).
+RESOURCE_CALL = 'read_skill_resource {{"name": "{name}", "path": "<path>"}}'
+
+
 async def run_use_skill(ctx: ToolContext, params: UseSkillParams) -> ToolResult:
-    skill, skills = await _find(ctx, params.name.strip())
+    return await skill_instructions(ctx, params.name, RESOURCE_CALL)
+
+
+async def skill_instructions(ctx: ToolContext, name: str, resource_call: str) -> ToolResult:
+    """A skill's instructions and the list of its files, read with `resource_call`."""
+    skill, skills = await _find(ctx, name.strip())
     if skill is None:
-        return _miss(params.name, skills)
+        return _miss(name, skills)
+    call = resource_call.format(name=skill.name)
     files = await resources(skill)
     parts = [
         f'Run the skill named "{skill.name}".',
@@ -399,15 +409,15 @@ async def run_use_skill(ctx: ToolContext, params: UseSkillParams) -> ToolResult:
         )
     else:
         parts.append(
-            "This skill's files are not inside the machine: read them with read_skill_resource, and write what "
-            "a command needs into the workspace first."
+            f"This skill's files are not inside the machine: read them with {call}, and write "
+            "what a command needs into the workspace first."
         )
     if files:
         listed = [f"- {rel}" for rel in files[:MAX_RESOURCES_LISTED]]
         if len(files) > MAX_RESOURCES_LISTED:
             listed.append(f"- ... and {len(files) - MAX_RESOURCES_LISTED} more files")
         parts += ["<skill_resources>", *listed, "</skill_resources>"]
-        parts.append(f'Read a file with read_skill_resource {{"name": "{skill.name}", "path": "<path>"}}.')
+        parts.append(f"Read a file with {call}.")
     return ToolResult.text("\n".join(parts), skill=skill.name, base_dir=skill.base_dir, resources=files)
 
 

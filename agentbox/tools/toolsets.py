@@ -21,6 +21,10 @@ and the behaviour cannot drift apart:
     browser              browser          browser     -
     task                 task             task        task
 
+In the workbench, `search` also takes `target=web` and `read` takes `url` and `target=skill`
+(`variants`, `workbench.py`): the same tools with the web and skills as targets, in place of
+the web and skill tools it has no names for.
+
 `write` differs in one switch: `default` and `flue` may overwrite a file the model read in
 this session and that has not changed since (`overwrite_if_read`); `workbench` never
 overwrites (seed 001). `browser` is in a toolset everywhere but offered only on a machine
@@ -133,6 +137,16 @@ def canonical_tools(*, overwrite_if_read: bool) -> dict[str, Tool]:
     return tools
 
 
+def variants(name: str) -> dict[str, Tool]:
+    """The toolset's own implementations of canonical tools: the workbench's `search` and `read`
+    take the web and skills as targets (`workbench.py`), since it has no tool of their own."""
+    if name != "workbench":
+        return {}
+    from agentbox.tools import workbench
+
+    return workbench.TOOLS
+
+
 def toolset(name: str = DEFAULT_TOOLSET, *, overwrite_if_read: bool | None = None) -> dict[str, Tool]:
     """The tools of toolset `name`, keyed by the names the model sees, in offering order.
 
@@ -141,7 +155,7 @@ def toolset(name: str = DEFAULT_TOOLSET, *, overwrite_if_read: bool | None = Non
     if name not in TOOLSETS:
         raise ValueError(f"unknown toolset {name!r}; choose one of {', '.join(sorted(TOOLSETS))}")
     rule = OVERWRITE_IF_READ[name] if overwrite_if_read is None else overwrite_if_read
-    tools = canonical_tools(overwrite_if_read=rule)
+    tools = {**canonical_tools(overwrite_if_read=rule), **variants(name)}
     return {
         shown: tools[canonical].renamed(shown) for shown, canonical in TOOLSETS[name] if canonical in tools
     }

@@ -428,6 +428,16 @@ def _result(item: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def web_on(machine: Machine | None, config: ToolConfig) -> bool:
+    """The tools' networking setting (`[tools] web`): off, nothing reaches the web from the server."""
+    return config.web
+
+
+def has_search_provider(machine: Machine | None, config: ToolConfig) -> bool:
+    """`web_search` is offered only where the web is on and the server has a provider to ask."""
+    return config.web and config.web_search_url is not None
+
+
 WEB_FETCH = Tool(
     name="web_fetch",
     description=FETCH_DESCRIPTION,
@@ -435,12 +445,8 @@ WEB_FETCH = Tool(
     action=Action.WEB,
     run=run_fetch,
     machine=False,
+    available=web_on,
 )
-
-
-def has_search_provider(machine: Machine | None, config: ToolConfig) -> bool:
-    """`web_search` is offered only where the server has a provider to ask."""
-    return config.web_search_url is not None
 
 
 WEB_SEARCH = Tool(
