@@ -132,16 +132,19 @@ def remote_cli(server: Server) -> None:
     assert session in out, out
 
 
-def machine_tables(server: Server) -> None:
-    """Each TOML block is a config this version loads, with the machine kinds it names."""
+def config_tables(server: Server) -> None:
+    """Each TOML block is a config this version loads, with the machine kinds and the tool
+    settings it names."""
     for b in (b for b in readme_blocks() if b.lang == "toml"):
         table = tomllib.loads(b.text)
         path = server.home.parent / f"readme-{b.line}.toml"
         path.write_text(b.text)
         settings = config.load(path, env={"AGENTBOX_HOME": str(server.home)})
-        for name, entry in table["machines"].items():
+        for name, entry in table.get("machines", {}).items():
             machine = settings.machine(name)
             assert machine is not None and machine.kind == entry["kind"], (b.line, name)
+        for name, value in table.get("tools", {}).items():
+            assert getattr(settings.tools, name) == value, (b.line, name)
 
 
 RUNS: dict[str, Callable[[Server], None]] = {
@@ -153,7 +156,8 @@ RUNS: dict[str, Callable[[Server], None]] = {
     "/v1/sandboxes?limit=100": sessions_and_sandboxes,
     '"model": "openai:qwen2.5-coder"': provider_session,
     "agentbox sessions --url": remote_cli,
-    "[machines.": machine_tables,
+    "[machines.": config_tables,
+    "[tools]": config_tables,
 }
 
 #: Blocks another test or `.ci/run` itself runs: marker -> where.

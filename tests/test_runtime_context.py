@@ -483,8 +483,8 @@ async def test_task_delegates_to_read_only_agents_in_parallel_and_returns_only_t
     )
     child_requests = [r for r in requests if r.task_path]
     assert {r.tools and tuple(sorted(t.name for t in r.tools)) for r in child_requests} == {
-        ("glob", "grep", "list", "read_file", "read_image", "search")
-    }  # explore's own tools: no bash, no write, whatever the parent may do
+        ("glob", "grep", "list", "read_file", "read_image", "search", "web_fetch")
+    }  # explore's own tools and its web research: no bash, no write, whatever the parent may do
     assert "secret=42" not in requests[-1].messages[-1].text  # the parent sees only the final text
 
 
