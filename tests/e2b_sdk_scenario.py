@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -144,8 +145,11 @@ def main() -> None:
         "code": code_interpreter(),
         "async": asyncio.run(async_client()),
     }
-    print(json.dumps(report))
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
     main()
+    # The report is out. Skip interpreter finalization: the SDK's transport threads can still
+    # be running then, and on a loaded host CPython aborts on them (PyGILState_Release).
+    os._exit(0)

@@ -30,7 +30,7 @@ from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.ssh import DEFAULT_MAX_SESSIONS, ConnectionPool, RemoteWatch, SshMachine, SshOptions
 from agentbox.machines.ssh.channel import MAX_COMMAND_BYTES, STREAM_BUFFER
-from agentbox.machines.ssh.machine import TEMP_INFIX
+from agentbox.machines.ssh.machine import KILL_ATTEMPTS, TEMP_INFIX
 from agentbox.secrets import REDACTED, SecretBox, redact
 
 #: Seconds a remote condition (a process gone, an event arrived) may take before a test fails.
@@ -195,6 +195,36 @@ async def test_cancel_kills_the_command_and_its_children(ssh: SshMachine, remote
         await task
     await eventually(lambda: not any(alive(p) for p in pids), "the command and its child are killed")
 
+
+
+@pytest.mark.parametrize("failures", [KILL_ATTEMPTS - 1, KILL_ATTEMPTS])
+async def test_a_kill_whose_channel_fails_is_tried_again(
+    ssh: SshMachine, remote_root: Path, monkeypatch: pytest.MonkeyPatch, failures: int
+) -> None:
+    """A busy host's login shell can miss KILL_TIMEOUT: the kill is tried KILL_ATTEMPTS times."""
+    task = asyncio.ensure_future(ssh.exec(ExecRequest(command="sleep 300 & echo $! $$ > pids; wait")))
+    await eventually(lambda: started(remote_root / "pids"), "the command started")
+    pids = [int(p) for p in (remote_root / "pids").read_text().split()]
+    real, tried = ssh._plain, []
+
+    async def flaky(command: str, timeout: float = 60.0) -> tuple[int, bytes, bytes]:
+        if command.startswith("kill ") and len(tried) < failures:
+            tried.append(command)
+            raise MachineUnavailable("the kill's channel timed out")
+        return await real(command, timeout)
+
+    monkeypatch.setattr(ssh, "_plain", flaky)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    if failures < KILL_ATTEMPTS:
+        await eventually(lambda: not any(alive(p) for p in pids), "the command and its child are killed")
+    else:
+        await asyncio.sleep(0.5)
+        assert all(alive(p) for p in pids)  # every try failed: nothing killed them
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    assert len(tried) == failures
 
 async def test_kill_signals_the_group_of_a_spawned_process(ssh: SshMachine) -> None:
     process = await ssh.spawn(

@@ -55,6 +55,9 @@ CHANNEL_TIMEOUT = 15.0
 FILE_OP_TIMEOUT = 60.0
 #: Seconds a kill (over its own channel) may take, and then the killed command to end.
 KILL_TIMEOUT = 5.0
+#: Tries of a kill whose channel fails or times out (a busy host: the login shell is slow to
+#: start); each has KILL_TIMEOUT.
+KILL_ATTEMPTS = 3
 #: Seconds a helper command of the machine's own (probe, `id`, `rm -rf`, `find`) may take.
 HELPER_TIMEOUT = 60.0
 #: Between a file's name and the random part of the temp file a write goes through.
@@ -431,10 +434,13 @@ class SshMachine:
 
     async def _signal_group(self, process: SshProcess, sig: int) -> None:
         name = signal.Signals(sig).name.removeprefix("SIG")
-        try:
-            await self._plain(f"kill -s {name} -- -{process.pid}", timeout=KILL_TIMEOUT)
-        except (MachineUnavailable, OSError) as exc:
-            log.warning("could not signal process group %s on %s: %s", process.pid, self.options.where, exc)
+        for attempt in range(1, KILL_ATTEMPTS + 1):  # a lost kill leaves the command running
+            try:
+                await self._plain(f"kill -s {name} -- -{process.pid}", timeout=KILL_TIMEOUT)
+                break
+            except (MachineUnavailable, OSError) as exc:
+                log.warning("could not signal process group %s on %s (attempt %d of %d): %s",
+                            process.pid, self.options.where, attempt, KILL_ATTEMPTS, exc)  # fmt: skip
         if sig != signal.SIGKILL:
             return
         with contextlib.suppress(TimeoutError):
