@@ -93,6 +93,23 @@ async def test_state_stays_in_a_context_and_not_across_contexts(box: SandboxMach
         await interpreter.close()
 
 
+
+async def test_a_kernel_that_died_is_replaced_and_the_next_cell_is_told(box: SandboxMachine) -> None:
+    interpreter = CodeInterpreter(box)
+    try:
+        context = await interpreter.create()
+        assert errors(await outputs(interpreter, context, "x = 21")) == []
+        died = await outputs(interpreter, context, "import os; os._exit(3)")
+        assert [e.name for e in errors(died)] == ["KernelDied"]
+        after = await outputs(interpreter, context, "x")
+        notice = "".join(o.text for o in after if o.kind == "stderr")
+        assert "kernel had exited; a new one was started: its state is gone" in notice
+        assert [e.name for e in errors(after)] == ["NameError"]
+        quiet = await outputs(interpreter, context, "1 + 1")
+        assert value(quiet) == "2" and not [o for o in quiet if o.kind == "stderr"]
+    finally:
+        await interpreter.close()
+
 async def test_the_kernel_runs_inside_the_sandbox_and_dies_with_it(
     kernel_image: Image, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

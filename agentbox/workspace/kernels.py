@@ -544,7 +544,12 @@ class CodeInterpreter:
             raise error("bad_request", f"the code is {len(code.encode())} bytes: at most {MAX_CODE_BYTES}")
         limit = self.max_execution_seconds if seconds is None else min(seconds, self.max_execution_seconds)
         async with context.lock:
+            died = context.kernel is not None and not context.kernel.alive
             kernel = await self.started(context)
+            if died:  # never a silent loss of state: the cell below would meet a NameError
+                yield Output(
+                    "stderr", text="[the context's kernel had exited; a new one was started: its state is gone]\n"
+                )
             if not await kernel.settle(INTERRUPT_GRACE_SECONDS):
                 await self._stop(context)  # an abandoned cell ignored its interrupt
                 kernel = await self.started(context)
