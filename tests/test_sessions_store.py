@@ -152,6 +152,32 @@ async def test_finish_settles_what_the_turn_left_dangling(store: SessionStore, d
         await store.add_tool_result(turn.id, "t1", "bash", "late", False)
 
 
+async def test_deleting_a_session_names_the_images_only_it_showed(store: SessionStore) -> None:
+    def image(image_id: str) -> dict[str, object]:
+        return {
+            "type": "image",
+            "image_id": image_id,
+            "media_type": "image/png",
+            "bytes": 1,
+            "width": 1,
+            "height": 1,
+        }
+
+    shown: dict[str, list[str]] = {
+        "mine": ["img_" + "a" * 64, "img_" + "b" * 64],
+        "theirs": ["img_" + "b" * 64],
+    }
+    sessions = {}
+    for who, ids in shown.items():
+        sid = sessions[who] = await new_session(store)
+        turn = (await store.submit(sid, "look")).turn
+        await store.start_turn(turn.id)
+        blocks = [{"type": "text", "text": "seen"}, *map(image, ids)]
+        await store.add_tool_result(turn.id, f"t_{who}", "read_file", "seen", False, blocks=blocks)
+    assert await store.delete_session(sessions["mine"]) == {"img_" + "a" * 64}
+    assert await store.delete_session(sessions["theirs"]) == {"img_" + "b" * 64}
+
+
 async def test_a_recorded_tool_result_is_never_replaced(store: SessionStore) -> None:
     sid = await new_session(store)
     turn = (await store.submit(sid, "x")).turn

@@ -14,6 +14,7 @@ import base64
 import io
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from agentbox.agent.vision import (
     budget,
     fit,
 )
-from agentbox.store.images import IMAGE_BLOBS_DIR_NAME, ImageNotFound, ImageStore
+from agentbox.store.images import DISCARD_GRACE_SECONDS, IMAGE_BLOBS_DIR_NAME, ImageNotFound, ImageStore
 from agentbox.tools.base import ImageBlock, TextBlock
 from tests.conftest import Server, start_server, stop_server
 from tests.test_api_sessions import DEADLINE, frames
@@ -190,6 +191,20 @@ async def test_the_image_store_is_content_addressed(tmp_path: Path) -> None:
         await images.get("img_" + "0" * 64)
     with pytest.raises(ImageNotFound):
         await images.get("../../etc/passwd")
+
+
+async def test_discard_removes_an_image_unless_it_was_just_stored_again(tmp_path: Path) -> None:
+    images = ImageStore(tmp_path)
+    old, fresh = await images.put(b"old picture"), await images.put(b"fresh picture")
+    path = tmp_path / IMAGE_BLOBS_DIR_NAME / old[4:6] / old[4:]
+    past = time.time() - DISCARD_GRACE_SECONDS - 1
+    os.utime(path, (past, past))
+    assert await images.discard([old, fresh, "../../etc/passwd"]) == 1
+    with pytest.raises(ImageNotFound):
+        await images.get(old)
+    assert await images.get(fresh) == b"fresh picture"  # within the grace: another row may be coming
+    again = await images.put(b"old picture")
+    assert again == old and await images.discard([again]) == 0  # stored again: touched, kept
 
 
 def test_vision_defaults_and_configuration() -> None:

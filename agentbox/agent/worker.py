@@ -310,7 +310,7 @@ class Worker:
         if background is not None:
             await background.close()
         await self.registry.close_session(session_id, purge=True)
-        await self.store.delete_session(session_id)
+        await self.images.discard(await self.store.delete_session(session_id))
 
     async def submit(
         self, session_id: str, content: str, files: Sequence[str] = (), idempotency_key: str | None = None

@@ -9,7 +9,8 @@ rows and events name an image by its id, `img_<sha256>`, with its media type, si
 dimensions. The id is the address: storing the same image twice stores it once.
 
 Kept apart from the file store's blobs because those are removed with the last file that
-names them; an image stays as long as the transcript that shows it.
+names them; an image stays as long as a transcript shows it: deleting a session removes the
+images no other session's transcript names (`discard`).
 
     ImageNotFound   an id that is not `img_<sha256>`, or whose bytes are not here
 """
@@ -17,7 +18,11 @@ names them; an image stays as long as the transcript that shows it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from agentbox.store.files import blob_address, write_blob
@@ -26,6 +31,8 @@ from agentbox.store.files import blob_address, write_blob
 IMAGE_BLOBS_DIR_NAME = "image-blobs"
 #: Prefix of an image id; the rest is the sha256 of its bytes.
 IMAGE_ID_PREFIX = "img_"
+#: Seconds an image stays after it was last stored, whatever `discard` is told.
+DISCARD_GRACE_SECONDS = 600.0
 IMAGE_ID = re.compile(rf"{IMAGE_ID_PREFIX}([0-9a-f]{{64}})")
 
 
@@ -42,8 +49,33 @@ class ImageStore:
         self.folder = Path(home) / IMAGE_BLOBS_DIR_NAME
 
     async def put(self, data: bytes) -> str:
-        """Keep `data`; its id."""
-        return IMAGE_ID_PREFIX + await asyncio.to_thread(write_blob, self.folder, data)
+        """Keep `data`; its id. An image kept already is touched: `discard` leaves it alone for
+        `DISCARD_GRACE_SECONDS`, the time its new row takes to be written."""
+        sha256 = await asyncio.to_thread(write_blob, self.folder, data)
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(blob_address(self.folder, sha256))
+        return IMAGE_ID_PREFIX + sha256
+
+    async def discard(self, image_ids: Iterable[str]) -> int:
+        """Remove images no transcript shows any more (a deleted session's); how many went.
+
+        One touched within `DISCARD_GRACE_SECONDS` stays: another session has just stored the
+        same bytes and is writing the row that names it."""
+
+        def remove() -> int:
+            gone = 0
+            for image_id in image_ids:
+                match = IMAGE_ID.fullmatch(image_id)
+                if match is None:
+                    continue
+                path = blob_address(self.folder, match[1])
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - path.stat().st_mtime >= DISCARD_GRACE_SECONDS:
+                        path.unlink()
+                        gone += 1
+            return gone
+
+        return await asyncio.to_thread(remove)
 
     async def get(self, image_id: str) -> bytes:
         """The bytes of a stored image; `ImageNotFound` for a malformed or unknown id."""

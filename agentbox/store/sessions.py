@@ -399,9 +399,21 @@ class SessionStore:
 
         return await self.db.transaction(write)
 
-    async def delete_session(self, session_id: str) -> None:
-        """Remove the session with its turns, events and transcript (files are not touched)."""
-        await self.db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+    async def delete_session(self, session_id: str) -> set[str]:
+        """Remove the session with its turns, events and transcript (files are not touched).
+
+        Returns the ids of the images its transcript showed that no other session's does: the
+        caller removes them from the image store (`store/images.py`)."""
+
+        def write(conn: sqlite3.Connection) -> set[str]:
+            shown = _image_ids(conn, "m.session_id = ?", (session_id,))
+            conn.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+            if not shown:
+                return set()
+            marks = ", ".join("?" * len(shown))
+            return shown - _image_ids(conn, f"image_id IN ({marks})", tuple(shown))
+
+        return await self.db.transaction(write)
 
     async def activity(self, session_id: str) -> Activity:
         """idle (nothing open), running (a turn queued or running) or awaiting_approval."""
@@ -809,6 +821,17 @@ def insert_event(
     )
     conn.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", (event.created_at, session_id))
     return event
+
+
+def _image_ids(conn: sqlite3.Connection, where: str, args: tuple[str, ...]) -> set[str]:
+    """Image ids named by tool rows' `blocks` (`agent.vision`) that match `where`."""
+    rows = conn.execute(
+        "SELECT DISTINCT image_id FROM (SELECT m.session_id, json_extract(b.value, '$.image_id') AS image_id"
+        " FROM messages m, json_each(m.content, '$.blocks') b WHERE m.role = 'tool') m"
+        f" WHERE image_id IS NOT NULL AND {where}",
+        args,
+    ).fetchall()
+    return {str(r[0]) for r in rows}
 
 
 def insert_message(
