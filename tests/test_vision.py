@@ -387,6 +387,7 @@ async def test_openai_gets_the_images_after_the_tool_messages_resized_and_replay
         assert roles[-4:] == ["assistant", "tool", "tool", "user"], roles
         assert all(isinstance(m["content"], str) for m in second[-3:-1])  # tool messages: text only
         small, wide = openai_images(llm.requests[-1].json)
+        assert "read_image" in {t["function"]["name"] for t in llm.requests[-1].json["tools"]}
         assert small.size == (64, 48) and small.tobytes() == Image.open(io.BytesIO(SMALL)).tobytes()
         assert wide.size == (MAX_IMAGE_EDGE_PX, 40)  # 2049 px, resized to fit
         labels = [p["text"] for p in second[-1]["content"] if p["type"] == "text"]
@@ -453,6 +454,8 @@ async def test_a_model_without_vision_is_told_why_it_sees_no_image(served: Serve
         results = [e for e in log if e["type"] == "agent.tool_result"]
         assert all(why in e["content"][0]["text"] for e in results)
         assert not (served.home / IMAGE_BLOBS_DIR_NAME).exists()  # nothing kept for it
+        offered = {t["function"]["name"] for t in body["tools"]}
+        assert "read_file" in offered and "read_image" not in offered  # no tool only for looking
         await client.delete(f"/v1/sessions/{sid}")
 
 

@@ -58,7 +58,7 @@ from agentbox.agent.compaction import check_model, parse_config
 from agentbox.agent.context import Surroundings, TurnContext
 from agentbox.agent.events import EventBus
 from agentbox.agent.inputs import PlacementError, place_inputs
-from agentbox.agent.limits import check_limit_options, model_limits
+from agentbox.agent.limits import ModelLimits, check_limit_options, model_limits
 from agentbox.agent.loop import Completed, Failed, LoopConfig, TurnEnded, TurnLoop, model_error_event
 from agentbox.agent.mcp_tools import McpTools, check_servers
 from agentbox.agent.models import (
@@ -411,9 +411,7 @@ class Worker:
         except (UnknownModel, ModelError) as exc:
             return Failed("model_unavailable", str(exc))
         host = self._tool_host(session, turn, await self._mcp_tools(session, turn))
-        limits = model_limits(
-            session.model, session.model_options, self.registry.settings.models.get(session.model)
-        )
+        limits = self._limits(session)
         vision = Vision(session.model, limits.vision)
         compaction = parse_config(session.compaction)
         summary_model = compaction.model or self.registry.settings.compaction_model
@@ -663,7 +661,9 @@ class Worker:
 
         def child_vision(spec: AgentSpec) -> Vision:
             name = spec.model or session.model
-            options = session.model_options if name.partition(":")[0] == session.model.partition(":")[0] else {}
+            options = (
+                session.model_options if name.partition(":")[0] == session.model.partition(":")[0] else {}
+            )
             configured = self.registry.settings.models.get(name)
             return Vision(name, model_limits(name, options, configured).vision)
 
@@ -675,12 +675,19 @@ class Worker:
             background=background, runs=self.runs,
         )  # fmt: skip
 
+    def _limits(self, session: Session) -> ModelLimits:
+        return model_limits(
+            session.model, session.model_options, self.registry.settings.models.get(session.model)
+        )
+
     async def _surroundings(self, session: Session, host: SessionToolHost) -> Surroundings:
         """What the prompt describes now; also refreshes the subagents' roster and facts."""
         session = await self.store.get_session(session.id)
         machine = await self._described(session)
         skills = await catalog(machine, host.tools.config) if machine is not None else []
         unused = await unused_skill_tools(skills)
+        if not self._limits(session).vision:
+            unused |= {"read_image"}  # only a model that sees images is offered a tool to look
         host.tools.absent = frozenset(
             shown for shown, canonical in canonical_names(session.toolset).items() if canonical in unused
         )
