@@ -32,10 +32,12 @@ from agentbox.agent.vision import (
     MAX_IMAGE_EDGE_PX,
     MAX_IMAGE_PIXELS,
     MAX_IMAGES_PER_MESSAGE,
+    MAX_IMAGES_PER_REQUEST,
     FittedImage,
     base64_size,
     budget,
     fit,
+    newest_only,
 )
 from agentbox.store.images import DISCARD_GRACE_SECONDS, IMAGE_BLOBS_DIR_NAME, ImageNotFound, ImageStore
 from agentbox.tools.base import ImageBlock, TextBlock
@@ -170,6 +172,21 @@ def test_a_step_carries_at_most_the_limit_of_images_and_notes_the_rest() -> None
     assert "image 9 not shown" in last.text  # the text every adapter sends has the note too
     # the count starts again after each reply: two steps of 8 each keep all 16
     assert images_in(budget([*results(MAX_IMAGES_PER_MESSAGE, 1)] * 2)) == 2 * MAX_IMAGES_PER_MESSAGE
+
+
+def test_a_request_carries_only_the_newest_images_of_the_transcript() -> None:
+    def row(*ids: int) -> list[dict[str, object]]:
+        return [{"type": "text", "text": "seen"}, *({"type": "image", "image_id": f"img_{i}"} for i in ids)]
+
+    def images(rows: list[list[dict[str, object]] | None]) -> list[object]:
+        return [b["image_id"] for r in rows if r for b in r if b["type"] == "image"]
+
+    exactly = [row(*range(i, i + 4)) for i in range(0, MAX_IMAGES_PER_REQUEST, 4)]
+    assert newest_only(exactly) == exactly  # at the limit nothing is touched
+    over = [row(-1), None, *exactly]
+    kept = newest_only(over)
+    assert images(kept) == images(exactly) and kept[1] is None
+    assert kept[0][1]["type"] == "text" and "MAX_IMAGES_PER_REQUEST" in str(kept[0][1]["text"])
 
 
 def test_anthropic_tool_results_carry_their_images_and_the_note_in_order() -> None:

@@ -52,7 +52,7 @@ from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, 
 from agentbox.agent.prompt import Subagent, assemble
 from agentbox.agent.providers.retry import RetryPolicy, with_retries
 from agentbox.agent.signals import Environment, Resource, Signal, diff, text_digest, tool_resources
-from agentbox.agent.vision import Vision, budget, load_parts
+from agentbox.agent.vision import Vision, budget, load_parts, newest_only
 from agentbox.machines.base import Machine, environment_line
 from agentbox.store.baselines import Baseline, BaselineStore, SignalRow
 from agentbox.store.images import ImageStore
@@ -206,7 +206,10 @@ class TurnContext:
         transcript = await self.store.transcript(self.turn.session_id, through=self.turn, since=since)
         pairs = conversation_rows(transcript)
         rows: list[Message | None] = [row for row, _ in pairs]
-        messages = budget([await self.shown(row, message) for row, message in pairs])
+        shown = newest_only([self.blocks(row) for row, _ in pairs])
+        messages = budget(
+            [await self.shown(blocks, message) for blocks, (_, message) in zip(shown, pairs, strict=True)]
+        )
         if baseline is not None and baseline.summary is not None:
             rows.insert(0, None)
             messages.insert(0, summary_message(baseline.summary))
@@ -220,9 +223,13 @@ class TurnContext:
         system = baseline.system if baseline is not None else ""
         return View(system, messages, rows, baseline, reported, reported_at)
 
-    async def shown(self, row: Message, message: ChatMessage) -> ChatMessage:
+    @staticmethod
+    def blocks(row: Message) -> list[dict[str, Any]] | None:
+        """The text and image blocks a stored result shows (None: its text alone)."""
+        return row.content.get("blocks") if row.role == "tool" else None
+
+    async def shown(self, blocks: list[dict[str, Any]] | None, message: ChatMessage) -> ChatMessage:
         """The message with the images its row names, read back from the store."""
-        blocks = row.content.get("blocks") if row.role == "tool" else None
         if not blocks or self.images is None:
             return message
         return dataclasses.replace(message, parts=await load_parts(blocks, self.vision, self.images))

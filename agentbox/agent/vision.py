@@ -63,6 +63,15 @@ DROPPED_NOTE = (
     "[image {index} not shown: one message carries at most {limit} images "
     "(MAX_IMAGES_PER_MESSAGE); read it again in a later step to see it]"
 )
+#: Images one request carries in all, the newest: every stored image of a long transcript
+#: would otherwise be read back and sent with every call, and providers cap a request's images
+#: (Anthropic also lowers its edge limit past 20). Older ones are named by `OLDER_NOTE`.
+MAX_IMAGES_PER_REQUEST = 20
+#: The text an image older than the newest `MAX_IMAGES_PER_REQUEST` is replaced by.
+OLDER_NOTE = (
+    "[image not shown: a request carries only the newest {limit} images of the conversation "
+    "(MAX_IMAGES_PER_REQUEST); read it again to see it]"
+)
 #: The text an image is replaced by for a model without vision.
 UNAVAILABLE = "visionUnavailable: {reason}"
 
@@ -219,6 +228,26 @@ def has_images(blocks: Sequence[Any]) -> bool:
     return any(
         isinstance(b, ImageBlock) or (isinstance(b, dict) and b.get("type") == "image") for b in blocks
     )
+
+
+def newest_only(rows: Sequence[Sequence[dict[str, Any]] | None]) -> list[list[dict[str, Any]] | None]:
+    """Stored results' blocks with every image but the newest `MAX_IMAGES_PER_REQUEST` of the
+    whole transcript turned into `OLDER_NOTE`, before any is read back from the store."""
+    left = MAX_IMAGES_PER_REQUEST
+    kept: list[list[dict[str, Any]] | None] = []
+    for blocks in reversed(rows):
+        if blocks is None:
+            kept.append(None)
+            continue
+        out = []
+        for b in reversed(blocks):
+            if b.get("type") == "image":
+                if left <= 0:
+                    b = {"type": "text", "text": OLDER_NOTE.format(limit=MAX_IMAGES_PER_REQUEST)}
+                left -= 1
+            out.append(b)
+        kept.append(out[::-1])
+    return kept[::-1]
 
 
 async def load_parts(
