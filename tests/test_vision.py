@@ -421,6 +421,13 @@ async def test_openai_gets_the_images_after_the_tool_messages_resized_and_replay
         assert base64.b64encode(SMALL).decode() not in json.dumps(log)  # events name images, never carry them
         stored = served.home / IMAGE_BLOBS_DIR_NAME / images[0]["image_id"][4:6] / images[0]["image_id"][4:]
         assert stored.read_bytes() == SMALL
+        got = await client.get(f"/v1/sessions/{sid}/images/{images[0]['image_id']}")
+        assert got.status_code == 200 and got.content == SMALL and got.headers["content-type"] == "image/png"
+        other = await session(client, "openai:gpt-4o", llm.url + "/v1")  # never saw it
+        for where, image_id in ((other, images[0]["image_id"]), (sid, "img_" + "0" * 64), (sid, "../x")):
+            refused = await client.get(f"/v1/sessions/{where}/images/{image_id}")
+            assert refused.status_code == 404 and refused.json()["data"]["error_type"] == "not_found", refused.text
+        await client.delete(f"/v1/sessions/{other}")
 
         await turn(client, sid, "again", after=log[-1]["_id"])
         replayed = openai_images(llm.requests[-1].json)  # the next turn, rebuilt from the rows

@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentbox.agent.events import Delta
 from agentbox.agent.models import ModelError, model_name_problem
+from agentbox.agent.vision import MODEL_MEDIA_TYPES
 from agentbox.agent.worker import NO_MACHINE, PLAN
 from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error, wire
 from agentbox.api.schemas import event_stream, failures, plain_reply
@@ -64,6 +65,7 @@ from agentbox.store.changes import (
     OperationStatus,
     SetStatus,
 )
+from agentbox.store.images import ImageNotFound
 from agentbox.store.sessions import (
     MAX_EVENTS_PAGE,
     MAX_SEQ,
@@ -105,6 +107,7 @@ ERRORS: dict[type[Exception], tuple[int, str]] = {
     SessionNotFound: (404, "not_found"),
     TurnNotFound: (404, "not_found"),
     SubagentRunNotFound: (404, "not_found"),
+    ImageNotFound: (404, "not_found"),
     ApprovalNotFound: (404, "not_found"),
     ChangeSetNotFound: (404, "not_found"),
     OperationNotFound: (404, "not_found"),
@@ -527,6 +530,29 @@ async def get_subagent(request: Request, session_id: str, run_id: str) -> Any:
     await p.store.get_session(session_id)
     run = await p.worker.runs.get(session_id, run_id)
     return {"run": run.to_dict(), "messages": [m.to_dict() for m in await p.worker.runs.messages(run.id)]}
+
+
+BINARY = {"type": "string", "format": "binary"}
+#: Headers of an image a transcript showed: its bytes never change under its id (its sha256).
+IMAGE_HEADERS = {"Cache-Control": "private, max-age=31536000, immutable", "X-Content-Type-Options": "nosniff"}
+
+
+@router.get(
+    "/{session_id}/images/{image_id}",
+    response_class=Response,
+    responses={200: {"description": "The image's bytes, as the model was shown them",
+                     "content": {m: {"schema": BINARY} for m in sorted(MODEL_MEDIA_TYPES)}}},
+)  # fmt: skip
+async def get_image(request: Request, session_id: str, image_id: str) -> Response:
+    """An image the session's transcript names (`agent.tool_result` content blocks of type
+    `image` carry its `image_id`): the bytes the model was shown, after fitting. An id that
+    this session's transcript does not name is not found, whatever other sessions saw."""
+    p = platform(request)
+    await p.store.get_session(session_id)
+    media_type = await p.store.shown_image(session_id, image_id)
+    if media_type is None:
+        raise ImageNotFound(image_id)
+    return Response(await p.worker.images.get(image_id), media_type=media_type, headers=IMAGE_HEADERS)
 
 
 @router.get("/{session_id}/turns/{turn_id}", responses=plain_reply(Turn))

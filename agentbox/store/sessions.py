@@ -415,6 +415,17 @@ class SessionStore:
 
         return await self.db.transaction(write)
 
+    async def shown_image(self, session_id: str, image_id: str) -> str | None:
+        """The media type of an image the session's transcript shows, or None when it shows none
+        by that id (an image is served only to a caller of a session that saw it)."""
+
+        row = await self.db.fetchone(
+            "SELECT json_extract(b.value, '$.media_type') FROM messages m, json_each(m.content, '$.blocks') b"
+            " WHERE m.session_id = ? AND m.role = 'tool' AND json_extract(b.value, '$.image_id') = ? LIMIT 1",
+            (session_id, image_id),
+        )
+        return None if row is None else str(row[0])
+
     async def activity(self, session_id: str) -> Activity:
         """idle (nothing open), running (a turn queued or running) or awaiting_approval."""
         rows = await self.db.fetchall(
