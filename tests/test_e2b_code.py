@@ -182,7 +182,9 @@ async def test_the_async_sdk(code_env: Server) -> None:
         figure = await sandbox.run_code(
             "import matplotlib.pyplot as plt\nplt.bar([1, 2], [3, 4])\nplt.show()"
         )
-        assert base64.b64decode(next(r.png for r in figure.results if r.png)).startswith(PNG_SIGNATURE)
+        pngs = [r.png for r in figure.results if r.png]
+        assert pngs, (figure.results, figure.logs, figure.error)  # what came instead, if it fails
+        assert base64.b64decode(pngs[0]).startswith(PNG_SIGNATURE)
         context = await sandbox.create_code_context()
         assert context.id in [c.id for c in await sandbox.list_code_contexts()]
         await sandbox.run_code("kept = 1", context=context)

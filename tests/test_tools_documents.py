@@ -317,5 +317,5 @@ async def test_every_tool_of_every_toolset_refuses_unknown_parameters() -> None:
         for tool in toolset(name).values():
             assert tool.schema().get("additionalProperties") is False, (name, tool.name)
             with pytest.raises(ValidationError) as caught:
-                tool.params.model_validate({"target": "web"})
+                tool.params.model_validate({"no_such_parameter": "web"})
             assert any(e["type"] == "extra_forbidden" for e in caught.value.errors()), tool.name
