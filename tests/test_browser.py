@@ -4,6 +4,7 @@ the data image, driven over the exec channel, against pages served inside that s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import time
@@ -231,8 +232,11 @@ async def test_the_browsers_processes_live_in_the_sandboxs_cgroup(
     assert len(pids) >= 2, listed
     group = box._group
     assert group is not None
-    host_pids = {await sandbox_host_pid(box, pid) for pid in pids}
-    assert host_pids <= group.pids()
+    host_pids = set()
+    for pid in pids:  # a helper process chromium ended since pgrep listed it proves nothing
+        with contextlib.suppress(AssertionError):
+            host_pids.add(await sandbox_host_pid(box, pid))
+    assert len(host_pids) >= 2 and host_pids <= group.pids()
     for pid in host_pids:
         assert group.dirs[0].name in Path(f"/proc/{pid}/cgroup").read_text()
 

@@ -222,7 +222,8 @@ def test_a_turn_runs_to_its_end_with_typed_events(client: Client) -> None:
 
 def test_a_key_reused_returns_the_first_turn_and_deltas_stream(client: Client) -> None:
     text = "one two three four five six"
-    session = client.sessions.create("scripted", script=[{"text": text}])
+    # The reply waits 3 s, so the stream below is open before its deltas (never stored) go out.
+    session = client.sessions.create("scripted", script=[{"text": text, "delay_ms": 3000}])
     first = client.messages.send(session.id, "go", idempotency_key="sdk-key-1")
     again = client.messages.send(session.id, "go", idempotency_key="sdk-key-1")
     assert first.created and not again.created and again.turn_id == first.turn_id
