@@ -50,9 +50,10 @@ DEFAULT_PORT = 8091
 SHUTDOWN_GRACE_SECONDS = 10
 
 
-def bind_refusal(host: str, api_key: str | None, insecure: bool) -> str | None:
-    """Why serving on `host` is refused: an unauthenticated API beyond loopback."""
-    if is_loopback(host) or api_key or insecure:
+def bind_refusal(host: str, keyed: bool, insecure: bool) -> str | None:
+    """Why serving on `host` is refused: an unauthenticated API beyond loopback (`keyed`: the
+    server has `api_key` or `[[api_keys]]`)."""
+    if is_loopback(host) or keyed or insecure:
         return None
     return (
         f"refusing to bind {host} without an API key: set AGENTBOX_API_KEY (or api_key in agentbox.toml), "
@@ -90,7 +91,7 @@ def serve(
         typer.echo(f"agentbox serve: {exc}", err=True)
         raise typer.Exit(2) from None
     settings.bind_host = host
-    refusal = bind_refusal(host, settings.api_key, insecure)
+    refusal = bind_refusal(host, settings.keyed, insecure)
     if refusal:
         typer.echo(refusal, err=True)
         raise typer.Exit(2)

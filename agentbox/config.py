@@ -4,7 +4,7 @@
 is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
 `$AGENTBOX_HOME/agentbox.toml`. Example:
 
-    api_key = "..."                 # or AGENTBOX_API_KEY
+    api_key = "..."                 # or AGENTBOX_API_KEY: callers with it have level 10
     allowed_hosts = ["agentbox.internal"]      # Host names besides loopback (a reverse proxy)
     allowed_origins = ["https://ui.example"]   # web origins besides the server's own
     default_machine = "sandbox"
@@ -12,6 +12,11 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     model_endpoints = ["http://127.0.0.1:11434/v1"]  # a session's base_url may point here
     max_sandboxes = 64              # live sandboxes at once, server-wide (AGENTBOX_MAX_SANDBOXES)
     max_sandbox_memory_mb = 18000   # their memory limits summed (default 75 % of MemTotal)
+
+    [[api_keys]]                    # more keys, each with the caller level it grants
+    name = "ci"
+    key_env = "CI_AGENTBOX_KEY"     # or key = "..." (at least 16 characters)
+    level = 2                       # opens machines whose level is 2 or less (`local`, not `sandbox`)
 
     [machines.sandbox]
     kind = "sandbox"
@@ -99,6 +104,10 @@ DEFAULT_PURGE_DAYS = 30.0
 #: Permission level a caller needs for a machine, by kind (seed 004: local 2, others 4).
 DEFAULT_LEVELS = {"local": 2}
 DEFAULT_LEVEL = 4
+#: Characters an `[[api_keys]]` key has at least (a guessable key is no level at all).
+MIN_API_KEY_CHARS = 16
+#: The highest permission level: the server's own `api_key` (and a server without keys) has it.
+MAX_LEVEL = 10
 #: Machine kinds shared by every session and not isolated from the host (or from each other's
 #: sessions): the model's commands run with the server's rights there. Every other kind of
 #: `agentbox.machines.kinds.KINDS` is one machine per session.
@@ -252,12 +261,46 @@ def tool_config(table: dict[str, Any]) -> ToolConfig:
     )
 
 
+@dataclass(frozen=True)
+class ApiKey:
+    """One `[[api_keys]]` entry: a key that admits its callers at `level` (seed 004's caller
+    level: a machine needs `level` or more, checked on every open)."""
+
+    name: str
+    key: str = field(repr=False)
+    level: int
+
+
+def api_keys(entries: list[Any], env: dict[str, str], server_key: str | None) -> list[ApiKey]:
+    """The `[[api_keys]]` table: `name`, `key` (or `key_env`, a variable holding it), `level`.
+    A duplicate name or key, a key shorter than `MIN_API_KEY_CHARS` or a level outside
+    0..MAX_LEVEL is an error: a caller must never get another's level by accident."""
+    keys: list[ApiKey] = []
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) - {"name", "key", "key_env", "level"}:
+            raise ConfigError(f"an [[api_keys]] entry takes name, key (or key_env) and level, not {entry!r}")
+        name, level = entry.get("name"), entry.get("level")
+        key = entry.get("key") if "key" in entry else env.get(str(entry.get("key_env")))
+        if not isinstance(name, str) or not name or any(k.name == name for k in keys):
+            raise ConfigError(f"[[api_keys]] needs a name of its own, not {name!r}")
+        if not isinstance(key, str) or len(key) < MIN_API_KEY_CHARS:
+            raise ConfigError(f"[[api_keys]] {name!r}: its key must be at least {MIN_API_KEY_CHARS} characters")
+        if key == server_key or any(k.key == key for k in keys):
+            raise ConfigError(f"[[api_keys]] {name!r}: its key is another key's")
+        if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= MAX_LEVEL:
+            raise ConfigError(f"[[api_keys]] {name!r}: level must be 0 to {MAX_LEVEL}, not {level!r}")
+        keys.append(ApiKey(name, key, level))
+    return keys
+
+
 @dataclass
 class Settings:
     home: Path = field(default_factory=default_home)
     """AGENTBOX_HOME: the database, blobs, sessions' workspaces."""
     api_key: str | None = None
-    """Required on every request when set (AGENTBOX_API_KEY)."""
+    """Required on every request when set (AGENTBOX_API_KEY); its callers have `MAX_LEVEL`."""
+    api_keys: list[ApiKey] = field(default_factory=list)
+    """More keys, each admitting its callers at its own level (`[[api_keys]]`)."""
     default_machine: str = "sandbox"
     delegable: list[str] = field(default_factory=lambda: ["sandbox"])
     """Machines a model may choose; the caller's level must admit them too."""
@@ -305,6 +348,16 @@ class Settings:
         return self.machines.get(name)
 
     @property
+    def keyed(self) -> bool:
+        """Whether requests need a key (`api_key` or any of `api_keys`)."""
+        return bool(self.api_key or self.api_keys)
+
+    def levels(self) -> list[tuple[str, int]]:
+        """Every key with the level it admits at: `api_key` at `MAX_LEVEL`, then `api_keys`."""
+        own = [(self.api_key, MAX_LEVEL)] if self.api_key else []
+        return own + [(k.key, k.level) for k in self.api_keys]
+
+    @property
     def images(self) -> Path:
         return self.images_dir or self.home / "images"
 
@@ -336,9 +389,11 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
         menv = {str(k): str(v) for k, v in (entry.pop("env", {}) or {}).items()}
         full_auto = entry.pop("allow_full_auto", False) is True
         machines[name] = MachineConfig(name, kind, entry, level, menv, full_auto)
+    server_key = env.get("AGENTBOX_API_KEY") or data.get("api_key")
     settings = Settings(
         home=home,
-        api_key=env.get("AGENTBOX_API_KEY") or data.get("api_key"),
+        api_key=server_key,
+        api_keys=api_keys(list(data.get("api_keys") or []), env, server_key),
         default_machine=env.get("AGENTBOX_DEFAULT_MACHINE") or data.get("default_machine", "sandbox"),
         delegable=list(data.get("delegable", ["sandbox"])),
         machines=machines,

@@ -63,7 +63,8 @@ from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from agentbox import __version__
-from agentbox.config import Settings
+from agentbox.api.callers import caller_level
+from agentbox.config import MAX_LEVEL, Settings
 from agentbox.ids import SESSION_ID_RULE, is_session_id
 from agentbox.machines.base import Machine
 from agentbox.machines.errors import MachineError
@@ -93,6 +94,8 @@ DATA_META_KEY = "agentbox/data"
 OPEN_WORLD_ACTIONS = frozenset({Action.WEB, Action.BROWSER_READ, Action.BROWSER_WRITE, Action.MCP})
 #: JSON-RPC "invalid params": what a bad session or toolset choice is answered with over HTTP.
 INVALID_PARAMS = -32602
+#: JSON-RPC's code for a request the server will not take (a key whose level is too low).
+INVALID_REQUEST = -32600
 #: JSON-RPC's code for a request the server will not take as sent.
 INVALID_REQUEST = -32600
 #: JSON-RPC "internal error": the session's machine could not be opened.
@@ -388,6 +391,11 @@ class McpHttp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "GET":
             await no_stream()(scope, receive, send)
+            return
+        if scope["type"] == "http" and caller_level(Request(scope)) < MAX_LEVEL:
+            message = "/mcp takes the server's own api_key: it opens any session's machine, whatever its level"
+            body = {"jsonrpc": "2.0", "id": None, "error": {"code": INVALID_REQUEST, "message": message}}
+            await JSONResponse(body, status_code=403)(scope, receive, send)
             return
         if scope["type"] == "http":
             try:

@@ -50,14 +50,12 @@ def test_non_loopback_without_key_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("host", "key", "insecure", "refused"),
-    [("0.0.0.0", None, False, True), ("0.0.0.0", "k", False, False), ("0.0.0.0", None, True, False),
-     ("127.0.0.1", None, False, False)],
+    ("host", "keyed", "insecure", "refused"),
+    [("0.0.0.0", False, False, True), ("0.0.0.0", True, False, False), ("0.0.0.0", False, True, False),
+     ("127.0.0.1", False, False, False)],
 )  # fmt: skip
-def test_a_key_or_insecure_lifts_the_refusal(
-    host: str, key: str | None, insecure: bool, refused: bool
-) -> None:
-    assert (bind_refusal(host, key, insecure) is not None) is refused
+def test_a_key_or_insecure_lifts_the_refusal(host: str, keyed: bool, insecure: bool, refused: bool) -> None:
+    assert (bind_refusal(host, keyed, insecure) is not None) is refused
 
 
 def test_sigterm_with_an_open_event_stream_stops_the_server_within_the_grace(sandbox_tmp: Path) -> None:

@@ -42,6 +42,7 @@ from agentbox.api import (
 from agentbox.api import files as files_api
 from agentbox.api import sandboxes as sandboxes_api
 from agentbox.api import sessions as sessions_api
+from agentbox.api.callers import CALLER_LEVEL
 from agentbox.api.envelope import (
     BodyError,
     BodyRefused,
@@ -57,7 +58,7 @@ from agentbox.api.metrics import Metrics
 from agentbox.api.observe import RequestIdMiddleware
 from agentbox.api.routing import add_sandbox_routes
 from agentbox.api.schemas import install_document
-from agentbox.config import Settings
+from agentbox.config import MAX_LEVEL, Settings
 from agentbox.e2b import E2B, E2BDispatch, SandboxTable
 from agentbox.home import HomeClaim
 from agentbox.machines.errors import MachineError
@@ -97,38 +98,49 @@ def open_path(path: str) -> bool:
 
 
 class ApiKeyMiddleware:
-    """The server's API key on every request but those of `OPEN_PATHS`, HTTP and WebSocket alike.
+    """A configured key on every request but those of `OPEN_PATHS`, HTTP and WebSocket alike;
+    the key's caller level goes in the scope's state (`caller_level`), for every machine open.
 
-    An HTTP request without it is answered 401 (`unauthorized`), unless the console's login
-    cookie signs it in; a WebSocket (the CDP endpoint's) is closed before it is accepted, and
-    only the key counts for it: no page of the console opens one.
+    An HTTP request without a key is answered 401 (`unauthorized`), unless the console's login
+    cookie signs it in (with the server's own `api_key`: the operator's level); a WebSocket (the
+    CDP endpoint's) is closed before it is accepted, and only a key counts for it: no page of
+    the console opens one.
     """
 
-    def __init__(self, app: ASGIApp, secret: str) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
-        self.secret = secret
-        self.key = secret.encode()
+        self.secret = settings.api_key
+        self.keys = [(key.encode(), level) for key, level in settings.levels()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            request = Request(scope)
-            if self.admits(request) or console.signed_in(request, self.secret):
-                await self.app(scope, receive, send)
-            else:
-                await unauthorized()(scope, receive, send)
-        elif scope["type"] == "websocket" and not self.admits(HTTPConnection(scope)):
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        connection = HTTPConnection(scope)
+        level = self.level(connection)
+        if level is None and scope["type"] == "http" and self.secret is not None:
+            level = MAX_LEVEL if console.signed_in(Request(scope), self.secret) else None
+        if level is not None:
+            scope.setdefault("state", {})[CALLER_LEVEL] = level
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await unauthorized()(scope, receive, send)
+        else:
             await receive()  # websocket.connect
             await send(
                 {"type": "websocket.close", "code": KEY_REFUSED_CLOSE, "reason": "missing or invalid API key"}
             )
-        else:
-            await self.app(scope, receive, send)
 
-    def admits(self, connection: HTTPConnection) -> bool:
+    def level(self, connection: HTTPConnection) -> int | None:
+        """The caller level of the key presented (every key compared, in constant time each);
+        `MAX_LEVEL` on an open path, None without a valid key."""
+        if open_path(connection.url.path):
+            return MAX_LEVEL
         given = presented_key(connection)
-        return open_path(connection.url.path) or (
-            given is not None and hmac.compare_digest(given.encode(), self.key)
-        )
+        if given is None:
+            return None
+        matched = [level for key, level in self.keys if hmac.compare_digest(given.encode(), key)]
+        return matched[0] if matched else None
 
 
 def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
@@ -153,8 +165,8 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     app = FastAPIOffline(title="agentbox", version=__version__, lifespan=lifespan, static_url=DOCS_ASSETS)
     app.state.settings = settings
     install_document(app)  # every reply and failure in /openapi.json: agentbox.api.schemas
-    if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, secret=settings.api_key)
+    if settings.keyed:
+        app.add_middleware(ApiKeyMiddleware, settings=settings)
 
     @app.exception_handler(WorkspaceError)
     async def workspace_error(request: Request, exc: WorkspaceError) -> Response:

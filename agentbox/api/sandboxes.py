@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field
 from starlette.requests import HTTPConnection
 
 from agentbox.agent.worker import NO_MACHINE
+from agentbox.api.callers import caller_level
 from agentbox.api.envelope import failure
 from agentbox.api.schemas import failures, plain_reply
 from agentbox.api.sessions import LIST_LIMIT_DEFAULT
@@ -58,7 +59,8 @@ async def current(request: HTTPConnection) -> Sandbox:
     with; any other id, on the default machine."""
     system = cast(System, request.app.state.system)
     session_id = request.path_params.get("session_id")
-    return await system.services.get(session_id, await session_machine(system, session_id))
+    machine = await session_machine(system, session_id)
+    return await system.services.get(session_id, machine, level=caller_level(request))
 
 
 async def session_machine(system: System, session_id: str | None) -> str | None:

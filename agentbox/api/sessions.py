@@ -53,9 +53,11 @@ from agentbox.agent.events import Delta
 from agentbox.agent.models import ModelError, model_name_problem
 from agentbox.agent.vision import MODEL_MEDIA_TYPES
 from agentbox.agent.worker import NO_MACHINE, PLAN
+from agentbox.api.callers import caller_level
 from agentbox.api.envelope import BodyError, body_errors, failure, json_body, parse_body, query_error, wire
 from agentbox.api.schemas import event_stream, failures, plain_reply
-from agentbox.machines.errors import MachineNotFound
+from agentbox.config import MAX_LEVEL
+from agentbox.machines.errors import MachineDenied, MachineNotFound
 from agentbox.store.approvals import Approval, ApprovalNotFound, ApprovalNotPending
 from agentbox.store.changes import (
     ChangeSet,
@@ -114,6 +116,7 @@ ERRORS: dict[type[Exception], tuple[int, str]] = {
     UnknownFiles: (400, "bad_request"),
     UnsupportedUpdate: (400, "not_supported"),
     MachineNotFound: (400, "bad_request"),
+    MachineDenied: (403, "machine_denied"),
     ModelError: (400, "bad_request"),  # a malformed script (ScriptError)
     ValueError: (400, "bad_request"),  # the worker's and repos' validation of values
     IdempotencyConflict: (409, "conflict"),
@@ -152,6 +155,7 @@ class SessionRoute(APIRoute):
 
         async def guarded(request: Request) -> Response:
             try:
+                await check_level(request)
                 return await handle(request)
             except BodyError as exc:
                 response = body_errors(exc.errors)
@@ -161,6 +165,21 @@ class SessionRoute(APIRoute):
                 return refusal(exc)
 
         return guarded
+
+
+async def check_level(request: Request) -> None:
+    """A caller below `MAX_LEVEL` reaches a session only if its level admits the session's
+    machine (`api.callers`): every route under `/v1/sessions/{id}` acts on or shows it."""
+    level, session_id = caller_level(request), request.path_params.get("session_id")
+    if level >= MAX_LEVEL or session_id is None:
+        return
+    p = platform(request)
+    try:
+        session = await p.store.get_session(session_id)
+    except SessionNotFound:
+        return  # the route says so (or acts on an MCP client's id, opening at the caller's level)
+    if session.machine != NO_MACHINE:
+        p.registry.check(p.registry.config(session.machine or None), level)
 
 
 router = APIRouter(
@@ -401,6 +420,8 @@ async def create_session(request: Request) -> Any:
     if problem is not None:
         raise ValueError(f"model {problem}")
     p = platform(request)
+    if body.machine != NO_MACHINE:  # the caller's level must admit the machine it asks for
+        p.registry.check(p.registry.config(body.machine), caller_level(request))
     session = await p.worker.create_session(
         body.model, permission_mode=body.permission_mode, instructions=body.instructions,
         mcp_servers=body.mcp_servers, toolset=body.toolset, machine=body.machine,
@@ -827,7 +848,7 @@ async def apply_changes(request: Request, session_id: str, change_set_id: str) -
             "a tier first, then apply"
         )
     name = change_set.machine or cast(Session, session).machine
-    machine = cast(GovernedMachine, await p.registry.open(session_id, name))
+    machine = cast(GovernedMachine, await p.registry.open(session_id, name, level=caller_level(request)))
     await p.changes.apply(machine, chosen)
     return change_set_view(await changes_updated(p, change_set_id), diffs=True)
 

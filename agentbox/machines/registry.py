@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from agentbox.config import SECRET_FIELDS, MachineConfig, Settings
+from agentbox.config import MAX_LEVEL, SECRET_FIELDS, MachineConfig, Settings
 from agentbox.ids import SESSION_ID_RULE, is_session_id, new_id
 from agentbox.machines import disk
 from agentbox.machines.base import Lifetime, Machine
@@ -75,8 +75,6 @@ from agentbox.secrets import SecretBox, redact
 JANITOR_INTERVAL = 30.0
 #: Session id used when a request names none (the root routes of the sandbox API).
 DEFAULT_SESSION = "default"
-#: The highest permission level; internal callers (the operator's API) have it.
-MAX_LEVEL = 10
 ACTIVITY_FILE = ".last_active"
 #: Seconds between two updates of a session's activity file (its mtime drives the purge).
 ACTIVITY_RESOLUTION = 60.0

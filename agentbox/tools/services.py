@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentbox.config import MAX_LEVEL
 from agentbox.machines.base import Machine
 from agentbox.machines.registry import DEFAULT_SESSION, Registry
 from agentbox.tools.knowledge import KnowledgeIndex, open_index
@@ -127,10 +128,13 @@ class Services:
             self.routes.clear()  # a cache: looked up again when needed
         self.routes[session_id] = machine
 
-    async def get(self, session_id: str | None = None, machine: str | None = None) -> MachineServices:
-        """The services of the session's machine (the default one unless named), opening it."""
+    async def get(
+        self, session_id: str | None = None, machine: str | None = None, *, level: int = MAX_LEVEL
+    ) -> MachineServices:
+        """The services of the session's machine (the default one unless named), opening it for a
+        caller of `level` (`Registry.open` refuses a machine that needs more)."""
         sid = session_id or DEFAULT_SESSION  # the registry refuses an id that is not one
-        opened = await self.registry.open(sid, machine)
+        opened = await self.registry.open(sid, machine, level=level)
         return self.of(opened, sid)
 
     def of(self, machine: Machine, session_id: str = DEFAULT_SESSION) -> MachineServices:
