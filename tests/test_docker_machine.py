@@ -26,6 +26,7 @@ from agentbox.machines.docker import (
     DockerHost,
     DockerMachine,
     DockerOptions,
+    image_tag,
 )
 from agentbox.machines.errors import ContainerGone, MachineUnavailable
 from agentbox.machines.images import Image
@@ -332,7 +333,7 @@ async def test_the_image_is_imported_once_per_digest(
     make_docker: DockerFactory, dockerd: Dockerd, base_image: Image
 ) -> None:
     await make_docker()
-    tag = f"{IMAGE_REPO}/{base_image.name}:{base_image.manifest.digest.removeprefix('sha256:')[:12]}"
+    tag = f"{IMAGE_REPO}/{base_image.name}:{image_tag(base_image)}"
     assert len(dockerd.cli("images", "-q", tag).stdout.split()) == 1
     # the engine's cache may hold imports of earlier digests too: compare, do not count
     before = dockerd.cli("images", "-q", f"{IMAGE_REPO}/{base_image.name}").stdout.split()
@@ -357,3 +358,17 @@ def test_options_refuse_unknown_keys_and_root() -> None:
     options = DockerOptions.from_options({"network": "on", "memory_mb": "512", "user": "1234", "disk_mb": 10})
     assert (options.network, options.memory_mb, options.uid_gid(None)) == (True, 512, (1234, 1234))
     assert replace(options, network=False).network is False
+
+
+def test_one_digest_built_by_two_owners_is_two_imports(base_image: Image) -> None:
+    """The digest is the same whoever built the tree, its owner is not: a container of the
+    other owner's import could not enter its 0700 directories ("stat /usr/bin/python3:
+    permission denied")."""
+    manifest = base_image.manifest
+    other = replace(base_image, manifest=replace(manifest, uid=manifest.uid + 1, gid=manifest.gid + 1))
+    assert other.manifest.digest == manifest.digest
+    assert image_tag(other) != image_tag(base_image)
+    assert (
+        image_tag(base_image)
+        == f"{manifest.digest.removeprefix('sha256:')[:12]}-{manifest.uid}-{manifest.gid}"
+    )

@@ -96,7 +96,7 @@ CONTAINER_SHELL = "/bin/sh"
 SHARED_DIRS = ("/tmp", CONTAINER_HOME, "/usr", "/etc")
 #: Mode of `run/`, owned by the container's uid: only it (and root) passes.
 RUN_DIR_MODE = 0o700
-#: Repository of the imported images: `agentbox/<image name>:<DIGEST_TAG_HEX hex of its digest>`.
+#: Repository of the imported images: `agentbox/<image name>:<tag>` (`image_tag`).
 IMAGE_REPO = "agentbox"
 DIGEST_TAG_HEX = 12
 #: Labels every container carries: what made it and for which machine.
@@ -285,7 +285,7 @@ class DockerHost:
 
     async def ensure_imported(self, engine: Engine, image: Image) -> str:
         """The engine's tag for `image`, imported first if the engine does not have it yet."""
-        digest = image.manifest.digest.removeprefix("sha256:")[:DIGEST_TAG_HEX]
+        digest = image_tag(image)
         reference = f"{IMAGE_REPO}/{image.name}:{digest}"
         key = f"{engine.docker_host} {reference}"
         lock = self._imports.setdefault(key, asyncio.Lock())
@@ -304,6 +304,16 @@ class DockerHost:
             self._imported.add(key)
         return reference
 
+
+
+def image_tag(image: Image) -> str:
+    """The engine's tag of an image: DIGEST_TAG_HEX hex of its digest, then its owner. The
+    digest is of the debootstrap stream, the same whoever built it; the tree is owned by the
+    builder's sandbox uid. Two trees of one digest and two owners (a root and a non-root
+    server on one engine, a changed `sandbox_uid`) must not share an import: a container runs
+    as the owner and could not enter the other's 0700 directories."""
+    digest = image.manifest.digest.removeprefix("sha256:")[:DIGEST_TAG_HEX]
+    return f"{digest}-{image.manifest.uid}-{image.manifest.gid}"
 
 async def tar_stream(rootfs: Path) -> AsyncIterator[bytes]:
     """The tree as a tar stream, owners as numbers (the image's files belong to its uid)."""
