@@ -40,7 +40,7 @@ from figures import (
 from agentbox.config import default_home
 from agentbox.ids import SANDBOX, new_id
 from agentbox.machines.base import ExecRequest
-from agentbox.machines.docker import DockerHost, DockerMachine, DockerOptions
+from agentbox.machines.docker import IMAGE_REPO, DockerHost, DockerMachine, DockerOptions, image_tag
 from agentbox.machines.images import Image, ImageStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -235,7 +235,7 @@ async def run(
         notes.append(
             f"first machine (image import included if needed): {time.perf_counter() - started:.2f} s"
         )
-        reference = f"agentbox/{image.name}:{image.manifest.digest.removeprefix('sha256:')[:12]}"
+        reference = f"{IMAGE_REPO}/{image.name}:{image_tag(image)}"  # what the machine started from
         await lab.remove_all()
         figures = await exec_figures(lab, counts, docker_host)
         await lab.remove_all()
