@@ -92,7 +92,10 @@ def test_keys_are_required_and_mcp_takes_only_the_servers_own(keyed: Server) -> 
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ('name = "a"\nkey = "short"\nlevel = 1', f"at least {MIN_API_KEY_CHARS} characters"),
+        (
+            f'name = "a"\nkey = "{"k" * (MIN_API_KEY_CHARS - 1)}"\nlevel = 1',
+            f"at least {MIN_API_KEY_CHARS} characters",
+        ),
         (f'name = "a"\nkey = "{CI_KEY}"\nlevel = {MAX_LEVEL + 1}', f"level must be 0 to {MAX_LEVEL}"),
         (f'name = "a"\nkey = "{OWN_KEY}"\nlevel = 1', "its key is another key's"),
         (f'name = "a"\nkey = "{CI_KEY}"\nlevel = true', "level must be"),
@@ -113,6 +116,8 @@ def test_keys_from_the_environment_and_their_levels(tmp_path: Path) -> None:
     path.write_text('[[api_keys]]\nname = "ci"\nkey_env = "CI_KEY"\nlevel = 0\n')
     settings = config_mod.load(path, env={"CI_KEY": CI_KEY})
     assert settings.keyed and settings.levels() == [(CI_KEY, 0)]
+    shortest = "k" * MIN_API_KEY_CHARS  # the boundary: one character fewer is refused above
+    assert config_mod.load(path, env={"CI_KEY": shortest}).levels() == [(shortest, 0)]
     duplicate = '[[api_keys]]\nname = "a"\nkey_env = "K"\nlevel = 1\n[[api_keys]]\nname = "a"\nkey_env = "L"\nlevel = 1\n'
     path.write_text(duplicate)
     with pytest.raises(config_mod.ConfigError, match="a name of its own"):

@@ -221,7 +221,7 @@ async def test_a_kill_whose_channel_fails_is_tried_again(
     if failures < KILL_ATTEMPTS:
         await eventually(lambda: not any(alive(p) for p in pids), "the command and its child are killed")
     else:
-        await asyncio.sleep(0.5)  # every try failed, and no further one is made
+        await eventually(lambda: not ssh._kills, "the kill gave up")  # every try failed
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):  # the shell may go with its channel
                 os.kill(pid, signal.SIGKILL)
