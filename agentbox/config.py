@@ -63,6 +63,12 @@ is `$AGENTBOX_CONFIG`, else `agentbox.toml` in the working directory, else
     web_search_url = "http://127.0.0.1:8888/search"  # GET ?q=&n= answers JSON results
     skill_dirs = ["/srv/skills"]    # skills every session has, besides the workspace's
 
+    [[knowledge_bases]]             # a folder of the workspace every session on a machine has
+    id = "handbook"                 # what knowledge_base_ids and the tools name it by
+    path = "docs/handbook"          # relative to the machine's workspace root
+    name = "Team handbook"
+    machines = ["host"]             # the machines it is on (default: every machine)
+
     [[agents]]                      # a subagent for the `task` tool (agentbox.agent.subagents)
     name = "reviewer"
     description = "Reviews a diff and reports problems"
@@ -92,6 +98,8 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import posixpath
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,6 +269,105 @@ def tool_config(table: dict[str, Any]) -> ToolConfig:
     )
 
 
+#: What a knowledge base's id may be: what sessions select it by and the tools name it by.
+KNOWLEDGE_BASE_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+#: The knowledge base every machine has: its whole workspace root (the default selection).
+WORKSPACE_KNOWLEDGE_BASE = "workspace"
+#: Longest knowledge base path (relative to the workspace root), in characters.
+MAX_KNOWLEDGE_BASE_PATH_CHARS = 1024
+#: Characters a knowledge base path may not hold: walks leave unselected ones out by rg glob.
+GLOB_CHARS = "*?[]{}!\\"
+#: Longest knowledge base name, in characters.
+MAX_KNOWLEDGE_BASE_NAME_CHARS = 200
+
+
+@dataclass(frozen=True)
+class KnowledgeBaseSpec:
+    """A knowledge base as configured or registered: a folder of a machine's workspace.
+
+    `path` is relative to the machine's workspace root and stays inside it (no `..`, never
+    absolute): a knowledge base widens what the tools treat as the session's own files, so
+    neither a session nor the operator can make one of a folder outside the workspace. The
+    knowledge index, which covers the workspace root, covers every knowledge base by that rule.
+    """
+
+    id: str
+    path: str
+    name: str = ""
+    machines: tuple[str, ...] = ()
+    """Configured ones: the machines whose sessions have it; empty, every machine."""
+
+    def on(self, machine: str | None) -> bool:
+        return not self.machines or machine in self.machines
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "path": self.path, "name": self.name}
+
+
+def knowledge_base_spec(entry: Any, where: str, *, configured: bool = False) -> KnowledgeBaseSpec:
+    """One knowledge base (`id`, `path`, optional `name`, and where configured `machines`),
+    checked; a `ConfigError` names what is wrong and `where` it was given."""
+    allowed = {"id", "path", "name", *({"machines"} if configured else set())}
+    if not isinstance(entry, dict) or not set(entry) <= allowed or not {"id", "path"} <= set(entry):
+        raise ConfigError(
+            f"{where}: a knowledge base takes {', '.join(sorted(allowed))} (id and path needed), not {entry!r}"
+        )
+    kb_id, path, name = entry["id"], entry["path"], entry.get("name", "")
+    if not isinstance(kb_id, str) or not KNOWLEDGE_BASE_ID.fullmatch(kb_id):
+        raise ConfigError(f"{where}: knowledge base id {kb_id!r} must match {KNOWLEDGE_BASE_ID.pattern}")
+    if kb_id == WORKSPACE_KNOWLEDGE_BASE:
+        raise ConfigError(f"{where}: {WORKSPACE_KNOWLEDGE_BASE!r} is the workspace's own knowledge base")
+    if not isinstance(name, str) or len(name) > MAX_KNOWLEDGE_BASE_NAME_CHARS:
+        raise ConfigError(
+            f"{where}: knowledge base {kb_id!r}: name must be text of at most {MAX_KNOWLEDGE_BASE_NAME_CHARS} characters"
+        )
+    machines = entry.get("machines", [])
+    if not isinstance(machines, list) or not all(isinstance(m, str) for m in machines):
+        raise ConfigError(f"{where}: knowledge base {kb_id!r}: machines must be a list of machine names")
+    return KnowledgeBaseSpec(
+        kb_id, knowledge_base_path(path, f"{where}: knowledge base {kb_id!r}"), name, tuple(machines)
+    )
+
+
+def knowledge_base_path(path: Any, where: str) -> str:
+    """`path` normalized, relative to the workspace root and inside it, or a `ConfigError`."""
+    if (
+        not isinstance(path, str)
+        or not path.strip()
+        or "\0" in path
+        or len(path) > MAX_KNOWLEDGE_BASE_PATH_CHARS
+    ):
+        raise ConfigError(
+            f"{where}: path must be a folder of the workspace, at most {MAX_KNOWLEDGE_BASE_PATH_CHARS} characters"
+        )
+    normal = posixpath.normpath(path.strip())
+    if set(normal) & set(GLOB_CHARS):
+        raise ConfigError(f"{where}: path {path!r} must not hold any of {GLOB_CHARS} (they are glob syntax)")
+    if path.startswith("/") or normal == "." or normal == ".." or normal.startswith("../"):
+        raise ConfigError(
+            f"{where}: path {path!r} must be a folder inside the workspace, relative to its root "
+            "(the whole workspace is the 'workspace' knowledge base)"
+        )
+    return normal
+
+
+def knowledge_bases(entries: Any) -> list[KnowledgeBaseSpec]:
+    """The `[[knowledge_bases]]` table; ids are unique."""
+    if not isinstance(entries, list):
+        raise ConfigError("[[knowledge_bases]] must be a list of tables")
+    specs = [knowledge_base_spec(e, "[[knowledge_bases]]", configured=True) for e in entries]
+    unique_ids(specs, "[[knowledge_bases]]")
+    return specs
+
+
+def unique_ids(specs: list[KnowledgeBaseSpec], where: str) -> None:
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.id in seen:
+            raise ConfigError(f"{where}: knowledge base id {spec.id!r} is given twice")
+        seen.add(spec.id)
+
+
 @dataclass(frozen=True)
 class ApiKey:
     """One `[[api_keys]]` entry: a key that admits its callers at `level` (seed 004's caller
@@ -284,7 +391,9 @@ def api_keys(entries: list[Any], env: dict[str, str], server_key: str | None) ->
         if not isinstance(name, str) or not name or any(k.name == name for k in keys):
             raise ConfigError(f"[[api_keys]] needs a name of its own, not {name!r}")
         if not isinstance(key, str) or len(key) < MIN_API_KEY_CHARS:
-            raise ConfigError(f"[[api_keys]] {name!r}: its key must be at least {MIN_API_KEY_CHARS} characters")
+            raise ConfigError(
+                f"[[api_keys]] {name!r}: its key must be at least {MIN_API_KEY_CHARS} characters"
+            )
         if key == server_key or any(k.key == key for k in keys):
             raise ConfigError(f"[[api_keys]] {name!r}: its key is another key's")
         if not isinstance(level, int) or isinstance(level, bool) or not 0 <= level <= MAX_LEVEL:
@@ -343,6 +452,9 @@ class Settings:
     public addresses (a local Ollama on loopback); the server's keys still do not go there."""
     tools: ToolConfig = field(default_factory=ToolConfig)
     """The `[tools]` table (`ToolConfig`)."""
+    knowledge_bases: list[KnowledgeBaseSpec] = field(default_factory=list)
+    """`[[knowledge_bases]]`: folders of a machine's workspace its sessions have as knowledge
+    bases besides the whole workspace (`agentbox.tools.knowledge_bases`)."""
 
     def machine(self, name: str) -> MachineConfig | None:
         return self.machines.get(name)
@@ -419,6 +531,7 @@ def load(path: Path | None = None, env: dict[str, str] | None = None) -> Setting
         mcp_servers={str(k): dict(v) for k, v in (data.get("mcp_servers") or {}).items()},
         model_endpoints=[str(u) for u in data.get("model_endpoints") or []],
         tools=tool_config(dict(data.get("tools") or {})),
+        knowledge_bases=knowledge_bases(data.get("knowledge_bases") or []),
     )
     if settings.compaction_model is not None and settings.compaction_model not in settings.models:
         raise ValueError(

@@ -73,6 +73,7 @@ from agentbox.store.approvals import ApprovalsRepo
 from agentbox.system import System, opened_system
 from agentbox.tools.approvals import Approvals
 from agentbox.tools.base import Action, Block, ImageBlock, Tool, ToolResult
+from agentbox.tools.knowledge_bases import selection
 from agentbox.tools.runner import SessionTools
 from agentbox.tools.tiers import Decision, FullAutoRefused, Tier, decide, session_tier
 from agentbox.tools.toolsets import DEFAULT_TOOLSET, TOOLSETS
@@ -204,6 +205,8 @@ class ToolHost:
                 files=self.system.files,
                 services=services,
                 config=self.system.settings.tools,
+                knowledge=selection(self.system.settings.knowledge_bases, self.machine_name),
+                file_ids=self.system.worker.file_ids,
             )
             self._sessions[key] = tools
         tools.machine, tools.services = machine, services  # the same unless the session was reopened
@@ -393,7 +396,9 @@ class McpHttp:
             await no_stream()(scope, receive, send)
             return
         if scope["type"] == "http" and caller_level(Request(scope)) < MAX_LEVEL:
-            message = "/mcp takes the server's own api_key: it opens any session's machine, whatever its level"
+            message = (
+                "/mcp takes the server's own api_key: it opens any session's machine, whatever its level"
+            )
             body = {"jsonrpc": "2.0", "id": None, "error": {"code": INVALID_REQUEST, "message": message}}
             await JSONResponse(body, status_code=403)(scope, receive, send)
             return

@@ -21,6 +21,7 @@ from agentbox.tools import deliver
 from agentbox.tools.base import Action, Operation, TodoStore, ToolConfig, ToolResult
 from agentbox.tools.base import FileStore as FileStoreProtocol
 from agentbox.tools.deliver import DELIVER_FILE, MAX_DELIVERIES_PER_TURN, MAX_DELIVERY_BYTES, DeliverParams
+from tests.scoped import Scoped
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -34,7 +35,7 @@ class MemoryTodos:
 
 
 @dataclass
-class Ctx:
+class Ctx(Scoped):
     machine: Any
     files: FileStoreProtocol | None
     session_id: str = "ses_deliver"

@@ -273,6 +273,7 @@ async def test_image_refs_of_tricky_markdown(host_box: Box, tmp_path: Path) -> N
         "src": "my pic.png",
         "alt": "spaced",
         "path": f"{prefix}/my pic.png",
+        "fileId": None,
         "exists": True,
         "skipped": None,
     }

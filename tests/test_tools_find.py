@@ -92,7 +92,7 @@ async def test_list_cap_boundary(box: Box) -> None:
     assert over.data["shown"] == MAX_LIST_ENTRIES and over.data["truncated"]
     assert text_of(over).endswith(
         f"[Showing {MAX_LIST_ENTRIES} of {MAX_LIST_ENTRIES + 1} entries. "
-        "Narrow your search with query or fileType, or list a subfolder.]"
+        "Narrow your search with query, prefix or fileType, or list a subfolder.]"
     )
 
 

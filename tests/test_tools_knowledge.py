@@ -46,6 +46,7 @@ from agentbox.tools.pdf import read_pdf
 from agentbox.tools.read import READ, ReadParams
 from agentbox.tools.services import MachineServices
 from agentbox.workspace.watch import WatchHub
+from tests.scoped import Scoped
 
 #: Seconds a change may take to show up in search results before a test fails.
 DEADLINE = 10.0
@@ -70,7 +71,7 @@ OPEN: dict[int, MachineServices] = {}
 
 
 @dataclass
-class Ctx:
+class Ctx(Scoped):
     """A real (minimal) ToolContext: search never commits, and every read is allowed."""
 
     machine: Any
@@ -760,6 +761,7 @@ def test_tool_schema_and_action() -> None:
     props = tool.schema()["properties"]
     assert set(props) == {
         "query",
+        "knowledgeBaseIds",
         "pathPrefix",
         "tags",
         "fileTypes",

@@ -55,6 +55,7 @@ from agentbox.tools.read import (
     ReadParams,
 )
 from agentbox.workspace.fileops import file_ops
+from tests.scoped import Scoped
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -65,7 +66,7 @@ DENIED = "The user declined this read."
 
 
 @dataclass
-class Ctx:
+class Ctx(Scoped):
     """A ToolContext whose commit applies operations at once through the governance module's
     `apply_operations`, as the full-auto tier does (deletes go to the workspace's trash)."""
 

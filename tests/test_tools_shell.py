@@ -35,6 +35,7 @@ from agentbox.tools.shell import (
     shell_command,
 )
 from agentbox.workspace.commands import KEPT_HEAD_BYTES
+from tests.scoped import Scoped
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -61,7 +62,7 @@ class MemoryTodos:
 
 
 @dataclass
-class Ctx:
+class Ctx(Scoped):
     """A real ToolContext for exec: authorize answers `refusal` and records what was asked."""
 
     machine: Any

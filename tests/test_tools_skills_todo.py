@@ -35,12 +35,13 @@ from agentbox.tools.skills import (
     discover,
 )
 from agentbox.tools.todo import MAX_TODO_CHARS, MAX_TODOS, TODO_WRITE, TodoParams
+from tests.scoped import Scoped
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 @dataclass
-class Ctx:
+class Ctx(Scoped):
     machine: Any
     todos: TodoStore
     session_id: str = "ses_skills"

@@ -27,6 +27,7 @@ from agentbox.tools.web import (
     FetchParams,
     SearchParams,
 )
+from tests.scoped import Scoped
 
 PAGE = b"""<!doctype html><html><head><title>The  Title &amp; more</title>
 <style>body { color: red }</style><script>var secret = "script text";</script></head>
@@ -156,7 +157,7 @@ class MemoryTodos:
 
 
 @dataclass
-class Ctx:
+class Ctx(Scoped):
     machine: Any
     session_id: str = "ses_web"
     turn_id: str | None = "trn_web"

@@ -57,6 +57,7 @@ from agentbox.machines.base import Machine, environment_line
 from agentbox.store.baselines import Baseline, BaselineStore, SignalRow
 from agentbox.store.images import ImageStore
 from agentbox.store.sessions import Message, NewEvent, SessionStore, Turn
+from agentbox.tools.knowledge_bases import Scope, Selection
 from agentbox.tools.skills import Skill
 
 #: The event a compaction records.
@@ -77,11 +78,20 @@ class Surroundings:
     subagents: list[Subagent] = field(default_factory=list)
     toolset: str = "default"
     """The session's toolset: the prompt says how it loads a skill (`prompt.SKILL_CALLS`)."""
+    knowledge: Selection = field(default_factory=Selection)
+    """The session's knowledge bases: the working directory is the first one's root."""
+
+    def scope(self) -> Scope | None:
+        return self.knowledge.scope(self.machine.root) if self.machine is not None else None
 
     def environment(self) -> Environment:
+        scope = self.scope()
         return Environment(
             machine=environment_line(self.machine) if self.machine is not None else None,
-            cwd=self.machine.root if self.machine is not None else None,
+            cwd=scope.base.root if scope is not None else None,
+            knowledge_bases=tuple(scope.describe())
+            if scope is not None and len(scope.registered) > 1
+            else (),
             tools=tool_resources(self.tools),
             skills=tuple(Resource(s.name, s.description) for s in self.skills),
             subagents=tuple(Resource(a.name, a.description) for a in self.subagents),
@@ -92,7 +102,7 @@ class Surroundings:
     async def prompt(self, today: date | None = None) -> str:
         return await assemble(
             self.instructions, self.machine, skills=self.skills, subagents=self.subagents, today=today,
-            toolset=self.toolset,
+            toolset=self.toolset, scope=self.scope(),
         )  # fmt: skip
 
 
@@ -112,6 +122,7 @@ def environment_from(data: dict[str, Any]) -> Environment:
         subagents=resources("subagents"),
         permission_mode=data.get("permission_mode", ""),
         instructions_digest=data.get("instructions_digest", ""),
+        knowledge_bases=tuple(data.get("knowledge_bases") or ()),
     )
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import date
 
 from agentbox.machines.base import TRASH_DIR, Machine, environment_line
+from agentbox.tools.knowledge_bases import Scope
 from agentbox.tools.shell import exec_shell
 from agentbox.tools.skills import Skill, catalog_text
 from agentbox.workspace.fileops import file_ops
@@ -78,14 +79,16 @@ async def assemble(
     subagents: Sequence[Subagent] = (),
     today: date | None = None,
     toolset: str = "default",
+    scope: Scope | None = None,
 ) -> str:
-    """The system prompt for one baseline. `machine` is None for a session without a sandbox."""
+    """The system prompt for one baseline. `machine` is None for a session without a sandbox;
+    `scope` its knowledge bases (None: the workspace root alone)."""
     sections = [
         instructions.strip(),
         await context_files(machine) if machine is not None else "",
         skills_section(skills, toolset),
         agents_section(subagents),
-        await facts(machine, today or date.today()),
+        await facts(machine, today or date.today(), scope),
     ]
     return "\n\n".join(s for s in sections if s)
 
@@ -130,11 +133,16 @@ def agents_section(subagents: Sequence[Subagent]) -> str:
     return f"{AGENTS_HEADING}\n\n{AGENTS_INTRO}\n\n{lines}"
 
 
-async def facts(machine: Machine | None, today: date) -> str:
+async def facts(machine: Machine | None, today: date, scope: Scope | None = None) -> str:
     lines = [f"Date: {today.isoformat()}"]
     if machine is not None:
         lines.append(environment_line(machine))
-        lines.append(f"Working directory: {machine.root}")
+        lines.append(f"Working directory: {scope.base.root if scope is not None else machine.root}")
+        if scope is not None and len(scope.registered) > 1:
+            lines.append(
+                "Knowledge bases (your own files; relative paths start at the first; search and "
+                "knowledgeBaseIds use these ids):\n" + "\n".join(f"- {line}" for line in scope.describe())
+            )
         lines.append(f"Shell: {await exec_shell(machine)} (the exec tool runs each command with it, -c)")
         listing = await directory_listing(machine)
         if listing:

@@ -109,6 +109,8 @@ class Environment:
     permission_mode: str = ""
     instructions_digest: str = ""
     """`text_digest` of the instructions (only a change is told, never the text)."""
+    knowledge_bases: tuple[str, ...] = ()
+    """The selected knowledge bases, one `id: root` line each, the first where paths start."""
 
     def resources(self, kind: ResourceKind) -> tuple[Resource, ...]:
         return {"tool": self.tools, "skill": self.skills, "subagent": self.subagents}[kind]
@@ -120,6 +122,8 @@ def diff(before: Environment, after: Environment) -> list[Signal]:
     if (before.machine, before.cwd) != (after.machine, after.cwd):
         signals.append(environment_signal(before, after))
     else:
+        if before.knowledge_bases != after.knowledge_bases:
+            signals.append(knowledge_signal(after))
         for kind in KIND_WORDS:
             delta = resource_signal(kind, before.resources(kind), after.resources(kind))
             if delta is not None:
@@ -153,6 +157,15 @@ def environment_signal(before: Environment, after: Environment) -> Signal:
     parts.append("All available skills:" + _lines(after.skills))
     parts.append("All available agents:" + _lines(after.subagents))
     return Signal("environment", "\n\n".join(parts))
+
+
+def knowledge_signal(after: Environment) -> Signal:
+    listed = "\n".join(after.knowledge_bases) or "(none)"
+    return Signal(
+        "knowledge_bases",
+        f"The session's knowledge bases changed. Relative paths now start at {after.cwd or '(unknown)'}.\n"
+        f"Knowledge bases:\n{listed}",
+    )
 
 
 def _lines(entries: Sequence[Resource]) -> str:

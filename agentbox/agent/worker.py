@@ -87,6 +87,7 @@ from agentbox.machines.hostfs import HostFiles
 from agentbox.machines.registry import Entry, Registry
 from agentbox.store.approvals import Approval
 from agentbox.store.baselines import BaselineStore
+from agentbox.store.file_ids import FileIdRepo
 from agentbox.store.files import FileStore
 from agentbox.store.images import ImageStore
 from agentbox.store.sessions import (
@@ -107,6 +108,7 @@ from agentbox.store.todos import TodoRepo
 from agentbox.tools.approvals import Approvals, EventKind
 from agentbox.tools.base import Action, Tool, ToolResult
 from agentbox.tools.changes import ChangeSets
+from agentbox.tools.knowledge_bases import ScopeError, Selection, session_selection
 from agentbox.tools.runner import SessionTools, denied
 from agentbox.tools.services import MachineServices, Services
 from agentbox.tools.skills import catalog, unused_skill_tools
@@ -188,6 +190,8 @@ class Worker:
         self.baselines = BaselineStore(store.db)
         self.images = ImageStore(registry.settings.home)
         """The images tool results showed the model, for every later request (`agent.vision`)."""
+        self.file_ids = FileIdRepo(store.db)
+        """The file ids sessions' tools showed (`read` takes them)."""
         self.runs = SubagentRuns(store.db)
         """Subagents' transcripts (read by the sessions API, continued by `task` with `resume`)."""
         self._drains: dict[str, asyncio.Task[None]] = {}
@@ -251,6 +255,8 @@ class Worker:
         script: Sequence[Any] | None = None,
         model_options: Mapping[str, Any] | None = None,
         compaction: Any = None,
+        knowledge_bases: Sequence[Any] = (),
+        knowledge_base_ids: Sequence[str] | None = None,
     ) -> Session:
         """Validate and create a session (`ValueError` subclasses name what is wrong).
 
@@ -269,6 +275,7 @@ class Worker:
         await check_servers(mcp_servers, settings.mcp_servers, config, reach)
         check_model(parse_config(compaction), model, settings.models)
         check_limit_options(model_options or {})
+        self._knowledge_of(machine, list(knowledge_bases), knowledge_base_ids)
         if model != SCRIPTED:
             try:  # an option the adapter cannot take (a `timeout` that is not a number) fails here, not in a turn
                 provider = provider_model(model, model_options, reach)
@@ -280,17 +287,25 @@ class Worker:
             model, permission_mode=permission_mode, instructions=instructions, mcp_servers=mcp_servers,
             toolset=toolset, machine=machine, metadata=metadata,
             script=list(script) if script is not None else ([] if model == SCRIPTED else None),
-            model_options=model_options, compaction=compaction,
+            model_options=model_options, compaction=compaction, knowledge_bases=knowledge_bases,
+            knowledge_base_ids=knowledge_base_ids,
         )  # fmt: skip
         self.bus.publish(events)
         return session
 
     async def update_session(self, session_id: str, changes: Mapping[str, Any]) -> Session:
-        """permission_mode and metadata only (`UnsupportedUpdate` for the rest)."""
+        """permission_mode, metadata and the knowledge bases only (`UnsupportedUpdate` for the rest)."""
         mode = changes.get("permission_mode")
         if mode is not None:
             session = await self.store.get_session(session_id)
             permission_mode_on(self._machine_config(session.machine), mode)
+        if "knowledge_bases" in changes or "knowledge_base_ids" in changes:
+            session = await self.store.get_session(session_id)
+            self._knowledge_of(
+                session.machine,
+                changes.get("knowledge_bases", session.knowledge_bases),
+                changes.get("knowledge_base_ids", session.knowledge_base_ids),
+            )
         session, events = await self.store.update_session(session_id, changes)
         self.bus.publish(events)
         return session
@@ -311,6 +326,7 @@ class Worker:
             await background.close()
         await self.registry.close_session(session_id, purge=True)
         await self.images.discard(await self.store.delete_session(session_id))
+        await self.file_ids.forget(session_id)
 
     async def submit(
         self, session_id: str, content: str, files: Sequence[str] = (), idempotency_key: str | None = None
@@ -541,6 +557,34 @@ class Worker:
             cursor = page[-1].seq
         return asked
 
+    def _knowledge_of(
+        self, machine: str | None, registered: Sequence[Any], selected: Sequence[str] | None
+    ) -> Selection:
+        """A session's knowledge bases on its machine, checked (`ScopeError` names what is wrong)."""
+        config = self._machine_config(machine)
+        if config is None:
+            if registered or selected is not None:
+                raise ScopeError("a session without a machine has no knowledge bases")
+            return Selection()
+        return session_selection(self.registry.settings.knowledge_bases, config.name, registered, selected)
+
+    def knowledge(self, session: Session) -> Selection:
+        """The session's knowledge bases as its tools see them; a configured one the operator has
+        since removed leaves the selection (the rest stands), the workspace when nothing is left."""
+        config = self._machine_config(session.machine)
+        if config is None:
+            return Selection()
+        try:
+            return self._knowledge_of(session.machine, session.knowledge_bases, session.knowledge_base_ids)
+        except ValueError as exc:
+            log.warning("session %s: its knowledge bases no longer fit the config (%s)", session.id, exc)
+        try:
+            chosen = self._knowledge_of(session.machine, session.knowledge_bases, None)
+        except ValueError:  # one of its own now has a configured one's id: the configured one wins
+            chosen = self._knowledge_of(session.machine, [], None)
+        kept = [kb_id for kb_id in session.knowledge_base_ids or [] if kb_id in chosen.ids()]
+        return dataclasses.replace(chosen, selected=tuple(kept) or None)
+
     def _machine_config(self, machine: str | None) -> MachineConfig | None:
         """The configuration of a session's machine (the default for None); None for `NO_MACHINE`."""
         return None if machine == NO_MACHINE else self.registry.config(machine)
@@ -631,7 +675,7 @@ class Worker:
         session_tools = SessionTools(
             machine=None, session_id=session.id, tier=tier, toolset=tools,
             changes=self.changes, approvals=self.approvals, todos=self.todos, files=self.files, plan=plan,
-            config=self.registry.settings.tools,
+            config=self.registry.settings.tools, knowledge=self.knowledge(session), file_ids=self.file_ids,
         )  # fmt: skip
         session_tools.begin_turn(turn.id)
         host = SessionToolHost(session_tools, lambda: self._services(session))
@@ -684,6 +728,7 @@ class Worker:
         """What the prompt describes now; also refreshes the subagents' roster and facts."""
         session = await self.store.get_session(session.id)
         machine = await self._described(session)
+        knowledge = host.tools.knowledge = self.knowledge(session)  # a PATCH since holds from this boundary
         skills = await catalog(machine, host.tools.config) if machine is not None else []
         unused = await unused_skill_tools(skills)
         if not self._limits(session).vision:
@@ -695,11 +740,12 @@ class Worker:
         if host.subagents is not None:
             found = await load_agents(machine, self.registry.settings.agents)
             host.subagents.agents = found.agents
-            host.subagents.system_facts = await facts(machine, date.today())
+            scope = knowledge.scope(machine.root) if machine is not None else None
+            host.subagents.system_facts = await facts(machine, date.today(), scope)
             agents = roster(found.agents)
         return Surroundings(
             instructions=session.instructions, permission_mode=session.permission_mode, machine=machine,
-            tools=host.specs(), skills=skills, subagents=agents, toolset=session.toolset,
+            tools=host.specs(), skills=skills, subagents=agents, toolset=session.toolset, knowledge=knowledge,
         )  # fmt: skip
 
     async def _described(self, session: Session) -> Machine | None:

@@ -40,6 +40,7 @@ operation's status) to the session's log, committed then published, as a session
 from __future__ import annotations
 
 import json
+import posixpath
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
@@ -201,6 +202,16 @@ def platform(request: Request) -> System:
 # ---------------------------------------------------------------- bodies
 
 
+KNOWLEDGE_BASES_DOC = (
+    "Folders of the workspace this session treats as knowledge bases besides the whole workspace and the "
+    "configured ones: [{id, path, name}], `path` relative to the workspace root and inside it."
+)
+KNOWLEDGE_BASE_IDS_DOC = (
+    "The knowledge bases the tools work in, first the one relative paths start from; absent: every one "
+    "(`workspace` first). Any other path is external to the tools."
+)
+
+
 class CreateSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -229,15 +240,22 @@ class CreateSession(BaseModel):
         description="false, or {reserve_tokens, keep_recent_tokens, model}; absent = the defaults. `model` "
         "writes the summary: the session's own or a configured one.",
     )
+    knowledge_bases: list[Any] = Field(
+        default_factory=list,
+        description=KNOWLEDGE_BASES_DOC,
+    )
+    knowledge_base_ids: list[str] | None = Field(None, description=KNOWLEDGE_BASE_IDS_DOC)
 
 
 class UpdateSession(BaseModel):
-    """Only these two may change; any other field is refused as not supported."""
+    """Only these may change; any other field is refused as not supported."""
 
     model_config = ConfigDict(extra="allow")
 
     permission_mode: str | None = None
     metadata: dict[str, Any] | None = None
+    knowledge_bases: list[Any] | None = Field(None, description=KNOWLEDGE_BASES_DOC)
+    knowledge_base_ids: list[str] | None = Field(None, description=KNOWLEDGE_BASE_IDS_DOC + " null: all.")
 
 
 class PostMessage(BaseModel):
@@ -295,6 +313,8 @@ class SessionView(BaseModel):
     updated_at: str
     model_options: dict[str, Any]
     compaction: Any
+    knowledge_bases: list[dict[str, Any]] = Field(description=KNOWLEDGE_BASES_DOC)
+    knowledge_base_ids: list[str] | None = Field(description=KNOWLEDGE_BASE_IDS_DOC)
     sandbox: SandboxRef | None
     usage: Usage
     last_seq: int
@@ -329,6 +349,19 @@ class AbortedTurn(BaseModel):
 
 class SubagentRunList(BaseModel):
     items: list[SubagentRun]
+
+
+class KnowledgeBaseView(BaseModel):
+    id: str
+    name: str
+    path: str = Field(description="Its folder, relative to the workspace root (`.`: the workspace itself).")
+    source: Literal["workspace", "config", "session"]
+    selected: bool
+    base: bool = Field(description="Whether relative paths start at its root (the first selected).")
+
+
+class KnowledgeBaseList(BaseModel):
+    items: list[KnowledgeBaseView]
 
 
 class SubagentMessage(BaseModel):
@@ -426,7 +459,8 @@ async def create_session(request: Request) -> Any:
         body.model, permission_mode=body.permission_mode, instructions=body.instructions,
         mcp_servers=body.mcp_servers, toolset=body.toolset, machine=body.machine,
         metadata=body.metadata, script=body.script, model_options=body.model_options,
-        compaction=body.compaction,
+        compaction=body.compaction, knowledge_bases=body.knowledge_bases,
+        knowledge_base_ids=body.knowledge_base_ids,
     )  # fmt: skip
     return JSONResponse(await view(p, session), status_code=201)
 
@@ -451,11 +485,15 @@ async def get_session(request: Request, session_id: str) -> Any:
     return await view(p, await p.store.get_session(session_id))
 
 
+#: Updatable fields whose null means something (`knowledge_base_ids`: every knowledge base).
+NULLABLE = frozenset({"knowledge_base_ids"})
+
+
 @router.patch("/{session_id}", openapi_extra=json_body(UpdateSession), responses=plain_reply(SessionView))
 async def update_session(request: Request, session_id: str) -> Any:
     body = await parse_body(request, UpdateSession)
     changes = body.model_dump(exclude_unset=True)
-    nulls = [k for k in UPDATABLE if k in changes and changes[k] is None]
+    nulls = [k for k in UPDATABLE - NULLABLE if k in changes and changes[k] is None]
     if nulls:
         raise ValueError(f"{', '.join(sorted(nulls))} cannot be null")
     p = platform(request)
@@ -534,6 +572,22 @@ async def list_turns(request: Request, session_id: str) -> Any:
     p = platform(request)
     await p.store.get_session(session_id)
     return {"items": [t.to_dict() for t in await p.store.list_turns(session_id)]}
+
+
+@router.get("/{session_id}/knowledge-bases", responses=plain_reply(KnowledgeBaseList))
+async def list_knowledge_bases(request: Request, session_id: str) -> Any:
+    """Every knowledge base the session has (the workspace, the configured ones of its machine,
+    its own), and which it selected; change them with PATCH `knowledge_bases` / `knowledge_base_ids`."""
+    p = platform(request)
+    session = await p.store.get_session(session_id)
+    scope = p.worker.knowledge(session).scope("/")
+    return {
+        "items": [
+            {"id": kb.id, "name": kb.name, "path": posixpath.relpath(kb.root, "/"),
+             "source": kb.source, "selected": kb.id in scope.selected, "base": kb.id == scope.selected[0]}
+            for kb in scope.registered
+        ]
+    }  # fmt: skip
 
 
 @router.get("/{session_id}/subagents", responses=plain_reply(SubagentRunList))

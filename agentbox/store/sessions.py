@@ -66,7 +66,11 @@ TERMINAL_EVENTS: tuple[str, ...] = tuple(f"turn.{outcome}" for outcome in TERMIN
 #: Largest event seq (SQLite's INTEGER): a cursor past it names no event and is refused.
 MAX_SEQ = 2**63 - 1
 #: What a session may change after creation; the rest is fixed (seed 000: "not supported").
-UPDATABLE: frozenset[str] = frozenset({"permission_mode", "metadata"})
+UPDATABLE: frozenset[str] = frozenset(
+    {"permission_mode", "metadata", "knowledge_bases", "knowledge_base_ids"}
+)
+#: Updatable fields stored as JSON.
+JSON_FIELDS: frozenset[str] = frozenset({"metadata", "knowledge_bases", "knowledge_base_ids"})
 FIXED: frozenset[str] = frozenset(
     {"model", "instructions", "mcp_servers", "toolset", "machine", "script", "model_options", "compaction"}
 )
@@ -144,6 +148,10 @@ class Session:
     model_options: dict[str, Any] = field(default_factory=dict)
     compaction: Any = None
     """None (the defaults), False (off) or {reserve_tokens, keep_recent_tokens}."""
+    knowledge_bases: list[dict[str, Any]] = field(default_factory=list)
+    """The knowledge bases it registered: [{id, path, name}], paths relative to the workspace root."""
+    knowledge_base_ids: list[str] | None = None
+    """The knowledge bases it selected, first the one relative paths start from; None: all."""
 
     def to_dict(self) -> dict[str, Any]:
         """The record as shown (API, events): every session secret redacted."""
@@ -343,6 +351,8 @@ class SessionStore:
         script: Sequence[Any] | None = None,
         model_options: Mapping[str, Any] | None = None,
         compaction: Any = None,
+        knowledge_bases: Sequence[Mapping[str, Any]] = (),
+        knowledge_base_ids: Sequence[str] | None = None,
     ) -> tuple[Session, list[Event]]:
         """A new session and its `session.created` event (validation of values is the caller's)."""
         session_id, now = ids.new_id(ids.SESSION), timestamp()
@@ -351,12 +361,13 @@ class SessionStore:
         def write(conn: sqlite3.Connection) -> tuple[Session, list[Event]]:
             conn.execute(
                 "INSERT INTO sessions (id, model, instructions, mcp_servers, toolset, permission_mode,"
-                " machine, metadata, script, model_options, compaction, created_at, updated_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " machine, metadata, script, model_options, compaction, knowledge_bases, knowledge_base_ids,"
+                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (session_id, model, instructions, _json(list(mcp_servers)), toolset, permission_mode,
                  machine, _json(dict(metadata or {})), None if script is None else _json(list(script)),
                  _json(dict(model_options or {})), None if compaction is None else _json(compaction),
-                 now, now),
+                 _json([dict(kb) for kb in knowledge_bases]),
+                 None if knowledge_base_ids is None else _json(list(knowledge_base_ids)), now, now),
             )  # fmt: skip
             session = _session_row(conn, session_id)
             shown = {k: v for k, v in session.to_dict().items() if k not in ("id", "created_at", "script")}
@@ -381,14 +392,15 @@ class SessionStore:
     async def update_session(
         self, session_id: str, changes: Mapping[str, Any]
     ) -> tuple[Session, list[Event]]:
-        """Change `permission_mode` and/or `metadata` (replaced whole); anything fixed → UnsupportedUpdate."""
+        """Change `permission_mode`, `metadata`, `knowledge_bases` and/or `knowledge_base_ids` (each
+        replaced whole); anything fixed → UnsupportedUpdate."""
         refused = [name for name in changes if name not in UPDATABLE]
         if refused:
             raise UnsupportedUpdate(refused)
 
         def write(conn: sqlite3.Connection) -> tuple[Session, list[Event]]:
             _session_row(conn, session_id)
-            values = {k: _json(v) if k == "metadata" else v for k, v in changes.items()}
+            values = {k: _json(v) if k in JSON_FIELDS and v is not None else v for k, v in changes.items()}
             if values:
                 assignments = ", ".join(f"{name} = ?" for name in values)
                 conn.execute(
@@ -1018,6 +1030,10 @@ def _session(row: sqlite3.Row) -> Session:
         script=json.loads(row["script"]) if row["script"] is not None else None,
         model_options=json.loads(row["model_options"]),
         compaction=json.loads(row["compaction"]) if row["compaction"] is not None else None,
+        knowledge_bases=json.loads(row["knowledge_bases"]),
+        knowledge_base_ids=json.loads(row["knowledge_base_ids"])
+        if row["knowledge_base_ids"] is not None
+        else None,
         status=row["status"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from agentbox.config import ToolConfig
 
 if TYPE_CHECKING:
+    from agentbox.tools.knowledge_bases import Scope
     from agentbox.tools.services import MachineServices
 
 
@@ -136,6 +137,18 @@ class FileStore(Protocol):
         ...
 
 
+class FileIds(Protocol):
+    """The file ids a session was shown (`agentbox.store.file_ids`)."""
+
+    async def remember(self, session_id: str, paths: Iterable[str]) -> dict[str, str]:
+        """Ids for these absolute paths, recorded for the session; path -> id."""
+        ...
+
+    async def path_of(self, session_id: str, fid: str) -> str | None:
+        """The path an id of this session names, or None."""
+        ...
+
+
 class ToolContext(Protocol):
     """What a tool may use. Built by the runner; tests build real ones."""
 
@@ -158,6 +171,14 @@ class ToolContext(Protocol):
 
     services: MachineServices | None
     """The machine's command manager, watch hub and knowledge index (None without a machine)."""
+    file_ids: FileIds | None
+    """Where `list` and `search` record the file ids they show (None: they show none)."""
+
+    @property
+    def scope(self) -> Scope:
+        """The session's knowledge bases on its machine: where relative paths start, and which
+        paths are its own (`knowledge_bases.py`)."""
+        ...
 
     async def commit(self, operations: list[Operation], tool: str) -> ToolResult:
         """Apply now or stage as a pending change set, as the tier says; returns what to tell the model."""

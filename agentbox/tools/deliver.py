@@ -54,7 +54,7 @@ DESCRIPTION = (
 class DeliverParams(ToolParams):
     paths: list[str] | None = Field(
         default=None,
-        description="Files to deliver: absolute paths in the machine, or relative to the workspace root.",
+        description="Files to deliver: absolute paths in the machine, or relative to the first knowledge base's root.",
     )
     path: str | None = Field(
         default=None, description="One file to deliver (the same as `paths` with one entry)."
@@ -100,10 +100,10 @@ async def deliver_one(ctx: ToolContext, path: str) -> dict[str, Any]:
     machine: Machine = ctx.machine
     assert ctx.files is not None
     try:
-        target = await file_ops(machine).download(path)
+        target = await file_ops(machine).download(ctx.scope.absolute(path))
     except WorkspaceError as exc:
         raise DeliveryFailed(_reason(exc)) from exc
-    if not within(machine.root, target.path):
+    if not (within(machine.root, target.path) and ctx.scope.contains(target.path)):
         refusal = await ctx.authorize(Action.READ_EXTERNAL, "deliver_file", {"path": target.path})
         if refusal is not None:
             raise DeliveryFailed(refusal)

@@ -36,6 +36,8 @@ MAX_LISTED_HEADINGS = 30
 MAX_STYLE_DEPTH = 8
 
 #: Media types by file extension, for the names seed 001 lists.
+#: Documents read by page or block (`read`), whose path must be a knowledge base's (else a file id).
+DOCUMENT_EXTENSIONS = (".pdf", ".docx")
 IMAGE_EXTENSIONS: dict[str, str] = {
     ".png": "image/png",
     ".jpg": "image/jpeg",

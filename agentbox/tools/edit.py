@@ -34,9 +34,10 @@ from pydantic import Field
 from agentbox.machines.base import FileStat, Machine
 from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolParams, ToolResult
 from agentbox.tools.fingerprint import fingerprint
+from agentbox.tools.knowledge_bases import ScopeError
 from agentbox.tools.read import FAILURES, escape_message, escapes, is_dir, problem, remember, resolve
 from agentbox.workspace.editor import MAX_EDIT_BYTES, TextFile, checked_encode, occurrence_lines, too_large
-from agentbox.workspace.fileops import Resolved, file_ops
+from agentbox.workspace.fileops import Resolved, file_ops, within
 
 Mode = Literal["replace", "append", "multi_replace", "move", "rename", "delete"]
 
@@ -74,6 +75,14 @@ class EditParams(ToolParams):
     destination: str | None = Field(
         default=None,
         description="move: the new path, or an existing folder to move into. rename: the new name.",
+    )
+    destinationKnowledgeBaseId: str | None = Field(
+        default=None,
+        max_length=64,
+        description=(
+            "move: the knowledge base (by id, one the session selected) whose root a relative destination "
+            "starts from; by default the first one's."
+        ),
     )
 
 
@@ -289,8 +298,45 @@ async def plan_path_change(machine: Machine, p: EditParams) -> Operation:
     )
 
 
+def in_scope(ctx: ToolContext, p: EditParams) -> EditParams:
+    """`p` with its paths made absolute the session's way: `path` from the first knowledge base's
+    root, a move's `destination` from `destinationKnowledgeBaseId`'s (else the first's). A
+    knowledge base's root is never moved, renamed or deleted."""
+    scope = ctx.scope
+    if p.destinationKnowledgeBaseId is not None and p.mode != "move":
+        raise Refused("destinationKnowledgeBaseId is for mode=move.")
+    path = scope.absolute(p.path)
+    if p.mode in ("move", "rename", "delete"):
+        lexical = posixpath.normpath(path)
+        root = next(
+            (
+                kb
+                for kb in scope.registered
+                if kb.source != "workspace" and kb.root.rstrip("/") == lexical.rstrip("/")
+            ),
+            None,
+        )
+        if root is not None:
+            raise Refused(f"{lexical} is the root of the knowledge base {root.id!r}; it cannot be {p.mode}d.")
+    destination = p.destination
+    if p.mode == "move" and destination and destination.strip():
+        if p.destinationKnowledgeBaseId is None:
+            destination = scope.absolute(destination)
+        else:
+            try:
+                (kb,) = scope.narrowed([p.destinationKnowledgeBaseId])
+            except ScopeError as exc:
+                raise Refused(str(exc)) from None
+            joined = posixpath.normpath(posixpath.join(kb.root, destination))
+            if not within(kb.root, joined):
+                raise Refused(f"destination {destination!r} leaves the knowledge base {kb.id!r} ({kb.root}).")
+            destination = joined + ("/" if destination.endswith("/") else "")
+    return p.model_copy(update={"path": path, "destination": destination})
+
+
 async def run_edit(ctx: ToolContext, p: EditParams) -> ToolResult:
     try:
+        p = in_scope(ctx, p)
         if p.mode in ("move", "rename", "delete"):
             op = await plan_path_change(ctx.machine, p)
         else:
@@ -314,6 +360,7 @@ EDIT = Tool(
         "verbatim (start it with a newline if needed). mode=multi_replace: `edits` [{oldText, newText, "
         "occurrence?}] applied in order, all or nothing. mode=move: `destination` is the new path or an "
         "existing folder; mode=rename: `destination` is the new name; neither replaces an existing path. "
+        "`destinationKnowledgeBaseId` moves into another of the session's knowledge bases. "
         "mode=delete moves the file or folder to the trash. Line endings (CRLF) and a BOM are kept. "
         "Depending on the session's permissions the change is applied at once or queued for review."
     ),

@@ -23,6 +23,7 @@ import contextlib
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import Field
 from wcmatch import fnmatch as wc_fnmatch
@@ -32,10 +33,10 @@ from agentbox.machines.base import TRASH_DIR, ExecRequest, Machine
 from agentbox.machines.errors import MachineError
 from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult
 from agentbox.tools.documents import IMAGE_EXTENSIONS
-from agentbox.tools.read import FAILURES, MAX_TEXT_BYTES, external_refusal, problem, resolve, stat_of
+from agentbox.tools.read import FAILURES, MAX_TEXT_BYTES, external_refusal, located, problem, stat_of
 from agentbox.workspace import grep as workspace_grep
 from agentbox.workspace.errors import WorkspaceError, bad_request
-from agentbox.workspace.fileops import Resolved, file_ops, within
+from agentbox.workspace.fileops import Resolved, below, file_ops, within
 from agentbox.workspace.patterns import check_pattern
 
 #: Entries one `list` shows (seed 001: "list 默认最多 120 项").
@@ -95,7 +96,7 @@ def narrow(shown: int, total: int, counted_all: bool, what: str, how: str) -> st
 async def looked_up(ctx: ToolContext, tool: str, path: str) -> Resolved | ToolResult:
     """The folder or file to search, after asking when it lies outside the workspace root."""
     try:
-        target = resolve(ctx.machine, path)
+        target = located(ctx, path)
         refusal = await external_refusal(ctx, tool, target)
     except FAILURES as exc:
         return ToolResult.error(problem(exc, path))
@@ -110,9 +111,17 @@ def trash_root(machine: Machine) -> str:
     return posixpath.join(machine.root, TRASH_DIR)
 
 
-def trash_globs(machine: Machine, folder: str) -> list[str]:
-    """rg globs (relative to `folder`) that leave the trash out of a walk of `folder`."""
-    return [f"/{TRASH_DIR}"] if folder.rstrip("/") == machine.root.rstrip("/") else []
+def walk_excludes(ctx: ToolContext, folder: str) -> list[str]:
+    """rg globs (relative to `folder`) that leave out of a walk of `folder` the trash and the
+    knowledge bases below it the session did not select (external: listed, not walked)."""
+    trash = [f"/{TRASH_DIR}"] if folder.rstrip("/") == ctx.machine.root.rstrip("/") else []
+    scope = ctx.scope
+    unselected = [
+        "/" + posixpath.relpath(kb.root, folder)
+        for kb in scope.registered
+        if kb.id not in scope.selected and below(folder, kb.root)
+    ]
+    return trash + unselected
 
 
 # --- rg --files -------------------------------------------------------------------------------
@@ -143,7 +152,13 @@ def glob_matcher(pattern: str) -> Callable[[str], bool]:
 
 
 async def rg_files(
-    machine: Machine, folder: str, *, hidden: bool, keep: int, accept: Callable[[str], bool]
+    machine: Machine,
+    folder: str,
+    *,
+    hidden: bool,
+    keep: int,
+    accept: Callable[[str], bool],
+    exclude: list[str],
 ) -> FileScan:
     """Files under a folder as rg lists them (.gitignore respected), as inside paths, sorted.
 
@@ -155,7 +170,7 @@ async def rg_files(
     args += ["--sort", "path", "--one-file-system"]
     if hidden:
         args.append("--hidden")
-    args += [f"--glob=!{g}" for g in trash_globs(machine, folder)]
+    args += [f"--glob=!{g}" for g in exclude]
     rg = await machine.find_program("rg")
     if rg is None:
         raise bad_request("search", f"machine {machine.name!r} has no ripgrep (rg) to search with", folder)
@@ -216,7 +231,10 @@ def file_line(name: str, size: int | None) -> str:
 
 class ListParams(ToolParams):
     path: str = Field(
-        default=".", description="Folder to list: relative to the workspace root (default `.`), or absolute."
+        default=".",
+        description=(
+            "Folder to list: relative to the first knowledge base's root (default `.`, that root), or absolute."
+        ),
     )
     query: str | None = Field(
         default=None,
@@ -225,33 +243,65 @@ class ListParams(ToolParams):
             "instead of listing the folder itself."
         ),
     )
+    prefix: str | None = Field(
+        default=None,
+        max_length=1024,
+        description=(
+            "Keep only entries whose path relative to the folder starts with this (e.g. `2024/` or `draft`); "
+            "with query, at any depth."
+        ),
+    )
     fileType: str | None = Field(
         default=None,
         description="Keep only one kind: markdown, txt, pdf, docx, image, or an extension such as py.",
     )
 
 
-async def folder_lines(
-    ctx: ToolContext, target: Resolved, exts: tuple[str, ...] | None
-) -> tuple[list[str], int, bool]:
-    """The folder's lines; a link's size is what it leads to (`unreadable` when it dangles)."""
+@dataclass(frozen=True)
+class Entry:
+    """One line of a listing: what it shows, and the file's path when it is a file (for its id)."""
+
+    shown: str
+    path: str | None
+    size: int | None = None
+    link: bool = False
+
+    def line(self, file_id: str | None) -> str:
+        if self.path is None:
+            return self.shown
+        text = file_line(self.shown, self.size) + (" (link)" if self.link else "")
+        return text + (f"  fileId={file_id}" if file_id else "")
+
+    def record(self, file_id: str | None) -> dict[str, Any]:
+        kind = type_of(self.shown) if self.path is not None else "folder"
+        data: dict[str, Any] = {"path": self.path, "fileId": file_id, "fileType": kind, "size": self.size}
+        if kind == "image":
+            data["requiresVision"] = True
+        return data
+
+
+async def folder_entries(
+    ctx: ToolContext, target: Resolved, exts: tuple[str, ...] | None, prefix: str
+) -> tuple[list[Entry], int, bool]:
+    """The folder's entries; a link's size is what it leads to (`unreadable` when it dangles)."""
     listing = await file_ops(ctx.machine).list_dir(target.requested, show_hidden=True)
     trash = trash_root(ctx.machine)
     entries = [
         e
         for e in listing.files
         if (exts is None or (not e.is_directory and (e.extension or "").lower() in exts))
+        and e.name.startswith(prefix)
         and posixpath.join(target.inside, e.name) != trash
     ]
     entries.sort(key=lambda e: (not e.is_directory, e.name))
-    lines = []
+    shown = []
     for e in entries[:MAX_LIST_ENTRIES]:
         if e.is_directory:
-            lines.append(f"{e.name}/" + (" (link)" if e.is_symlink else ""))
+            shown.append(Entry(f"{e.name}/" + (" (link)" if e.is_symlink else ""), None))
         else:
             size = await size_of(ctx.machine, e.path) if e.is_symlink else e.size
-            lines.append(file_line(e.name, size) + (" (link)" if e.is_symlink else ""))
-    return lines, len(entries), not listing.truncated
+            shown.append(Entry(e.name, posixpath.join(target.inside, e.name), size, e.is_symlink))
+    return shown, len(entries), not listing.truncated
 
 
 async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
@@ -260,6 +310,7 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
         return found
     target = found
     exts = extensions(p.fileType)
+    prefix = (p.prefix or "").removeprefix("./")
     try:
         if not (await stat_of(ctx.machine, target.inside)).is_dir:  # a missing folder says so
             return ToolResult.error(f"{target.requested} is not a folder; use read to open a file.")
@@ -267,8 +318,10 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
             query = p.query.casefold()
 
             def accept(rel: str) -> bool:
-                return query in rel.casefold() and (
-                    exts is None or posixpath.splitext(rel)[1].lower() in exts
+                return (
+                    query in rel.casefold()
+                    and rel.startswith(prefix)
+                    and (exts is None or posixpath.splitext(rel)[1].lower() in exts)
                 )
 
             scan = await rg_files(
@@ -277,24 +330,43 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
                 hidden=p.query.startswith("."),
                 keep=MAX_LIST_ENTRIES,
                 accept=accept,
+                exclude=walk_excludes(ctx, target.inside),
             )
             sizes = await asyncio.gather(*(size_of(ctx.machine, path) for path in scan.kept))
-            lines = [file_line(path, size) for path, size in zip(scan.kept, sizes, strict=True)]
+            entries = [Entry(path, path, size) for path, size in zip(scan.kept, sizes, strict=True)]
             total, complete = scan.total, scan.complete
         else:
-            lines, total, complete = await folder_lines(ctx, target, exts)
+            entries, total, complete = await folder_entries(ctx, target, exts, prefix)
     except FAILURES as exc:
         return ToolResult.error(problem(exc, p.path))
-    if not lines:
+    if not entries:
         what = f"matching {p.query!r}" if p.query else "to show"
         kind = f" of type {p.fileType}" if exts else ""
-        return ToolResult.text(f"{target.inside}: no entries{kind} {what}.", path=target.inside, total=0)
-    body = f"{target.inside}:\n" + "\n".join(lines)
-    if len(lines) < total or not complete:
-        body += narrow(len(lines), total, complete, "entries", " with query or fileType, or list a subfolder")
+        starting = f" starting with {prefix!r}" if prefix else ""
+        return ToolResult.text(
+            f"{target.inside}: no entries{kind}{starting} {what}.", path=target.inside, total=0, entries=[]
+        )
+    ids = await shown_ids(ctx, [e.path for e in entries if e.path is not None])
+    body = f"{target.inside}:\n" + "\n".join(e.line(ids.get(e.path or "")) for e in entries)
+    if len(entries) < total or not complete:
+        body += narrow(
+            len(entries), total, complete, "entries", " with query, prefix or fileType, or list a subfolder"
+        )
     return ToolResult.text(
-        body, path=target.inside, shown=len(lines), total=total, truncated=len(lines) < total
+        body,
+        path=target.inside,
+        shown=len(entries),
+        total=total,
+        truncated=len(entries) < total,
+        entries=[e.record(ids.get(e.path or "")) for e in entries],
     )
+
+
+async def shown_ids(ctx: ToolContext, paths: list[str]) -> dict[str, str]:
+    """The file ids of files a tool shows, recorded for the session (none without a store)."""
+    if ctx.file_ids is None or not paths:
+        return {}
+    return await ctx.file_ids.remember(ctx.session_id, paths)
 
 
 # --- glob -----------------------------------------------------------------------------------------
@@ -323,7 +395,12 @@ async def run_glob(ctx: ToolContext, p: GlobParams) -> ToolResult:
         if not (await stat_of(ctx.machine, target.inside)).is_dir:  # a missing folder says so
             return ToolResult.error(f"{target.requested} is not a folder.")
         scan = await rg_files(
-            ctx.machine, target.inside, hidden=hidden, keep=MAX_GLOB_PATHS, accept=glob_matcher(p.pattern)
+            ctx.machine,
+            target.inside,
+            hidden=hidden,
+            keep=MAX_GLOB_PATHS,
+            accept=glob_matcher(p.pattern),
+            exclude=walk_excludes(ctx, target.inside),
         )
     except FAILURES as exc:
         return ToolResult.error(problem(exc, p.path))
@@ -365,7 +442,7 @@ async def run_grep(ctx: ToolContext, p: GrepParams) -> ToolResult:
             found.requested,
             p.pattern,
             include=p.include or None,
-            exclude=trash_globs(ctx.machine, found.inside) or None,
+            exclude=walk_excludes(ctx, found.inside) or None,
             case_insensitive=p.caseInsensitive,
             fixed_strings=p.literal,
             max_results=MAX_GREP_COUNTED,
@@ -393,9 +470,10 @@ LIST = Tool(
     description=(
         "List a folder: sub-folders (ending in /) and files with their sizes and kinds, at most 120; hidden "
         "entries included. With `query`, find files at any depth below the folder whose path contains that "
-        "text (ignoring .gitignore'd and hidden files). `fileType` keeps one kind (markdown, txt, pdf, docx, "
-        "image, or an extension). When the list is cut it says so: narrow it with query, fileType or a "
-        "subfolder."
+        "text (ignoring .gitignore'd and hidden files). `prefix` keeps paths that start with it, `fileType` "
+        "one kind (markdown, txt, pdf, docx, image, or an extension). Each file has a fileId that read "
+        "takes instead of its path. When the list is cut it says so: narrow it with query, prefix, "
+        "fileType or a subfolder."
     ),
     params=ListParams,
     action=Action.READ,

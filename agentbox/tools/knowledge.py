@@ -70,9 +70,11 @@ from agentbox.machines.base import TRASH_DIR, Machine
 from agentbox.machines.errors import MachineError
 from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult
 from agentbox.tools.documents import read_docx
+from agentbox.tools.knowledge_bases import Scope, ScopeError
 from agentbox.tools.note_files import NoteFiles, NoteStat, note_files
 from agentbox.tools.pdf import read_pdf
 from agentbox.workspace.errors import WorkspaceError
+from agentbox.workspace.fileops import below
 from agentbox.workspace.watch import (
     DEFAULT_EXCLUDES,
     MAX_POLL_LIMIT,
@@ -477,11 +479,21 @@ class Filters:
     file_types: tuple[FileType, ...] = ()
     updated_after: float | None = None  # mtime >= this (timestamp)
     updated_before: float | None = None  # mtime < this
+    within: tuple[str, ...] = ()  # folders (knowledge base roots) a file must be in, any of them
+    without: tuple[str, ...] = ()  # folders (unselected knowledge bases) it must not be in
 
     def where(self) -> tuple[str, list[object]]:
         """SQL conditions on `f` (files) and their parameters."""
         clauses: list[str] = []
         args: list[object] = []
+        for folders, negate in ((self.within, False), (self.without, True)):
+            if not folders:
+                continue
+            inside = " OR ".join("substr(f.path, 1, ?) = ?" for _ in folders)
+            clauses.append(f"{'NOT ' if negate else ''}({inside})")
+            for folder in folders:
+                top = folder.rstrip("/") + "/"
+                args += [len(top), top]
         if self.path_prefix:
             clauses.append("substr(f.path, 1, ?) = ?")
             args += [len(self.path_prefix), self.path_prefix]
@@ -1071,9 +1083,20 @@ class SearchParams(ToolParams):
             "phrase; end a word with * to match it as a prefix. Plain text, not a query language."
         ),
     )
+    knowledgeBaseIds: list[str] | None = Field(
+        default=None,
+        max_length=64,
+        description=(
+            "Only these of the session's knowledge bases (by id); by default every one it selected. "
+            "It can only narrow the search."
+        ),
+    )
     pathPrefix: str | None = Field(
         default=None,
-        description="Only files whose path starts with this (relative to the workspace root, or absolute inside it).",
+        description=(
+            "Only files whose path starts with this (relative to the first knowledge base's root, or "
+            "absolute inside one)."
+        ),
     )
     tags: list[str] | None = Field(
         default=None,
@@ -1101,24 +1124,29 @@ class SearchParams(ToolParams):
     )
 
 
-def _path_prefix(value: str | None, root: str) -> str | None:
-    """The prefix as an absolute inside path; relative ones are taken from the root (`.` is the root)."""
+def _path_prefix(value: str | None, scope: Scope) -> str | None:
+    """The prefix as an absolute inside path; relative ones are taken from the first knowledge
+    base's root (`.` is that root). It must lie in a selected knowledge base."""
     if value is None or not value.strip():
         return None
     raw = value.strip()
-    joined = raw if raw.startswith("/") else posixpath.join(root, raw)
-    normal = posixpath.normpath(joined)
+    normal = posixpath.normpath(scope.absolute(raw))
     if raw.endswith("/") and not normal.endswith("/"):
         normal += "/"
-    top = root.rstrip("/")
-    if normal.rstrip("/") != top and not normal.startswith(top + "/"):
-        raise SearchInputError(
-            f"pathPrefix {value!r} is outside the workspace root {root}; search covers only it"
+    holder = scope.holder(normal.rstrip("/") or "/")
+    if holder is None or holder.id not in scope.selected:
+        where = (
+            f"the workspace root {scope.base.root}"
+            if len(scope.registered) == 1
+            else "the session's knowledge bases (" + ", ".join(kb.root for kb in scope.chosen) + ")"
         )
-    return None if normal.rstrip("/") == top else normal
+        raise SearchInputError(f"pathPrefix {value!r} is outside {where}; search covers only that")
+    return (
+        None if normal.rstrip("/") == scope.base.root.rstrip("/") and len(scope.registered) == 1 else normal
+    )
 
 
-def _filters(params: SearchParams, root: str) -> tuple[Filters, list[str]]:
+def _filters(params: SearchParams, scope: Scope) -> tuple[Filters, list[str]]:
     notes: list[str] = []
     kinds = list(dict.fromkeys(params.fileTypes or []))
     if "image" in kinds:
@@ -1130,7 +1158,19 @@ def _filters(params: SearchParams, root: str) -> tuple[Filters, list[str]]:
         raise SearchInputError("updatedAfter must be earlier than updatedBefore")
     tags = tuple(dict.fromkeys(t for t in map(normalize_tag, params.tags or []) if t))
     file_types: tuple[FileType, ...] = tuple(k for k in FILE_TYPES if k in kinds)
-    return Filters(_path_prefix(params.pathPrefix, root), tags, file_types, after, before), notes
+    try:
+        chosen = scope.narrowed(params.knowledgeBaseIds)
+    except ScopeError as exc:
+        raise SearchInputError(str(exc)) from exc
+    roots = tuple(kb.root for kb in chosen)
+    unselected = tuple(  # an unselected knowledge base inside a chosen one is not the session's
+        kb.root
+        for kb in scope.registered
+        if kb.id not in scope.selected and any(below(root, kb.root) for root in roots)
+    )
+    prefix = _path_prefix(params.pathPrefix, scope)
+    whole = len(scope.registered) == 1  # nothing but the workspace: no folder to narrow to
+    return Filters(prefix, tags, file_types, after, before, () if whole else roots, unselected), notes
 
 
 def render(query: str, outcome: SearchOutcome, limit: int, notes: list[str]) -> str:
@@ -1166,14 +1206,13 @@ def render(query: str, outcome: SearchOutcome, limit: int, notes: list[str]) -> 
 
 
 async def run_search(ctx: ToolContext, params: SearchParams) -> ToolResult:
-    machine = ctx.machine
     notes: list[str] = []
     limit = params.limit or DEFAULT_RESULTS
     if limit > MAX_RESULTS:
         notes.append(f"limit {limit} was clamped to the maximum of {MAX_RESULTS}.")
         limit = MAX_RESULTS
     try:
-        filters, filter_notes = _filters(params, str(machine.root))
+        filters, filter_notes = _filters(params, ctx.scope)
         fts_query(params.query)  # a query with nothing to search fails before the index is opened
         if ctx.services is None:
             return ToolResult.error("Knowledge search needs a machine.")
@@ -1189,15 +1228,25 @@ async def run_search(ctx: ToolContext, params: SearchParams) -> ToolResult:
             f"only the first {MAX_QUERY_TERMS} query terms were used ({outcome.dropped_terms} ignored)."
         )
     text = render(params.query, outcome, limit, notes)
-    return ToolResult.text(text, results=[h.to_dict() for h in outcome.hits], total=outcome.total)
+    results = [h.to_dict() for h in outcome.hits]
+    if ctx.file_ids is not None and results:
+        ids = await ctx.file_ids.remember(ctx.session_id, [h.path for h in outcome.hits])
+        scope = ctx.scope
+        for result, hit in zip(results, outcome.hits, strict=True):
+            holder = scope.holder(hit.path)
+            result["fileId"] = ids[hit.path]
+            result["knowledgeBaseId"] = holder.id if holder else None
+        text += "\nFile ids: " + ", ".join(f"[{n}] {r['fileId']}" for n, r in enumerate(results, start=1))
+    return ToolResult.text(text, results=results, total=outcome.total)
 
 
 SEARCH_DESCRIPTION = (
     "Full-text search of the workspace's notes and documents (markdown, txt, docx, pdf), ranked by relevance. "
     f"Returns numbered citations (default {DEFAULT_RESULTS}, at most {MAX_RESULTS}) as `[n] path (where) — snippet`, "
     "where `where` is a line range for notes, a page for PDFs and a block number/heading for DOCX; read that "
-    "place to see the full text. Narrow with pathPrefix, tags, fileTypes, updatedAfter/updatedBefore (file "
-    "modification time); filters only narrow the workspace. Images are not searchable (no OCR): use list, "
+    "place (by path or its fileId) to see the full text. It searches the session's knowledge bases; narrow with "
+    "knowledgeBaseIds, pathPrefix, tags, fileTypes, updatedAfter/updatedBefore (file modification time); "
+    "filters only narrow. Images are not searchable (no OCR): use list, "
     "then read. The index follows file changes; for exact strings or code use grep."
 )
 

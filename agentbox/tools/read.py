@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import errno
 import os
 import posixpath
@@ -54,6 +55,7 @@ from agentbox.tools.document_images import (
     pages_to_render,
 )
 from agentbox.tools.documents import (
+    DOCUMENT_EXTENSIONS,
     IMAGE_EXTENSIONS,
     MAX_DOCUMENT_BYTES,
     MAX_IMAGE_BYTES,
@@ -94,6 +96,12 @@ def resolve(machine: Machine, path: str, *, write: bool = False, follow: bool = 
     return file_ops(machine).resolve(path, write=write, follow=follow)
 
 
+def located(ctx: ToolContext, path: str, *, write: bool = False, follow: bool = True) -> Resolved:
+    """`path` as the model means it: a relative path from the session's first knowledge base
+    (the workspace root unless it selected others), resolved the machine's way."""
+    return resolve(ctx.machine, ctx.scope.absolute(path), write=write, follow=follow)
+
+
 async def stat_of(machine: Machine, inside: str) -> FileStat:
     """What `inside` leads to (links followed); FileNotFoundError when nothing is there."""
     st = await file_ops(machine).lstat(inside, follow=True)
@@ -129,11 +137,18 @@ def escape_message(target: Resolved) -> str:
 async def external_refusal(ctx: ToolContext, tool: str, target: Resolved) -> str | None:
     """None when `target` is inside the root or a read outside it is allowed; else why not.
 
-    The resolved path decides, so a link inside the workspace that leads out asks too.
+    The resolved path decides, so a link inside the workspace that leads out asks too. Inside
+    means inside a knowledge base the session selected (`knowledge_bases.py`): by default the
+    workspace root.
     """
-    if within_root(ctx.machine, target.inside):
+    if own(ctx, target):
         return None
     return await ctx.authorize(Action.READ_EXTERNAL, tool, {"path": target.inside})
+
+
+def own(ctx: ToolContext, target: Resolved) -> bool:
+    """Whether `target` leads to the session's own files (a selected knowledge base)."""
+    return within_root(ctx.machine, target.inside) and ctx.scope.contains(target.inside)
 
 
 def problem(exc: BaseException, path: str) -> str:
@@ -193,7 +208,18 @@ async def sniff(machine: Machine, inside: str) -> bytes:
 
 
 class ReadParams(ToolParams):
-    path: str = Field(description="File to read: relative to the workspace root, or absolute.")
+    path: str | None = Field(
+        default=None,
+        description=(
+            "File to read: relative to the first knowledge base's root (the workspace root by default), "
+            "or absolute. Or give fileId instead."
+        ),
+    )
+    fileId: str | None = Field(
+        default=None,
+        max_length=64,
+        description="A file id that list or search gave (file_...), instead of path.",
+    )
     offset: int | None = Field(
         default=None,
         ge=0,
@@ -236,7 +262,12 @@ class ReadParams(ToolParams):
 
 
 class ReadImageParams(ToolParams):
-    path: str = Field(description="Image to view (png, jpg, jpeg, webp or gif), inside the workspace.")
+    path: str | None = Field(
+        default=None, description="Image to view (png, jpg, jpeg, webp or gif), inside the workspace."
+    )
+    fileId: str | None = Field(
+        default=None, max_length=64, description="Or the image's file id, as list gave it (file_...)."
+    )
 
 
 # --- what kind of file -----------------------------------------------------------------------
@@ -512,26 +543,36 @@ def refusal_for(kind: FileKind, shown: str, size: int, head: bytes) -> str | Non
     return None
 
 
-async def load(machine: Machine, inside: str, kind: FileKind, p: ReadParams, shown: str) -> ToolResult:
-    """Read one file and render it (parsing runs in a thread)."""
-    data = await read_capped(machine, inside, SIZE_LIMITS[kind])
-    result = await asyncio.to_thread(render, data, kind, p, shown)
+async def load(
+    ctx: ToolContext, target: Resolved, kind: FileKind, p: ReadParams, *, note_refs: bool
+) -> ToolResult:
+    """Read one file and render it (parsing runs in a thread). A Markdown note of a knowledge
+    base (`note_refs`) also lists its images; one outside them is text only."""
+    data = await read_capped(ctx.machine, target.inside, SIZE_LIMITS[kind])
+    result = await asyncio.to_thread(render, data, kind, p, target.requested)
     if (
-        kind == "text"
+        note_refs
+        and kind == "text"
         and not result.is_error
-        and posixpath.splitext(inside)[1].lower() in MARKDOWN_EXTENSIONS
+        and posixpath.splitext(target.inside)[1].lower() in MARKDOWN_EXTENSIONS
     ):
-        await with_image_refs(machine, inside, decode(data)[0], p.includeImages, result)
+        await with_image_refs(ctx, target.inside, decode(data)[0], p.includeImages, result)
     return result
 
 
 async def with_image_refs(
-    machine: Machine, note: str, text: str, mode: IncludeImages, result: ToolResult
+    ctx: ToolContext, note: str, text: str, mode: IncludeImages, result: ToolResult
 ) -> ToolResult:
-    """A note's read with its `imageRefs` (and, for `always`, its local images attached)."""
-    refs, total = await image_refs(machine, note, text)
+    """A note's read with its `imageRefs` (and, for `always`, its local images attached), each
+    relative to the note's knowledge base and with its file id when it exists."""
+    machine = ctx.machine
+    holder = ctx.scope.holder(note)
+    refs, total = await image_refs(machine, note, text, holder.root if holder else machine.root)
     if not refs:
         return result
+    if ctx.file_ids is not None:
+        ids = await ctx.file_ids.remember(ctx.session_id, [r.inside for r in refs if r.exists and r.inside])
+        refs = [dataclasses.replace(r, file_id=ids.get(r.inside or "")) for r in refs]
     result.data["imageRefs"] = [r.to_dict() for r in refs]
     result.data["imageRefsTotal"] = total
     listed = "; ".join(f"{r.src} ({r.skipped or ('exists' if r.exists else 'missing')})" for r in refs)
@@ -563,13 +604,33 @@ def render(data: bytes, kind: FileKind, p: ReadParams, shown: str) -> ToolResult
     return read_text(data, p, shown)
 
 
+async def named(ctx: ToolContext, p: ReadParams) -> str | ToolResult:
+    """The path a read means: `path`, or the one `fileId` names (exactly one of them)."""
+    if (p.path is None) == (p.fileId is None):
+        return ToolResult.error("read takes a path or a fileId (one of them).")
+    if p.path is not None:
+        return p.path
+    assert p.fileId is not None
+    path = await ctx.file_ids.path_of(ctx.session_id, p.fileId) if ctx.file_ids is not None else None
+    if path is None:
+        return ToolResult.error(
+            f"fileId {p.fileId!r} names no file this session was shown; use list or search to get one."
+        )
+    return path
+
+
 async def read_any(ctx: ToolContext, p: ReadParams, tool: str, *, images_only: bool) -> ToolResult:
+    path = await named(ctx, p)
+    if isinstance(path, ToolResult):
+        return path
     try:
-        target = resolve(ctx.machine, p.path)
-        outside = not within_root(ctx.machine, target.inside)
+        target = located(ctx, path)
+        outside = not own(ctx, target)
         ext = posixpath.splitext(target.name)[1].lower()
         if outside and (images_only or ext in IMAGE_EXTENSIONS):
             return ToolResult.error(images_outside(target))
+        if outside and p.fileId is None and ext in DOCUMENT_EXTENSIONS:
+            return ToolResult.error(documents_outside(target))
         refusal = await external_refusal(ctx, tool, target)  # before anything about the file is told
         if refusal is not None:
             return ToolResult.error(refusal)
@@ -580,6 +641,8 @@ async def read_any(ctx: ToolContext, p: ReadParams, tool: str, *, images_only: b
         kind = classify(target.name, head)
         if outside and kind == "image":
             return ToolResult.error(images_outside(target))
+        if outside and p.fileId is None and kind in ("pdf", "docx"):
+            return ToolResult.error(documents_outside(target))
         if images_only and kind not in ("image", "svg"):
             return ToolResult.error(
                 f"{target.requested} is not an image (png, jpg, jpeg, webp or gif); use read for text, PDF and DOCX."
@@ -588,9 +651,9 @@ async def read_any(ctx: ToolContext, p: ReadParams, tool: str, *, images_only: b
         if reason is not None:
             return ToolResult.error(reason)
         seen = await fingerprint(ctx.machine, target.inside)
-        result = await load(ctx.machine, target.inside, kind, p, target.requested)
+        result = await load(ctx, target, kind, p, note_refs=not outside)
     except FAILURES as exc:
-        return ToolResult.error(problem(exc, p.path))
+        return ToolResult.error(problem(exc, path))
     if not result.is_error:
         ctx.reads[target.inside] = seen
     return result
@@ -598,8 +661,16 @@ async def read_any(ctx: ToolContext, p: ReadParams, tool: str, *, images_only: b
 
 def images_outside(target: Resolved) -> str:
     return (
-        f"{target.requested} is outside the workspace; images are read only from inside it, because their "
-        "pixels leave this machine for the model service. Copy it into the workspace first if the user agrees."
+        f"{target.requested} is outside the session's knowledge bases; images are read only from inside them, "
+        "because their pixels leave this machine for the model service. Copy it into the workspace first if "
+        "the user agrees."
+    )
+
+
+def documents_outside(target: Resolved) -> str:
+    return (
+        f"{target.requested} is a document outside the session's knowledge bases, which are the only ones "
+        "read by path; list its folder and read it by the fileId list gives."
     )
 
 
@@ -608,7 +679,9 @@ async def run_read(ctx: ToolContext, params: ReadParams) -> ToolResult:
 
 
 async def run_read_image(ctx: ToolContext, params: ReadImageParams) -> ToolResult:
-    return await read_any(ctx, ReadParams(path=params.path), "read_image", images_only=True)
+    return await read_any(
+        ctx, ReadParams(path=params.path, fileId=params.fileId), "read_image", images_only=True
+    )
 
 
 READ = Tool(

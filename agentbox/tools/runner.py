@@ -47,6 +47,7 @@ from agentbox.store.changes import OperationRecord
 from agentbox.tools.approvals import Approvals
 from agentbox.tools.base import (
     Action,
+    FileIds,
     FileStore,
     Operation,
     TodoStore,
@@ -56,6 +57,7 @@ from agentbox.tools.base import (
 )
 from agentbox.tools.changes import Applied, ChangeSets, Refused, describe
 from agentbox.tools.fingerprint import fingerprint
+from agentbox.tools.knowledge_bases import Scope, Selection
 from agentbox.tools.services import MachineServices
 from agentbox.tools.tiers import Decision, Tier, decide, outside_root_write
 from agentbox.workspace.errors import WorkspaceError
@@ -147,6 +149,9 @@ class SessionTools:
     absent: frozenset[str] = frozenset()
     """Tools (by the names offered) with nothing to work on this turn, so not offered: the
     skill tools where there are no skills (`unused_skill_tools`)."""
+    knowledge: Selection = field(default_factory=Selection)
+    """The session's knowledge bases (`knowledge_bases.py`); by default the whole workspace."""
+    file_ids: FileIds | None = None
 
     def __post_init__(self) -> None:
         if self.services is None and self.machine is not None:
@@ -226,6 +231,12 @@ class SessionTools:
 
     # ------------------------------------------------------------ the ToolContext side
 
+    @property
+    def scope(self) -> Scope:
+        if self.machine is None:
+            raise MachineError("this session has no machine")
+        return self.knowledge.scope(self.machine.root)
+
     async def authorize(self, action: Action, tool: str, detail: dict[str, Any]) -> str | None:
         if action in _authorized.get():
             return None
@@ -252,7 +263,7 @@ class SessionTools:
         if machine is None:
             return ToolResult.error(f"{tool} needs a machine, and this session has none.")
         try:
-            outside = self._outside_root(machine, operations)
+            outside = self._outside_scope(machine, operations)
         except MachineError as exc:
             return ToolResult.error(exc.message)
         if outside:
@@ -290,11 +301,14 @@ class SessionTools:
         )
         return None if allowed else denied(tool, message)
 
-    @staticmethod
-    def _outside_root(machine: Machine, operations: Sequence[Operation]) -> list[str]:
-        ops = file_ops(machine)
+    def _outside_scope(self, machine: Machine, operations: Sequence[Operation]) -> list[str]:
+        """The paths the operations touch outside the session's knowledge bases (the workspace
+        root, unless the session selected others)."""
+        ops, scope = file_ops(machine), self.scope
         paths = [p for op in operations for p in (op.path, op.dest) if p is not None]
-        return [ops.absolute(p) for p in paths if not ops.within_root(p)]
+        return [
+            ops.absolute(p) for p in paths if not (ops.within_root(p) and scope.contains(ops.absolute(p)))
+        ]
 
     async def _outside_root_gate(
         self, machine: Machine, tool: str, operations: Sequence[Operation], outside: list[str]
@@ -302,15 +316,14 @@ class SessionTools:
         decision = outside_root_write(self.tier, machine.isolated)
         if decision == Decision.ALLOW:
             return None
-        where = ", ".join(outside)
+        where, whole = ", ".join(outside), self.whole_workspace(machine)
+        own = f"the workspace root {machine.root}" if whole else self.scope_name()
         if decision == Decision.FORBID:
-            return (
-                f"{where} is outside the workspace root {machine.root}; {self.tier} only changes the "
-                "workspace and this cannot be approved."
-            )
+            return f"{where} is outside {own}; {self.tier} only changes those and this cannot be approved."
         detail = {
-            "reason": "write outside the workspace root",
+            "reason": "write outside the " + ("workspace root" if whole else "session's knowledge bases"),
             "root": machine.root,
+            "knowledge_bases": [kb.root for kb in self.scope.chosen],
             "paths": outside,
             "operations": [
                 {"kind": op.kind, "path": op.path, "dest": op.dest, "summary": describe(op),
@@ -319,6 +332,22 @@ class SessionTools:
             ],
         }  # fmt: skip
         return await self._ask(tool, str(Action.WRITE), detail)
+
+    def whole_workspace(self, machine: Machine) -> bool:
+        """Whether the session's own files are the workspace root, every knowledge base in it."""
+        scope = self.scope
+        return (
+            scope.base.root == machine.root
+            and scope.contains(machine.root)
+            and all(kb.id in scope.selected for kb in scope.registered)
+        )
+
+    def scope_name(self) -> str:
+        return (
+            "the session's knowledge bases ("
+            + ", ".join(f"{kb.id}: {kb.root}" for kb in self.scope.chosen)
+            + ")"
+        )
 
     async def _applied(self, machine: Machine, results: list[Applied]) -> ToolResult:
         for result in results:

@@ -97,8 +97,8 @@ class ExecParams(ToolParams):
     )
     cwd: str | None = Field(
         default=None,
-        description="Working directory inside the machine (absolute, or relative to the workspace root). "
-        "Default: the workspace root.",
+        description="Working directory inside the machine (absolute, or relative to the first knowledge "
+        "base's root). Default: that root (the workspace root unless the session selected others).",
     )
     timeoutSeconds: int = Field(
         default=DEFAULT_TIMEOUT_SECONDS,
@@ -135,18 +135,29 @@ async def run_exec(ctx: ToolContext, params: ExecParams) -> ToolResult:
     if refusal is not None:
         return ToolResult.error(refusal)
     machine = ctx.machine
-    if params.cwd is not None:
-        problem = await cwd_problem(machine, params.cwd)
+    cwd = working_dir(ctx, params.cwd)
+    if cwd is not None:
+        problem = await cwd_problem(machine, cwd)
         if problem is not None:
             return ToolResult.error(problem)
     hidden = secret_names(machine_env(machine), ctx.config.exec_env_allow)
     manager = ctx.services.commands if ctx.services is not None else CommandManager(machine)
     shell = await ctx.services.shell() if ctx.services is not None else await exec_shell(machine)
     try:
-        cmd = await manager.run(shell_command(params.command, shell, hidden), cwd=params.cwd, timeout=timeout)
+        cmd = await manager.run(shell_command(params.command, shell, hidden), cwd=cwd, timeout=timeout)
     except WorkspaceError as exc:
         return ToolResult.error(f"Could not run the command: {exc.message}")
     return await _result(machine, cmd, timeout)
+
+
+def working_dir(ctx: ToolContext, cwd: str | None) -> str | None:
+    """Where the command runs: `cwd` (relative ones from the first knowledge base's root), else
+    that root; None when that is the machine's own default, its workspace root."""
+    scope = ctx.scope
+    if cwd is None:
+        base = scope.base.root
+        return None if base == ctx.machine.root else base
+    return scope.absolute(cwd)
 
 
 async def cwd_problem(machine: Machine, cwd: str) -> str | None:

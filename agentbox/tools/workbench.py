@@ -32,9 +32,9 @@ from agentbox.tools.base import TextBlock, Tool, ToolContext, ToolResult
 #: What `read target=skill` tells the model to call for one of a skill's files.
 SKILL_FILE_CALL = 'read {{"target": "skill", "skillId": "{name}", "path": "<path>"}}'
 #: `search` parameters that narrow the knowledge index only.
-NOTES_FILTERS = ("pathPrefix", "tags", "fileTypes", "updatedAfter", "updatedBefore")
+NOTES_FILTERS = ("knowledgeBaseIds", "pathPrefix", "tags", "fileTypes", "updatedAfter", "updatedBefore")
 #: `read` parameters of a workspace file only (a page, a skill's file take `offset` alone).
-FILE_ONLY = ("startLine", "endLine", "page", "pageEnd", "block", "heading")
+FILE_ONLY = ("fileId", "startLine", "endLine", "page", "pageEnd", "block", "heading")
 
 
 class SearchParams(knowledge.SearchParams):
@@ -49,11 +49,12 @@ class SearchParams(knowledge.SearchParams):
 
 
 class ReadParams(read.ReadParams):
-    path: str | None = Field(  # type: ignore[assignment]  # optional here: `url` or a skill instead
+    path: str | None = Field(
         default=None,
         description=(
-            "File to read: relative to the workspace root, or absolute. With target=skill: a file of the "
-            "skill's package (relative to its folder), or none for its instructions."
+            "File to read: relative to the first knowledge base's root (the workspace root by default), or "
+            "absolute; or give fileId. With target=skill: a file of the skill's package (relative to its "
+            "folder), or none for its instructions."
         ),
     )
     url: str | None = Field(
@@ -113,8 +114,8 @@ async def run_read(ctx: ToolContext, params: ReadParams) -> ToolResult:
         )
     if params.skillId is not None:
         return ToolResult.error("skillId is for target=skill.")
-    if params.path is None:
-        return ToolResult.error("read needs a path (or a url, or target=skill with skillId).")
+    if params.path is None and params.fileId is None:
+        return ToolResult.error("read needs a path or fileId (or a url, or target=skill with skillId).")
     return await read.run_read(
         ctx, read.ReadParams.model_validate(given(params, {"url", "target", "skillId"}))
     )

@@ -24,7 +24,7 @@ from pydantic import AliasChoices, Field
 from agentbox.machines.base import Machine
 from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolParams, ToolResult
 from agentbox.tools.fingerprint import ABSENT, fingerprint
-from agentbox.tools.read import FAILURES, escape_message, escapes, problem, read_capped, remember, resolve
+from agentbox.tools.read import FAILURES, escape_message, escapes, located, problem, read_capped, remember
 from agentbox.workspace.editor import MAX_EDIT_BYTES
 from agentbox.workspace.fileops import Resolved, file_ops
 
@@ -99,7 +99,7 @@ def make_write(overwrite_if_read: bool) -> Tool:
         return result
 
     async def plan(ctx: ToolContext, p: WriteParams) -> Operation | str:
-        target = resolve(ctx.machine, p.path, write=True)
+        target = located(ctx, p.path, write=True)
         if escapes(ctx.machine, target):
             return escape_message(target)
         missing_parent = await parent_problem(ctx.machine, target, await ctx.staged_folders())
