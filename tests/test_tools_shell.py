@@ -15,7 +15,7 @@ from conftest import SANDBOX_DEADLINE, host_pid_of, traversable
 
 from agentbox.agent.prompt import assemble
 from agentbox.ids import SANDBOX, new_id
-from agentbox.machines.base import TRASH_DIR
+from agentbox.machines.base import TRASH_DIR, ExecRequest, Process
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
 from agentbox.tools.base import Action, FileStore, Operation, TextBlock, TodoStore, ToolConfig, ToolResult
 from agentbox.tools.services import MachineServices
@@ -32,6 +32,7 @@ from agentbox.tools.shell import (
     TIMEOUT_EXIT_CODE,
     ExecParams,
     secret_names,
+    shell_argv,
     shell_command,
 )
 from agentbox.workspace.commands import KEPT_HEAD_BYTES
@@ -47,6 +48,11 @@ INJECTED = {
     "GIT_AUTHOR_NAME": "Ada",
     "PLAIN_SETTING": "plain",
 }
+
+
+#: A config that lets every injected variable through: nothing to hide, so the shell is spawned
+#: directly (`shell_argv`), not through `/bin/sh -c 'exec env -u ...'`.
+NOTHING_HIDDEN = ToolConfig(exec_env_allow=list(INJECTED))
 
 
 class MemoryTodos:
@@ -212,11 +218,12 @@ async def test_timeout_is_a_result_and_kills_every_descendant(machine: SandboxMa
 # -- cancellation ------------------------------------------------------------------------
 
 
-async def test_a_cancelled_call_kills_the_command_group(machine: SandboxMachine) -> None:
+@pytest.mark.parametrize("config", [ToolConfig(), NOTHING_HIDDEN], ids=["through-sh", "shell-spawned"])
+async def test_a_cancelled_call_kills_the_command_group(machine: SandboxMachine, config: ToolConfig) -> None:
     pid_file = machine.workspace / "cancel.pid"
     pid_file.unlink(missing_ok=True)
     command = "sleep 1000 & echo $! $(readlink /proc/self/ns/pid) > /workspace/cancel.pid; wait"
-    task = asyncio.create_task(run(machine, command))
+    task = asyncio.create_task(run(machine, command, Ctx(machine, config=config)))
     await until(lambda: pid_file.exists() and pid_file.read_text().endswith("\n"), "no pid")
     inside_pid, ns = pid_file.read_text().split()
     host_pid = host_pid_of(int(inside_pid), int(ns.removeprefix("pid:[").rstrip("]")))
@@ -350,6 +357,9 @@ async def test_secret_name_pattern() -> None:
         "exec env -u A_KEY /bin/sh -c 'echo '\"'\"'hi'\"'\"''"
     )
     assert shell_command("echo hi", "/usr/bin/bash") == "exec /usr/bin/bash -c 'echo hi'"
+    assert shell_argv("echo hi", "/usr/bin/bash") == ("/usr/bin/bash", "-c", "echo hi")
+    assert shell_argv("echo hi", "/usr/bin/bash", ["A_KEY"]) == ()  # the engine's sh runs env -u
+    assert shell_argv("echo hi", FALLBACK_SHELL) == ()  # the engine's sh is the shell
 
 
 # -- the shell ---------------------------------------------------------------------------
@@ -360,6 +370,33 @@ async def test_commands_run_with_bash_where_the_machine_has_it(machine: SandboxM
     result = await run(machine, 'a=(x y); [[ ${#a[@]} -eq 2 ]] && echo {1..3} "$BASH_VERSION"')
     assert not result.is_error, text(result)
     assert "1 2 3 5." in text(result)  # Debian's bash 5
+
+
+class Spawns:
+    """The sandbox, noting what each spawn was asked to run."""
+
+    def __init__(self, machine: SandboxMachine) -> None:
+        self._machine = machine
+        self.requests: list[ExecRequest] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._machine, name)
+
+    async def spawn(self, request: ExecRequest) -> Process:
+        self.requests.append(request)
+        return await self._machine.spawn(request)
+
+
+async def test_with_nothing_to_hide_the_shell_is_spawned_with_no_sh_in_front(machine: SandboxMachine) -> None:
+    """One program fewer to start; the command, its quoting and its environment are the same."""
+    spawns = Spawns(machine)
+    command = """a=(x "y z"); printf '%s|' "${a[@]}" "it's" "$OPENAI_API_KEY" "$PWD" $0"""
+    result = await EXEC.run(Ctx(spawns, config=NOTHING_HIDDEN), ExecParams(command=command, cwd="/tmp"))
+    assert "<stdout>\nx|y z|it's|sk-injected|/tmp|/usr/bin/bash|\n</stdout>" in text(result)
+    assert spawns.requests[-1].argv == ("/usr/bin/bash", "-c", command)
+    hiding = await EXEC.run(Ctx(spawns), ExecParams(command="env"))
+    assert "sk-injected" not in text(hiding)
+    assert spawns.requests[-1].argv == () and spawns.requests[-1].command.startswith("exec env -u ")
 
 
 class NoBash:
