@@ -5,9 +5,8 @@ One `CommandManager` per machine (per sandbox) is the engine behind `/v2/command
 `Process` it returns, so it works the same for every machine kind.
 
 Every command is a fresh `/bin/sh -c <command>` (or the argv its caller names) in its own
-process group. Each stream is
-drained into an `OutputBuffer` for as long as the pipe is open, whatever was kept, so a
-chatty command never blocks on a full pipe. Waiting (for the end, for new output) wakes on
+process group. Each stream is drained into an `OutputBuffer` for as long as the pipe is
+open, whatever was kept, so a chatty command never blocks on a full pipe. Waiting (for the end, for new output) wakes on
 an event set by the pumps, never on a polling sleep.
 
 Lifecycle of a `Command` and how its status reads in the v1 APIs:
