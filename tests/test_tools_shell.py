@@ -422,6 +422,53 @@ async def test_a_machine_without_bash_runs_sh_and_the_prompt_says_so(machine: Sa
     assert TRASH_DIR not in prompt  # the listing beside it leaves the trash out
 
 
+class Programs:
+    """The sandbox, with `find_program` finding none of the names in `missing` (the host-side
+    lookup sees the image, not what a command removed from the system layer)."""
+
+    def __init__(self, machine: SandboxMachine) -> None:
+        self._machine = machine
+        self.missing: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._machine, name)
+
+    async def find_program(self, name: str) -> str | None:
+        return None if name in self.missing else await self._machine.find_program(name)
+
+
+async def test_the_kept_shell_is_looked_up_again_when_it_goes_and_in_a_new_lifetime(
+    sandbox_host: SandboxHost, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """bash removed from the system layer: one call fails to start it, the next runs /bin/sh;
+    that is kept for the lifetime, and a restart (a fresh system layer) finds bash again."""
+    d = traversable(tmp_path_factory.mktemp("exec-shell-cache"), tmp_path_factory)
+    box = SandboxMachine(
+        "sandbox", new_id(SANDBOX), sandbox_host, SandboxConfig(network=False), d / "w", d / "r"
+    )
+    await box.start()
+    machine = Programs(box)
+    services = MachineServices.of(machine)  # type: ignore[arg-type]
+    try:
+        ctx = Ctx(machine, services=services)
+        assert await services.shell() == "/usr/bin/bash"
+        assert "removed" in text(await run(box, "rm /usr/bin/bash && echo removed", ctx))
+        machine.missing = {"bash"}
+        failed = await run(box, "echo hi", ctx)
+        assert failed.is_error and text(failed).startswith("Could not run the command")
+        fallback = await run(box, 'echo "[${BASH_VERSION:-none}]"', ctx)
+        assert "[none]" in text(fallback) and await services.shell() == FALLBACK_SHELL
+        machine.missing = set()
+        assert await services.shell() == FALLBACK_SHELL  # kept: the same lifetime
+        await box.stop()
+        await box.start()
+        assert await services.shell() == "/usr/bin/bash"  # a new lifetime, a fresh system layer
+        assert "5." in text(await run(box, 'echo "$BASH_VERSION"', ctx))
+    finally:
+        await services.close()
+        await box.stop()
+
+
 # -- permission --------------------------------------------------------------------------
 
 

@@ -149,6 +149,8 @@ async def run_exec(ctx: ToolContext, params: ExecParams) -> ToolResult:
     try:
         cmd = await manager.run(line, argv=argv, cwd=params.cwd, timeout=timeout)
     except WorkspaceError as exc:
+        if ctx.services is not None:
+            ctx.services.forget_shell()  # the shell may be what is gone (nothing ran)
         return ToolResult.error(f"Could not run the command: {exc.message}")
     return await _result(machine, cmd, timeout)
 
