@@ -48,9 +48,14 @@ class MachineServices:
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     _shell: tuple[object, str] | None = field(default=None, repr=False)
     """The exec tool's shell and the lifetime it was found in (`shell`)."""
+    _lifetime: Lifetime | None = field(init=False, repr=False)
+    """The machine, if it has lifetimes: checked once, as the machine never changes."""
     _browser: Browser | None = field(default=None, repr=False)
     _cdp: Cdp | None = field(default=None, repr=False)
     _code: CodeInterpreter | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._lifetime = self.machine if isinstance(self.machine, Lifetime) else None
 
     @classmethod
     def of(
@@ -75,7 +80,7 @@ class MachineServices:
         within a lifetime, or from a shared machine: the tool then calls `forget_shell` when
         the spawn fails, and the next call looks again.
         """
-        lifetime = self.machine.marker() if isinstance(self.machine, Lifetime) else None
+        lifetime = self._lifetime.marker() if self._lifetime is not None else None
         if self._shell is None or self._shell[0] != lifetime:
             self._shell = (lifetime, await exec_shell(self.machine))
         return self._shell[1]
