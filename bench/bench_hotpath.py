@@ -1,6 +1,6 @@
 """The hot path, side by side with a peer: agentbox and SWE-ReX's server in one run.
 
-    python bench/bench_hotpath.py [--quick] [--json out.json] [--peer-venv DIR]
+    python bench/bench_hotpath.py [--quick] [--json out.json] [--peer-venv DIR] [--only SECTION ...]
 
 agentbox runs as `python -m agentbox serve` (isolated sandbox, system layer, as served by
 default; see bench_api.py). The peer is SWE-ReX's `swerex-remote` (no isolation) on
@@ -11,7 +11,8 @@ load on the shared host weighs on both alike. Then: 16 concurrent clients agains
 threads of bare spawns, grep over a 50,000-file tree against parallel rg with the same
 flags, the tool layer's `bash true` against the machine's own exec, and the stages of one
 exec in one process (machine, command manager, the ASGI app without a socket). README.md
-in this folder explains each figure and gives the breakdown.
+in this folder explains each figure and gives the breakdown. `--only` runs some sections
+(`SECTIONS`): `--only tool` times the tool layer alone, without a server or the peer.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ PEER_INSTALL_TIMEOUT = 600.0
 #: The session of `/v1/shell/exec` (one session, or each call would open a new one).
 SHELL_SESSION = "bench"
 KIB = 1024
+#: The sections of a run, in the order they run; `--only` picks some of them.
+SECTIONS = ("stages", "side", "load", "grep", "tool")
+#: The sections that need agentbox served and the peer beside it.
+SERVED_SECTIONS = frozenset({"side", "load", "grep"})
 CONTENT = ("0123456789abcde\n" * (KIB // 16))[:KIB]
 
 
@@ -452,16 +457,24 @@ def stage_figures(root: Path, counts: Counts) -> list[Figure]:
 # --- the run ---------------------------------------------------------------------------------
 
 
-def run(counts: Counts, root: Path, venv: Path) -> tuple[list[Figure], dict[str, Any]]:
-    figures = stage_figures(root, counts)
-    with serving(root) as server, peer_serving(venv, root / "peer.log") as peer:
-        figures += side_by_side(server, peer, counts, root)
-        figures += load_figures(server, peer, counts)
-        figures += grep_figures(server, counts)
-    tools_root = root / "tools"
-    tools_root.mkdir()
-    figures += tool_figures(tools_root, counts)
-    return figures, {"counts": counts.__dict__, "peer": PEER_PACKAGE, "peer_venv": str(venv)}
+def run(
+    counts: Counts, root: Path, venv: Path, sections: frozenset[str] = frozenset(SECTIONS)
+) -> tuple[list[Figure], dict[str, Any]]:
+    figures = stage_figures(root, counts) if "stages" in sections else []
+    if sections & SERVED_SECTIONS:
+        with serving(root) as server, peer_serving(venv, root / "peer.log") as peer:
+            if "side" in sections:
+                figures += side_by_side(server, peer, counts, root)
+            if "load" in sections:
+                figures += load_figures(server, peer, counts)
+            if "grep" in sections:
+                figures += grep_figures(server, counts)
+    if "tool" in sections:
+        tools_root = root / "tools"
+        tools_root.mkdir()
+        figures += tool_figures(tools_root, counts)
+    details = {"counts": counts.__dict__, "peer": PEER_PACKAGE, "peer_venv": str(venv)}
+    return figures, {**details, "sections": [s for s in SECTIONS if s in sections]}
 
 
 def breakdown(figures: list[Figure]) -> list[str]:
@@ -485,6 +498,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--peer-venv", type=Path, default=PEER_VENV, help="SWE-ReX's virtualenv (made if missing)"
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        metavar="SECTION",
+        help=f"run only these sections ({', '.join(SECTIONS)}; default: all)",
+    )
     return parser.parse_args(argv)
 
 
@@ -493,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = QUICK if args.quick else Counts()
     started = time.perf_counter()
     with scratch_dir("hotpath") as tmp:
-        figures, details = run(counts, tmp, args.peer_venv)
+        figures, details = run(counts, tmp, args.peer_venv, frozenset(args.only or SECTIONS))
     print(table(figures))
     print("\n".join(breakdown(figures)))
     print(footer(time.perf_counter() - started))

@@ -20,6 +20,7 @@ from agentbox.workspace.commands import (
     DEFAULT_TIMEOUT_SECONDS,
     KEPT_HEAD_BYTES,
     MAX_BUFFERED_OUTPUT,
+    MAX_COMMAND_BYTES,
     MAX_TIMEOUT_SECONDS,
     SHELL_STATUS,
     Command,
@@ -100,6 +101,27 @@ async def test_nonzero_exit_is_completed(manager: CommandManager) -> None:
 async def test_stderr_is_separate(manager: CommandManager) -> None:
     cmd = await manager.run("echo out; echo err >&2")
     assert cmd.stdout.getvalue() == b"out\n" and cmd.stderr.getvalue() == b"err\n"
+
+
+async def test_an_argv_runs_as_given_with_no_shell_in_front(manager: CommandManager) -> None:
+    """No `sh` parses it: quotes, spaces and `$` reach the program as they were given."""
+    cmd = await manager.run("printf ...", argv=["/usr/bin/printf", "%s|", "a b", "it's", "$HOME"])
+    assert (cmd.status, cmd.exit_code, cmd.stdout.getvalue()) == ("completed", 0, b"a b|it's|$HOME|")
+    assert cmd.command == "printf ..."  # what the record shows
+    timed = await manager.run("sleep", argv=["/bin/sleep", "30"], timeout=1)
+    assert timed.status == "timed_out"
+
+
+async def test_an_argv_argument_is_held_to_the_kernel_limit(manager: CommandManager) -> None:
+    """Each argument is one argv string: the same limit and the same NUL check as a command."""
+    filler = "x" * (MAX_COMMAND_BYTES - 2)
+    at_limit = await manager.run("sh", argv=["/bin/sh", "-c", f": {filler}"])
+    assert (at_limit.status, at_limit.exit_code) == ("completed", 0)
+    for bad in (f": {filler}x", "echo a\0b"):
+        with pytest.raises(WorkspaceError) as err:
+            await manager.run("sh", argv=["/bin/sh", "-c", bad])
+        assert err.value.error_type == "bad_request"
+    assert manager.list() == [at_limit]  # a refused argv leaves no record
 
 
 async def test_env_passed_and_server_env_not_leaked(

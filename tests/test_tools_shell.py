@@ -15,7 +15,7 @@ from conftest import SANDBOX_DEADLINE, host_pid_of, traversable
 
 from agentbox.agent.prompt import assemble
 from agentbox.ids import SANDBOX, new_id
-from agentbox.machines.base import TRASH_DIR
+from agentbox.machines.base import TRASH_DIR, ExecRequest, Process
 from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
 from agentbox.tools.base import Action, FileStore, Operation, TextBlock, TodoStore, ToolConfig, ToolResult
 from agentbox.tools.services import MachineServices
@@ -32,6 +32,7 @@ from agentbox.tools.shell import (
     TIMEOUT_EXIT_CODE,
     ExecParams,
     secret_names,
+    shell_argv,
     shell_command,
 )
 from agentbox.workspace.commands import KEPT_HEAD_BYTES
@@ -48,6 +49,11 @@ INJECTED = {
     "GIT_AUTHOR_NAME": "Ada",
     "PLAIN_SETTING": "plain",
 }
+
+
+#: A config that lets every injected variable through: nothing to hide, so the shell is spawned
+#: directly (`shell_argv`), not through `/bin/sh -c 'exec env -u ...'`.
+NOTHING_HIDDEN = ToolConfig(exec_env_allow=list(INJECTED))
 
 
 class MemoryTodos:
@@ -213,11 +219,12 @@ async def test_timeout_is_a_result_and_kills_every_descendant(machine: SandboxMa
 # -- cancellation ------------------------------------------------------------------------
 
 
-async def test_a_cancelled_call_kills_the_command_group(machine: SandboxMachine) -> None:
+@pytest.mark.parametrize("config", [ToolConfig(), NOTHING_HIDDEN], ids=["through-sh", "shell-spawned"])
+async def test_a_cancelled_call_kills_the_command_group(machine: SandboxMachine, config: ToolConfig) -> None:
     pid_file = machine.workspace / "cancel.pid"
     pid_file.unlink(missing_ok=True)
     command = "sleep 1000 & echo $! $(readlink /proc/self/ns/pid) > /workspace/cancel.pid; wait"
-    task = asyncio.create_task(run(machine, command))
+    task = asyncio.create_task(run(machine, command, Ctx(machine, config=config)))
     await until(lambda: pid_file.exists() and pid_file.read_text().endswith("\n"), "no pid")
     inside_pid, ns = pid_file.read_text().split()
     host_pid = host_pid_of(int(inside_pid), int(ns.removeprefix("pid:[").rstrip("]")))
@@ -351,6 +358,9 @@ async def test_secret_name_pattern() -> None:
         "exec env -u A_KEY /bin/sh -c 'echo '\"'\"'hi'\"'\"''"
     )
     assert shell_command("echo hi", "/usr/bin/bash") == "exec /usr/bin/bash -c 'echo hi'"
+    assert shell_argv("echo hi", "/usr/bin/bash") == ("/usr/bin/bash", "-c", "echo hi")
+    assert shell_argv("echo hi", "/usr/bin/bash", ["A_KEY"]) == ()  # the engine's sh runs env -u
+    assert shell_argv("echo hi", FALLBACK_SHELL) == ()  # the engine's sh is the shell
 
 
 # -- the shell ---------------------------------------------------------------------------
@@ -361,6 +371,33 @@ async def test_commands_run_with_bash_where_the_machine_has_it(machine: SandboxM
     result = await run(machine, 'a=(x y); [[ ${#a[@]} -eq 2 ]] && echo {1..3} "$BASH_VERSION"')
     assert not result.is_error, text(result)
     assert "1 2 3 5." in text(result)  # Debian's bash 5
+
+
+class Spawns:
+    """The sandbox, noting what each spawn was asked to run."""
+
+    def __init__(self, machine: SandboxMachine) -> None:
+        self._machine = machine
+        self.requests: list[ExecRequest] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._machine, name)
+
+    async def spawn(self, request: ExecRequest) -> Process:
+        self.requests.append(request)
+        return await self._machine.spawn(request)
+
+
+async def test_with_nothing_to_hide_the_shell_is_spawned_with_no_sh_in_front(machine: SandboxMachine) -> None:
+    """One program fewer to start; the command, its quoting and its environment are the same."""
+    spawns = Spawns(machine)
+    command = """a=(x "y z"); printf '%s|' "${a[@]}" "it's" "$OPENAI_API_KEY" "$PWD" $0"""
+    result = await EXEC.run(Ctx(spawns, config=NOTHING_HIDDEN), ExecParams(command=command, cwd="/tmp"))
+    assert "<stdout>\nx|y z|it's|sk-injected|/tmp|/usr/bin/bash|\n</stdout>" in text(result)
+    assert spawns.requests[-1].argv == ("/usr/bin/bash", "-c", command)
+    hiding = await EXEC.run(Ctx(spawns), ExecParams(command="env"))
+    assert "sk-injected" not in text(hiding)
+    assert spawns.requests[-1].argv == () and spawns.requests[-1].command.startswith("exec env -u ")
 
 
 class NoBash:
@@ -384,6 +421,53 @@ async def test_a_machine_without_bash_runs_sh_and_the_prompt_says_so(machine: Sa
     prompt = await assemble("", machine)
     assert "Shell: /usr/bin/bash (" in prompt
     assert TRASH_DIR not in prompt  # the listing beside it leaves the trash out
+
+
+class Programs:
+    """The sandbox, with `find_program` finding none of the names in `missing` (the host-side
+    lookup sees the image, not what a command removed from the system layer)."""
+
+    def __init__(self, machine: SandboxMachine) -> None:
+        self._machine = machine
+        self.missing: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._machine, name)
+
+    async def find_program(self, name: str) -> str | None:
+        return None if name in self.missing else await self._machine.find_program(name)
+
+
+async def test_the_kept_shell_is_looked_up_again_when_it_goes_and_in_a_new_lifetime(
+    sandbox_host: SandboxHost, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """bash removed from the system layer: one call fails to start it, the next runs /bin/sh;
+    that is kept for the lifetime, and a restart (a fresh system layer) finds bash again."""
+    d = traversable(tmp_path_factory.mktemp("exec-shell-cache"), tmp_path_factory)
+    box = SandboxMachine(
+        "sandbox", new_id(SANDBOX), sandbox_host, SandboxConfig(network=False), d / "w", d / "r"
+    )
+    await box.start()
+    machine = Programs(box)
+    services = MachineServices.of(machine)  # type: ignore[arg-type]
+    try:
+        ctx = Ctx(machine, services=services)
+        assert await services.shell() == "/usr/bin/bash"
+        assert "removed" in text(await run(box, "rm /usr/bin/bash && echo removed", ctx))
+        machine.missing = {"bash"}
+        failed = await run(box, "echo hi", ctx)
+        assert failed.is_error and text(failed).startswith("Could not run the command")
+        fallback = await run(box, 'echo "[${BASH_VERSION:-none}]"', ctx)
+        assert "[none]" in text(fallback) and await services.shell() == FALLBACK_SHELL
+        machine.missing = set()
+        assert await services.shell() == FALLBACK_SHELL  # kept: the same lifetime
+        await box.stop()
+        await box.start()
+        assert await services.shell() == "/usr/bin/bash"  # a new lifetime, a fresh system layer
+        assert "5." in text(await run(box, 'echo "$BASH_VERSION"', ctx))
+    finally:
+        await services.close()
+        await box.stop()
 
 
 # -- permission --------------------------------------------------------------------------

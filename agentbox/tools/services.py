@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentbox.config import MAX_LEVEL
-from agentbox.machines.base import Machine
+from agentbox.machines.base import Lifetime, Machine
 from agentbox.machines.registry import DEFAULT_SESSION, Registry
 from agentbox.tools.knowledge import KnowledgeIndex, open_index
 from agentbox.tools.shell import exec_shell
@@ -46,10 +46,16 @@ class MachineServices:
     """Where the knowledge index lives; None: beside the machine's workspace or in the home."""
     _index: KnowledgeIndex | None = field(default=None, repr=False)
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
-    _shell: str | None = field(default=None, repr=False)
+    _shell: tuple[object, str] | None = field(default=None, repr=False)
+    """The exec tool's shell and the lifetime it was found in (`shell`)."""
+    _lifetime: Lifetime | None = field(init=False, repr=False)
+    """The machine, if it has lifetimes: checked once, as the machine never changes."""
     _browser: Browser | None = field(default=None, repr=False)
     _cdp: Cdp | None = field(default=None, repr=False)
     _code: CodeInterpreter | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._lifetime = self.machine if isinstance(self.machine, Lifetime) else None
 
     @classmethod
     def of(
@@ -65,10 +71,23 @@ class MachineServices:
         return cls(session_id, machine, WatchHub(machine), commands, Editor(), index_path)
 
     async def shell(self) -> str:
-        """The shell the `exec` tool runs commands with here, looked up once (`exec_shell`)."""
-        if self._shell is None:
-            self._shell = await exec_shell(self.machine)
-        return self._shell
+        """The shell the `exec` tool runs commands with here (`exec_shell`), looked up once per
+        lifetime of the machine rather than on every call (a remote kind pays a round trip).
+
+        Safe to keep: which shell a sandbox or container has changes with its system tree,
+        which a rebuild resets and a new image replaces only in a new lifetime, and each start
+        renews `Lifetime.marker()`, the key it is kept under. A command may still remove bash
+        within a lifetime, or from a shared machine: the tool then calls `forget_shell` when
+        the spawn fails, and the next call looks again.
+        """
+        lifetime = self._lifetime.marker() if self._lifetime is not None else None
+        if self._shell is None or self._shell[0] != lifetime:
+            self._shell = (lifetime, await exec_shell(self.machine))
+        return self._shell[1]
+
+    def forget_shell(self) -> None:
+        """Look the shell up again on the next call (a spawn with the one kept failed)."""
+        self._shell = None
 
     async def knowledge(self) -> KnowledgeIndex:
         """The machine's knowledge index, opened (attached to this watch hub, refreshed) on first use."""

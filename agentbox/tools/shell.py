@@ -31,6 +31,9 @@ a machine injects its configured variables (env providers) into every command. V
 whose names look secret (`SECRET_ENV_PATTERN`) are removed for tool commands unless the
 session allows them by name (`ToolConfig.exec_env_allow`). `Machine` has no way to drop a
 variable it injects, so the command is started as `exec env -u NAME ... <shell> -c <command>`.
+With nothing to drop, the shell is spawned as `<shell> -c <command>` with no `/bin/sh` in
+front: each program a sandbox starts costs a loader run (and bash its locale files), so the
+hop is worth skipping.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from __future__ import annotations
 import re
 import shlex
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pydantic import Field
@@ -143,9 +146,12 @@ async def run_exec(ctx: ToolContext, params: ExecParams) -> ToolResult:
     hidden = secret_names(machine_env(machine), ctx.config.exec_env_allow)
     manager = ctx.services.commands if ctx.services is not None else CommandManager(machine)
     shell = await ctx.services.shell() if ctx.services is not None else await exec_shell(machine)
+    line, argv = shell_command(params.command, shell, hidden), shell_argv(params.command, shell, hidden)
     try:
-        cmd = await manager.run(shell_command(params.command, shell, hidden), cwd=cwd, timeout=timeout)
+        cmd = await manager.run(line, argv=argv, cwd=cwd, timeout=timeout)
     except WorkspaceError as exc:
+        if ctx.services is not None:
+            ctx.services.forget_shell()  # the shell may be what is gone (nothing ran)
         return ToolResult.error(f"Could not run the command: {exc.message}")
     return await _result(machine, cmd, timeout)
 
@@ -201,6 +207,19 @@ def shell_command(command: str, shell: str, hidden: Iterable[str] = ()) -> str:
     if shell == FALLBACK_SHELL and not unset:
         return command
     return f"exec {f'env {unset} ' if unset else ''}{shlex.quote(shell)} -c {shlex.quote(command)}"
+
+
+def shell_argv(command: str, shell: str, hidden: Sequence[str] = ()) -> tuple[str, ...]:
+    """`command` as an argument vector the machine runs with no `/bin/sh` in front, or () when
+    the engine's `/bin/sh -c` must run `shell_command` (variables to drop, or sh is the shell).
+
+    Each program a sandbox starts pays its loader and, for bash, its locale files, so the
+    `sh` that would only `exec` bash is worth skipping: what runs is the same `shell -c`,
+    in the same process group, with the same environment.
+    """
+    if shell == FALLBACK_SHELL or hidden:
+        return ()
+    return (shell, "-c", command)
 
 
 # -- the result -------------------------------------------------------------------------

@@ -4,9 +4,9 @@ One `CommandManager` per machine (per sandbox) is the engine behind `/v2/command
 `/v1/bash/*`, `/v1/shell/*` and the exec tools. It only uses `Machine.spawn` and the
 `Process` it returns, so it works the same for every machine kind.
 
-Every command is a fresh `/bin/sh -c <command>` in its own process group. Each stream is
-drained into an `OutputBuffer` for as long as the pipe is open, whatever was kept, so a
-chatty command never blocks on a full pipe. Waiting (for the end, for new output) wakes on
+Every command is a fresh `/bin/sh -c <command>` (or the argv its caller names) in its own
+process group. Each stream is drained into an `OutputBuffer` for as long as the pipe is
+open, whatever was kept, so a chatty command never blocks on a full pipe. Waiting (for the end, for new output) wakes on
 an event set by the pumps, never on a polling sleep.
 
 Lifecycle of a `Command` and how its status reads in the v1 APIs:
@@ -48,7 +48,7 @@ import re
 import secrets
 import signal
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -420,15 +420,21 @@ class CommandManager:
         session_id: str | None = None,
         keep_background: bool = False,
         input: bytes | None = None,
+        argv: Sequence[str] = (),
     ) -> Command:
         """Run to the end (sync mode) with a deadline, stdin fed `input` then closed (else /dev/null).
 
         `timeout` defaults to `DEFAULT_TIMEOUT_SECONDS`. If the caller goes away (the task
-        is cancelled), the command is killed: nobody is left to read its result.
+        is cancelled), the command is killed: nobody is left to read its result. `argv`, when
+        given, is run instead of `/bin/sh -c command` (one exec fewer for a caller that names
+        its own program, such as the exec tool's `bash -c`); `command` is then what the
+        record shows.
         """
         deadline = _check_timeout(DEFAULT_TIMEOUT_SECONDS if timeout is None else timeout)
         _check_input(input)
-        cmd = await self._launch(command, cwd, env, deadline, session_id, input is not None, keep_background)
+        cmd = await self._launch(
+            command, cwd, env, deadline, session_id, input is not None, keep_background, argv=tuple(argv)
+        )
         self._feed(cmd, input)
         try:
             await cmd._until(lambda: cmd.finished, None)
@@ -492,15 +498,17 @@ class CommandManager:
         stdin: bool,
         keep_background: bool,
         pty: TerminalSize | None = None,
+        argv: tuple[str, ...] = (),
     ) -> Command:
         self._check_open("exec")
         _check_command(command, cwd)
+        _check_argv(argv)
         clean_env = _check_env(env)
         if self._running + self._starting >= MAX_RUNNING_COMMANDS:
             raise _too_many("running commands", MAX_RUNNING_COMMANDS, "exec")
         session = self._session_for(session_id) if session_id is not None else None
         cwd = cwd or (session.working_dir if session else None)
-        request = ExecRequest(command=command, cwd=cwd, env=clean_env, interactive=stdin, pty=pty)
+        request = ExecRequest(command=command, argv=argv, cwd=cwd, env=clean_env, interactive=stdin, pty=pty)
         self._starting += 1
         spawning = asyncio.ensure_future(self.machine.spawn(request))
         try:
@@ -862,6 +870,17 @@ def _check_command(command: str, cwd: str | None) -> None:
             f"command is longer than {MAX_COMMAND_BYTES} bytes (the kernel's limit for one argument): "
             "write it to a script file and run that",
         )
+
+
+def _check_argv(argv: Sequence[str]) -> None:
+    """An argument vector the kernel takes: no NUL in an argument, none past its limit."""
+    for arg in argv:
+        if "\0" in arg:
+            raise bad_request("exec", "arguments may not contain NUL bytes")
+        if utf8_size(arg) > MAX_COMMAND_BYTES:
+            raise bad_request(
+                "exec", f"an argument is longer than {MAX_COMMAND_BYTES} bytes (the kernel's limit for one)"
+            )
 
 
 def utf8_size(text: str) -> int:
