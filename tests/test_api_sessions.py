@@ -594,3 +594,32 @@ async def test_a_subagents_transcript_is_read_through_the_api_and_only_in_its_se
     other = await create(client, [])
     missing = await client.get(f"/v1/sessions/{other}/subagents/{run_id}")
     assert missing.status_code == 404 and missing.json()["data"]["error_type"] == "not_found"
+
+
+async def test_a_session_works_in_the_knowledge_bases_it_selected(client: httpx.AsyncClient) -> None:
+    """Registered and selected over the API: commands start in the first one, its view and the
+    listing say so, and a folder outside the workspace or an unknown id is refused (400)."""
+    for bad in ({"knowledge_bases": [{"id": "etc", "path": "/etc"}]},
+                {"knowledge_bases": [{"id": "up", "path": "../x"}]},
+                {"knowledge_base_ids": ["missing"]}):  # fmt: skip
+        r = await client.post("/v1/sessions", json={"model": "scripted", "script": [], **bad})
+        assert r.status_code == 400, r.text
+    prepare = {"tool_calls": [{"name": "bash", "input": {"command": "mkdir -p notes", "cwd": "/workspace"}}]}
+    sid = await create(
+        client, [prepare, bash("pwd"), {"text": "Done."}],
+        knowledge_bases=[{"id": "notes", "path": "notes", "name": "Notes"}], knowledge_base_ids=["notes"],
+    )  # fmt: skip
+    shown = (await client.get(f"/v1/sessions/{sid}")).json()
+    assert shown["knowledge_base_ids"] == ["notes"] and shown["knowledge_bases"][0]["path"] == "notes"
+    listed = (await client.get(f"/v1/sessions/{sid}/knowledge-bases")).json()["items"]
+    assert [(k["id"], k["path"], k["selected"], k["base"]) for k in listed] == [
+        ("workspace", ".", False, False), ("notes", "notes", True, True)
+    ]  # fmt: skip
+    assert (await post(client, sid)).status_code == 202
+    streamed = await until_turn_end(client, sid)
+    results = [f.data for f in streamed if f.event == "agent.tool_result" and f.data]
+    assert "/workspace/notes" in results[-1]["content"][0]["text"]
+    patched = await client.patch(f"/v1/sessions/{sid}", json={"knowledge_base_ids": None})
+    assert patched.status_code == 200 and patched.json()["knowledge_base_ids"] is None
+    wrong = await client.patch(f"/v1/sessions/{sid}", json={"knowledge_base_ids": ["nope"]})
+    assert wrong.status_code == 400
