@@ -80,6 +80,29 @@ def test_a_session_on_a_machine_above_the_key_is_out_of_its_reach(keyed: Server)
         assert own.delete(f"/v1/sessions/{sid}").status_code == 200
 
 
+def test_a_low_key_lists_only_the_sessions_it_may_reach(keyed: Server) -> None:
+    """The listing leaked every session's id and metadata to any key; now it is filtered in the
+    query, so pages and cursors count only what the key may see."""
+    with client(keyed, OWN_KEY) as own, client(keyed, CI_KEY) as ci:
+        made = [
+            own.post("/v1/sessions", json={"model": "scripted", "script": [], **where}).json()["id"]
+            for where in ({}, {"machine": "host"}, {"machine": "sandbox"}, {"machine": "host"}, {"machine": "none"})
+        ]  # fmt: skip
+        reachable = {made[1], made[3], made[4]}
+        seen, after = [], None
+        while True:
+            page = ci.get("/v1/sessions", params={"limit": 1, **({"after": after} if after else {})}).json()
+            seen += [item["id"] for item in page["items"]]
+            if not page["has_more"]:
+                break
+            after = page["next_after"]
+        assert set(seen) & set(made) == reachable and len(seen) == len(set(seen))
+        everything = {item["id"] for item in own.get("/v1/sessions", params={"limit": 100}).json()["items"]}
+        assert set(made) <= everything
+        for sid in made:
+            own.delete(f"/v1/sessions/{sid}")
+
+
 def test_keys_are_required_and_mcp_takes_only_the_servers_own(keyed: Server) -> None:
     with client(keyed, None) as none, client(keyed, "wrong-" + CI_KEY) as wrong, client(keyed, CI_KEY) as ci:
         assert none.get("/v1/sessions").status_code == 401

@@ -472,7 +472,16 @@ async def list_sessions(
     limit: Annotated[int, Query(ge=1, le=SESSIONS_LIMIT_MAX)] = LIST_LIMIT_DEFAULT,
 ) -> Any:
     p = platform(request)
-    rows = await p.store.list_sessions(after=after, limit=limit + 1)
+    level = caller_level(request)
+    if level >= MAX_LEVEL:
+        rows = await p.store.list_sessions(after=after, limit=limit + 1)
+    else:  # a caller sees only the sessions it may reach (`check_level`)
+        machines = p.registry.settings.machines
+        allowed = [name for name, config in machines.items() if level >= config.required_level]
+        rows = await p.store.list_sessions(
+            after=after, limit=limit + 1, machines=[*allowed, NO_MACHINE],
+            default_machine=p.registry.settings.default_machine in allowed,
+        )  # fmt: skip
     page = rows[:limit]
     has_more = len(rows) > limit
     items = [await view(p, s) for s in page]

@@ -381,11 +381,25 @@ class SessionStore:
 
         return await self.db.transaction(read)
 
-    async def list_sessions(self, *, after: str | None = None, limit: int = 100) -> list[Session]:
-        """Live sessions in creation order, after the id `after` (a cursor)."""
+    async def list_sessions(
+        self,
+        *,
+        after: str | None = None,
+        limit: int = 100,
+        machines: Sequence[str] | None = None,
+        default_machine: bool = True,
+    ) -> list[Session]:
+        """Live sessions in creation order, after the id `after` (a cursor). `machines`: only
+        sessions on these (by name), and with `default_machine` those on the server's default;
+        None: every session. Filtered in the query, so a page and its cursor stay right."""
+        where, args = "", []
+        if machines is not None:
+            marks = ", ".join("?" * len(machines)) or "NULL"
+            where = f" AND (machine IN ({marks}) OR (machine IS NULL AND ?))"
+            args = [*machines, int(default_machine)]
         rows = await self.db.fetchall(
-            "SELECT * FROM sessions WHERE status = 'active' AND id > ? ORDER BY id LIMIT ?",
-            (after or "", limit),
+            f"SELECT * FROM sessions WHERE status = 'active' AND id > ?{where} ORDER BY id LIMIT ?",
+            (after or "", *args, limit),
         )
         return [_session(row) for row in rows]
 
