@@ -197,7 +197,7 @@ async def test_a_move_lands_in_the_named_knowledge_base(local: Box) -> None:
     assert root.is_error and "root of the knowledge base 'other'" in text_of(root)
 
 
-def test_a_session_cannot_register_a_folder_outside_the_workspace() -> None:
+async def test_a_session_cannot_register_a_folder_outside_the_workspace() -> None:
     for path in ("/etc", "..", "../x", "a/../../b", ".", "", "a*b", "x\0y"):
         with pytest.raises(ConfigError):
             session_selection([], "sandbox", [{"id": "kb", "path": path}], None)

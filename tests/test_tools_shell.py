@@ -115,7 +115,7 @@ def text(result: ToolResult) -> str:
 def host_pid_alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, also between the open and the read
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
