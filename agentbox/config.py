@@ -270,7 +270,8 @@ def tool_config(table: dict[str, Any]) -> ToolConfig:
 
 
 #: What a knowledge base's id may be: what sessions select it by and the tools name it by.
-KNOWLEDGE_BASE_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+MAX_KNOWLEDGE_BASE_ID_CHARS = 64
+KNOWLEDGE_BASE_ID = re.compile(rf"[a-z0-9][a-z0-9_-]{{0,{MAX_KNOWLEDGE_BASE_ID_CHARS - 1}}}")
 #: The knowledge base every machine has: its whole workspace root (the default selection).
 WORKSPACE_KNOWLEDGE_BASE = "workspace"
 #: Longest knowledge base path (relative to the workspace root), in characters.
@@ -299,9 +300,6 @@ class KnowledgeBaseSpec:
 
     def on(self, machine: str | None) -> bool:
         return not self.machines or machine in self.machines
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "path": self.path, "name": self.name}
 
 
 def knowledge_base_spec(entry: Any, where: str, *, configured: bool = False) -> KnowledgeBaseSpec:

@@ -231,3 +231,30 @@ async def test_file_ids_keep_at_most_the_newest(ids: FileIdRepo, monkeypatch: py
     assert await ids.path_of("s", later["/w/b"]) == "/w/b"
     await ids.forget("s")
     assert await ids.path_of("s", later["/w/b"]) is None
+
+
+async def test_id_and_prefix_parameters_are_bounded() -> None:
+    from pydantic import ValidationError
+
+    from agentbox.config import MAX_KNOWLEDGE_BASE_ID_CHARS
+    from agentbox.store.file_ids import FILE_ID_CHARS, file_id
+    from agentbox.tools.find import MAX_PREFIX_CHARS
+    from agentbox.tools.knowledge import MAX_KNOWLEDGE_BASE_IDS
+    from agentbox.tools.read import ReadParams
+
+    assert len(file_id("s", "/w/a")) == FILE_ID_CHARS
+    ReadParams(fileId="f" * FILE_ID_CHARS)
+    with pytest.raises(ValidationError):
+        ReadParams(fileId="f" * (FILE_ID_CHARS + 1))
+    ListParams(prefix="p" * MAX_PREFIX_CHARS)
+    with pytest.raises(ValidationError):
+        ListParams(prefix="p" * (MAX_PREFIX_CHARS + 1))
+    SearchParams(query="q", knowledgeBaseIds=["k"] * MAX_KNOWLEDGE_BASE_IDS)
+    with pytest.raises(ValidationError):
+        SearchParams(query="q", knowledgeBaseIds=["k"] * (MAX_KNOWLEDGE_BASE_IDS + 1))
+    EditParams(path="a", mode="move", destinationKnowledgeBaseId="k" * MAX_KNOWLEDGE_BASE_ID_CHARS)
+    with pytest.raises(ValidationError):
+        EditParams(path="a", mode="move", destinationKnowledgeBaseId="k" * (MAX_KNOWLEDGE_BASE_ID_CHARS + 1))
+    session_selection([], "x", [{"id": "k" * MAX_KNOWLEDGE_BASE_ID_CHARS, "path": "p"}], None)
+    with pytest.raises(ConfigError):
+        session_selection([], "x", [{"id": "k" * (MAX_KNOWLEDGE_BASE_ID_CHARS + 1), "path": "p"}], None)

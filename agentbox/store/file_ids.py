@@ -20,13 +20,16 @@ from agentbox.timestamps import timestamp
 
 #: File ids one session keeps; the oldest shown go first.
 MAX_FILE_IDS = 50_000
-#: What every file id starts with (then 20 hex digits).
+#: What every file id starts with (then FILE_ID_DIGITS hex digits).
 FILE_ID_PREFIX = "file_"
+FILE_ID_DIGITS = 20
+#: Characters of a file id; a longer one a model passes is refused by the schema.
+FILE_ID_CHARS = len(FILE_ID_PREFIX) + FILE_ID_DIGITS
 
 
 def file_id(session_id: str, path: str) -> str:
     digest = hashlib.sha256(f"{session_id}\0{path}".encode()).hexdigest()
-    return FILE_ID_PREFIX + digest[:20]
+    return FILE_ID_PREFIX + digest[:FILE_ID_DIGITS]
 
 
 class FileIdRepo:

@@ -31,6 +31,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from agentbox.config import MAX_KNOWLEDGE_BASE_ID_CHARS
 from agentbox.machines.base import FileStat, Machine
 from agentbox.tools.base import Action, Operation, Tool, ToolContext, ToolParams, ToolResult
 from agentbox.tools.fingerprint import fingerprint
@@ -78,7 +79,7 @@ class EditParams(ToolParams):
     )
     destinationKnowledgeBaseId: str | None = Field(
         default=None,
-        max_length=64,
+        max_length=MAX_KNOWLEDGE_BASE_ID_CHARS,
         description=(
             "move: the knowledge base (by id, one the session selected) whose root a relative destination "
             "starts from; by default the first one's."

@@ -43,6 +43,8 @@ from agentbox.workspace.patterns import check_pattern
 MAX_LIST_ENTRIES = 120
 #: Paths one `glob` shows (Flue's cap, here with a notice).
 MAX_GLOB_PATHS = 1000
+#: Longest `prefix` a `list` takes, in characters (the schema refuses longer).
+MAX_PREFIX_CHARS = 1024
 #: Matching lines one `grep` shows (Flue's cap).
 MAX_GREP_MATCHES = 100
 #: Characters of a matching line's text shown by `grep`; longer ones end in `...` (Flue's cap).
@@ -245,7 +247,7 @@ class ListParams(ToolParams):
     )
     prefix: str | None = Field(
         default=None,
-        max_length=1024,
+        max_length=MAX_PREFIX_CHARS,
         description=(
             "Keep only entries whose path relative to the folder starts with this (e.g. `2024/` or `draft`); "
             "with query, at any depth."

@@ -107,6 +107,8 @@ MAX_INDEXED_FILES = 10_000
 MAX_QUERY_TERMS = 32
 #: Longest query accepted, in characters (the schema says so; pydantic refuses longer).
 MAX_QUERY_CHARS = 1000
+#: Knowledge base ids one search names (`knowledgeBaseIds`); more is refused by the schema.
+MAX_KNOWLEDGE_BASE_IDS = 64
 #: Tokens of context in a snippet (FTS5 `snippet()` caps this at 64).
 SNIPPET_TOKENS = 24
 #: Not-indexed files named in a search's warning; the rest are counted.
@@ -1085,7 +1087,7 @@ class SearchParams(ToolParams):
     )
     knowledgeBaseIds: list[str] | None = Field(
         default=None,
-        max_length=64,
+        max_length=MAX_KNOWLEDGE_BASE_IDS,
         description=(
             "Only these of the session's knowledge bases (by id); by default every one it selected. "
             "It can only narrow the search."

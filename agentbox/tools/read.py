@@ -37,6 +37,7 @@ from pydantic import Field
 
 from agentbox.machines.base import FileStat, Machine
 from agentbox.machines.errors import MachineError, PathEscape
+from agentbox.store.file_ids import FILE_ID_CHARS
 from agentbox.tools.base import (
     Action,
     ImageBlock,
@@ -217,7 +218,7 @@ class ReadParams(ToolParams):
     )
     fileId: str | None = Field(
         default=None,
-        max_length=64,
+        max_length=FILE_ID_CHARS,
         description="A file id that list or search gave (file_...), instead of path.",
     )
     offset: int | None = Field(
@@ -266,7 +267,7 @@ class ReadImageParams(ToolParams):
         default=None, description="Image to view (png, jpg, jpeg, webp or gif), inside the workspace."
     )
     fileId: str | None = Field(
-        default=None, max_length=64, description="Or the image's file id, as list gave it (file_...)."
+        default=None, max_length=FILE_ID_CHARS, description="Or the image's file id, as list gave it (file_...)."
     )
 
 
