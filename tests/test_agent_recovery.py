@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from agentbox.agent.recovery import RECOVERY, Act, State
+from agentbox.agent.subagents import INTERRUPTED_NOTICE
 from agentbox.store.approvals import ApprovalsRepo, Decision
-from agentbox.store.db import Database
+from agentbox.store.db import Database, load_migrations
 from agentbox.store.sessions import INTERRUPTED, TERMINAL_EVENTS, Event, Message, SessionStore, insert_message
 from agentbox.store.subagents import SubagentRuns
 from tests.test_agent_loop import DEADLINE, Kit, bash, make_kit, terminal, wait_for
@@ -347,15 +348,128 @@ async def test_a_message_joined_after_the_last_reply_is_answered_after_a_restart
         await kit.close()
 
 
-async def test_a_subagent_run_a_dead_process_left_running_ends_failed_at_start(sandbox_tmp: Path) -> None:
-    """It can be resumed then (a run still `running` cannot)."""
+async def test_subagent_runs_written_before_interrupted_existed_survive_its_migration(tmp_path: Path) -> None:
+    """The tables are rebuilt to widen a CHECK: rows, transcripts and the cascade all stay."""
+    shipped = load_migrations()
+    before = [m for m in shipped if m.version < 12]
+    async with Database(tmp_path / "x.db", migrations=before) as db:
+        session, _ = await SessionStore(db).create_session("scripted", permission_mode="full-auto", script=[])
+        await db.execute(
+            "INSERT INTO subagent_runs (id, session_id, tool_use_id, agent, tier, status, created_at, updated_at)"
+            " VALUES ('sub_1', ?, 'toolu_1', 'explore', 'read-only', 'completed', 't', 't')",
+            (session.id,),
+        )
+        await db.execute(
+            "INSERT INTO subagent_messages (run_id, role, content, created_at) VALUES ('sub_1', 'user', '{\"text\": \"hi\"}', 't')"
+        )
+    async with Database(tmp_path / "x.db", migrations=shipped) as db:
+        runs = SubagentRuns(db)
+        run = await runs.get(session.id, "sub_1")
+        assert (run.status, run.background) == ("completed", False)
+        assert [m.content["text"] for m in await runs.messages("sub_1")] == ["hi"]
+        refs = await db.fetchall("PRAGMA foreign_key_list(subagent_messages)")
+        assert [r["table"] for r in refs] == ["subagent_runs"]
+        await runs.set_status("sub_1", "interrupted")  # the widened CHECK takes it
+        await SessionStore(db).delete_session(session.id)
+        assert await db.fetchall("SELECT * FROM subagent_messages") == []
+
+
+async def test_a_subagent_run_a_dead_process_left_running_ends_interrupted_at_start(sandbox_tmp: Path) -> None:
+    """It can be resumed then (a run still `running` cannot); a background one's parent is told."""
     home = sandbox_tmp / "home"
     async with Database.in_home(home) as db:
         session, _ = await SessionStore(db).create_session("scripted", permission_mode="full-auto", script=[])
-        run = await SubagentRuns(db).create(session.id, None, "toolu_s0_0", "explore", "read-only", False)
-        assert run.status == "running"
+        runs = SubagentRuns(db)
+        run = await runs.create(session.id, None, "toolu_s0_0", "explore", "read-only", False)
+        loose = await runs.create(session.id, None, "toolu_s0_1", "explore", "read-only", False, True)
+        assert (run.status, run.background, loose.background) == ("running", False, True)
     kit = await make_kit(home)
     try:
-        assert (await kit.worker.runs.get(session.id, run.id)).status == "failed"
+        assert (await kit.worker.runs.get(session.id, run.id)).status == "interrupted"
+        assert (await kit.worker.runs.get(session.id, loose.id)).status == "interrupted"
+        told = await wait_for(kit, session.id, lambda e: e.type == "subagent.completed")
+        assert told.turn_id is None  # no open turn: the session's
+        assert (told.data["subagent_id"], told.data["status"], told.data["background"]) == (
+            loose.id, "interrupted", True,
+        )  # fmt: skip
+        assert INTERRUPTED_NOTICE.format(agent="explore", id=loose.id) == told.data["result"]
+        (owed,) = await kit.worker.runs.pending_notices()  # only the background one owes a notice
+        assert owed[0].id == loose.id and owed[1] is None
+    finally:
+        await kit.close()
+
+
+async def test_a_background_task_cut_short_by_a_restart_is_told_to_its_parent_once(sandbox_tmp: Path) -> None:
+    """The server stops while a background task runs: after the next start the parent's next
+    turn is told it was interrupted (with how to resume it), and no turn after that again."""
+    home = sandbox_tmp / "home"
+    task = {"name": "task", "input": {"agent": "explore", "prompt": "look", "background": True},
+            "script": [{"hang": True}]}  # fmt: skip
+    script = [
+        {"tool_calls": [task]},
+        {"text": "started"},
+        {"expect": {"user_message_contains": "The server stopped while this task ran"}, "text": "noted"},
+        {"text": "nothing new"},
+    ]
+    kit = await make_kit(home)
+    try:
+        session = await kit.worker.create_session("scripted", script=script, permission_mode="full-auto")
+        first = (await kit.worker.submit(session.id, "start it")).turn.id
+        assert (await terminal(kit, session.id, first)).type == "turn.completed"
+        await wait_for(kit, session.id, lambda e: e.type == "subagent.started")
+        (run,) = await kit.worker.runs.of_session(session.id)
+        assert run.status == "running" and run.background
+    finally:
+        await kit.close()  # a graceful stop: the task is cancelled
+    kit = await make_kit(home)
+    try:
+        told = await wait_for(kit, session.id, lambda e: e.type == "subagent.completed")
+        assert told.data["status"] == "interrupted" and told.data["subagent_id"] == run.id
+        second = (await kit.worker.submit(session.id, "what happened?")).turn.id
+        end = await terminal(kit, session.id, second)
+        assert end.type == "turn.completed", end.data  # the script's expectation held
+        signals = [m for m in await kit.store.transcript(session.id) if m.turn_id == second and m.role == "user"]
+        assert 'task_id="toolu_s0_0" agent="explore" status="interrupted"' in signals[-1].content["text"]
+        assert f"resume={run.id}" in signals[-1].content["text"]
+    finally:
+        await kit.close()
+    kit = await make_kit(home)
+    try:
+        assert await kit.worker.runs.pending_notices() == []
+        third = (await kit.worker.submit(session.id, "anything?")).turn.id
+        assert (await terminal(kit, session.id, third)).type == "turn.completed"
+        rows = [m for m in await kit.store.transcript(session.id) if m.turn_id == third and m.role == "user"]
+        assert len(rows) == 1  # the message alone: the notice was told once
+        assert (await kit.worker.runs.get(session.id, run.id)).status == "interrupted"
+    finally:
+        await kit.close()
+
+
+async def test_a_background_tasks_notice_not_told_before_a_restart_is_told_after_it(sandbox_tmp: Path) -> None:
+    """It finished after its turn ended and the server stopped before the next turn: its final
+    message still reaches the parent."""
+    home = sandbox_tmp / "home"
+    task = {"name": "task", "input": {"agent": "explore", "prompt": "look", "background": True},
+            "script": [{"delay_ms": 200, "text": "The value is 42."}]}  # fmt: skip
+    script = [
+        {"tool_calls": [task]},
+        {"text": "started"},
+        {"expect": {"user_message_contains": "The value is 42."}, "text": "it is 42"},
+    ]
+    kit = await make_kit(home)
+    try:
+        session = await kit.worker.create_session("scripted", script=script, permission_mode="full-auto")
+        first = (await kit.worker.submit(session.id, "start it")).turn.id
+        assert (await terminal(kit, session.id, first)).type == "turn.completed"
+        done = await wait_for(kit, session.id, lambda e: e.type == "subagent.completed")
+        assert done.data["status"] == "completed"
+    finally:
+        await kit.close()
+    kit = await make_kit(home)
+    try:
+        second = (await kit.worker.submit(session.id, "and?")).turn.id
+        end = await terminal(kit, session.id, second)
+        assert end.type == "turn.completed", end.data
+        assert await kit.worker.runs.pending_notices() == []
     finally:
         await kit.close()

@@ -38,8 +38,13 @@ goes on as waiting. When it finishes, its `subagent.completed` event (`backgroun
 `result`) goes to the session's log and a `Notice` waits in `BackgroundTasks.notices`; the
 worker tells it to the model as a `task` signal at the next step boundary of the running
 turn, or at the start of the next turn.
-A background task lives in the server's memory: a restart or the session's deletion cancels it
-(its notice is never told), as it cancels a foreground task with its turn.
+A background task runs in the server's memory, but what it owes its parent is kept: its run
+records that a notice is pending until the parent is told, and the result the notice carries.
+A restart cancels the task (as it cancels a foreground task with its turn); the next start
+marks its run `interrupted` and tells the parent, as a `subagent.completed` event at once and a
+`task` signal at the next boundary (`INTERRUPTED_NOTICE`: resume it, or start it anew). A notice
+of a task that finished but was not told before a restart is told after it. Deleting the
+session cancels its tasks with everything else.
 
 Durable runs (`runs`, the store's `SubagentRuns`; the worker always gives it): each child's
 transcript is written as it grows, under a run id (`sub_...`) that its `subagent.started` /
@@ -50,13 +55,15 @@ session (it is not found), for another agent's run, for a run still running, and
 permissions it would run under are narrower than those it ran under (a lower intersected
 tier, or plan mode since): what it learned and planned assumed the wider ones. A run cut
 short (its turn aborted, a shutdown, a crash: `SubagentRuns.interrupt_running` at start) ends
-`failed` and can be resumed.
+`interrupted` and can be resumed, as can a `failed` one.
 
 How a child run ends (never an exception out of `__call__`, except cancellation):
 
     completed   a reply without tool calls: its text is the result (`NO_TEXT` if empty)
     max_steps   `MAX_CHILD_STEPS` model calls without finishing: an error result with the last text
     failed      the model raised: an error result `The <agent> agent failed: ...`
+    interrupted cancelled (its turn aborted, the server stopping): the run is marked, the
+                cancellation goes on
 """
 
 from __future__ import annotations
@@ -79,7 +86,7 @@ from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, 
 from agentbox.agent.providers.arguments import invalid_arguments
 from agentbox.agent.vision import Vision, budget, shown_parts
 from agentbox.store.sessions import NewEvent
-from agentbox.store.subagents import SubagentRun, SubagentRunNotFound, SubagentRuns
+from agentbox.store.subagents import RunStatus, SubagentRun, SubagentRunNotFound, SubagentRuns
 from agentbox.tools.base import Action, TextBlock, Tool, ToolResult
 from agentbox.tools.runner import SessionTools
 from agentbox.tools.tiers import ORDER, Tier, intersect
@@ -102,6 +109,12 @@ MAX_BACKGROUND_TASKS = 4
 NO_TEXT = "(task completed with no text)"
 #: What a stored run's answer ends with, so the agent that delegated can resume it.
 RUN_TRAILER = "[task id: {id}; to continue this agent's work where it stopped, call task with resume={id}]"
+
+#: What a background task cut short by a restart tells its parent.
+INTERRUPTED_NOTICE = (
+    "The server stopped while this task ran, so it did not finish. To continue its work where it "
+    "stopped, call task with agent {agent!r} and resume={id}; or start it anew."
+)
 
 Status = Literal["completed", "failed", "max_steps"]
 Emit = Callable[[list[NewEvent]], Awaitable[Any]]
@@ -140,9 +153,11 @@ class Notice:
 
     task_id: str
     agent: str
-    status: Status
+    status: RunStatus
     result: str
     """The child's final message, or why it failed."""
+    run_id: str | None = None
+    """Its stored run, marked told once the notice is (None where runs are not kept)."""
 
 
 class BackgroundTasks:
@@ -333,7 +348,10 @@ class Subagents:
                     result = await self._run(spec, task_id, prompt, description, background=True)
                 finally:
                     _inside_task.reset(token)
-            return Notice(task_id, spec.name, result.data.get("status", "failed"), result.as_text())
+            return Notice(
+                task_id, spec.name, result.data.get("status", "failed"), result.as_text(),
+                result.data.get("subagent_id"),
+            )  # fmt: skip
 
         self.background.start(task_id, work())
         return ToolResult.text(
@@ -358,7 +376,7 @@ class Subagents:
     ) -> ToolResult:
         path = (*self.task_path, call_id)
         tools = self.child_tools(spec, path)
-        stored, history = await self.open_run(spec, call_id, tools, resumed)
+        stored, history = await self.open_run(spec, call_id, tools, resumed, background)
         if (
             background
         ):  # it outlives the turn: what it asks is the session's, and leaves the turn's status alone
@@ -388,9 +406,10 @@ class Subagents:
         try:
             result = await run.run(prompt, history)
         except asyncio.CancelledError:  # aborted with its turn, or shut down: it ended, unfinished
-            if stored is not None and self.runs is not None:
+            # A background run stays `running`: the next start interrupts it and tells its parent.
+            if stored is not None and self.runs is not None and not background:
                 with contextlib.suppress(Exception):  # the database is closing: the next start settles it
-                    await asyncio.shield(self.runs.set_status(stored, "failed"))
+                    await asyncio.shield(self.runs.set_status(stored, "interrupted"))
             raise
         self.parent.deliveries += tools.deliveries - delivered
         completed = {
@@ -399,20 +418,25 @@ class Subagents:
         }  # fmt: skip
         answer = result.as_text()
         if stored is not None and self.runs is not None:
-            await self.runs.set_status(stored, run.status)
             completed["subagent_id"] = stored
             result = ToolResult(
                 [*result.content, TextBlock(RUN_TRAILER.format(id=stored))],
                 result.is_error,
                 {**result.data, "subagent_id": stored},
             )
+            await self.runs.set_status(stored, run.status, result=result.as_text() if background else None)
         if background:  # no tool result carries its answer: the client reads it here
             completed.update(background=True, result=answer)
         await self.emit([NewEvent("subagent.completed", completed)])
         return result
 
     async def open_run(
-        self, spec: AgentSpec, call_id: str, tools: SessionTools, resumed: SubagentRun | None
+        self,
+        spec: AgentSpec,
+        call_id: str,
+        tools: SessionTools,
+        resumed: SubagentRun | None,
+        background: bool = False,
     ) -> tuple[str | None, list[ChatMessage]]:
         """(the stored run's id, the conversation it continues): a new run, or the resumed one
         moved to this turn; (None, []) where runs are not kept."""
@@ -422,7 +446,7 @@ class Subagents:
             await self.runs.set_status(resumed.id, "running", tools.turn_id)
             return resumed.id, [message_of(m.role, m.content) for m in await self.runs.messages(resumed.id)]
         run = await self.runs.create(
-            tools.session_id, tools.turn_id, call_id, spec.name, tools.tier.value, tools.plan
+            tools.session_id, tools.turn_id, call_id, spec.name, tools.tier.value, tools.plan, background
         )
         return run.id, []
 

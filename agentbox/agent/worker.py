@@ -77,7 +77,7 @@ from agentbox.agent.providers.retry import RetryingModel
 from agentbox.agent.reach import Reach
 from agentbox.agent.recovery import RECOVERY, Act, classify
 from agentbox.agent.signals import task_signal
-from agentbox.agent.subagents import BackgroundTasks, Subagents, running_call
+from agentbox.agent.subagents import INTERRUPTED_NOTICE, BackgroundTasks, Notice, Subagents, running_call
 from agentbox.agent.tool_host import SessionToolHost
 from agentbox.agent.vision import Vision
 from agentbox.config import MachineConfig
@@ -103,7 +103,7 @@ from agentbox.store.sessions import (
     Turn,
     TurnClosed,
 )
-from agentbox.store.subagents import SubagentRuns
+from agentbox.store.subagents import SubagentRun, SubagentRuns
 from agentbox.store.todos import TodoRepo
 from agentbox.tools.approvals import Approvals, EventKind
 from agentbox.tools.base import Action, Tool, ToolResult
@@ -215,9 +215,25 @@ class Worker:
         self.approvals.shutting_down = False
         self.registry.on_ready.append(self._sandbox_ready)
         self.approvals.listeners.append(self._approval_event)
-        await self.runs.interrupt_running()
+        await self._owed_notices(await self.runs.interrupt_running())
         for session_id in dict.fromkeys(turn.session_id for turn in await self.store.open_turns()):
             self.wake(session_id)
+
+    async def _owed_notices(self, interrupted: Sequence[SubagentRun]) -> None:
+        """After a restart: each background task it cut short is told to its session as a
+        `subagent.completed` event now, and every notice not yet told waits for the session's
+        next boundary (`agent/subagents.py`)."""
+        for run in interrupted:
+            if run.background:
+                await self._append(run.session_id, run.turn_id, [NewEvent("subagent.completed", {
+                    "tool_use_id": run.tool_use_id, "agent": run.agent, "status": run.status,
+                    "task_path": [run.tool_use_id], "subagent_id": run.id, "background": True,
+                    "result": INTERRUPTED_NOTICE.format(agent=run.agent, id=run.id),
+                })])  # fmt: skip
+        for run, result in await self.runs.pending_notices():
+            text = result if result is not None else INTERRUPTED_NOTICE.format(agent=run.agent, id=run.id)
+            background = self._background.setdefault(run.session_id, BackgroundTasks())
+            background.notices.append(Notice(run.tool_use_id, run.agent, run.status, text, run.id))
 
     async def close(self) -> None:
         """Stop working (turns stay as they are in the database; the next start recovers them)."""
@@ -477,6 +493,7 @@ class Worker:
         except BaseException:
             background.give_back(notices)
             raise
+        await self.runs.told([n.run_id for n in notices if n.run_id is not None])
         return True
 
     async def _place(self, session: Session, turn: Turn) -> None:

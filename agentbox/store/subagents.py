@@ -5,6 +5,11 @@ child makes it, so that it can be read through the sessions API and resumed by a
 call of the same session. A run records what it was allowed when it started (its intersected
 `tier` and `plan`), which is what a resume is checked against (`agent/subagents.py`).
 
+A background run's end is owed to its parent: `notice_pending` from its start until the parent
+is told (`told`), with `result`, the final message the notice carries. A run a dead or
+stopped process left `running` ends `interrupted` at the next start (`interrupt_running`);
+`pending_notices` then gives every end still owed, so no notice is lost to a restart.
+
 Content of a message row: `{"text", "tool_calls": [{id, name, input}], "tool_use_id",
 "is_error"}` (the `ChatMessage` fields; the agent layer converts).
 
@@ -17,15 +22,15 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from agentbox import ids
 from agentbox.store.db import Database
 from agentbox.timestamps import timestamp
 
-RunStatus = Literal["running", "completed", "failed", "max_steps"]
+RunStatus = Literal["running", "completed", "failed", "max_steps", "interrupted"]
 
 
 class SubagentRunNotFound(LookupError):
@@ -44,6 +49,7 @@ class SubagentRun:
     tier: str
     plan: bool
     status: RunStatus
+    background: bool
     created_at: str
     updated_at: str
 
@@ -68,16 +74,25 @@ class SubagentRuns:
         self.db = db
 
     async def create(
-        self, session_id: str, turn_id: str | None, tool_use_id: str, agent: str, tier: str, plan: bool
+        self,
+        session_id: str,
+        turn_id: str | None,
+        tool_use_id: str,
+        agent: str,
+        tier: str,
+        plan: bool,
+        background: bool = False,
     ) -> SubagentRun:
+        """A new run, `running`; a background one owes its parent the notice of its end."""
         run_id, now = ids.new_id(ids.SUBAGENT), timestamp()
 
         def write(conn: sqlite3.Connection) -> SubagentRun:
             conn.execute(
                 "INSERT INTO subagent_runs (id, session_id, turn_id, tool_use_id, agent, tier, plan,"
-                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, session_id, turn_id, tool_use_id, agent, tier, int(plan), now, now),
-            )
+                " background, notice_pending, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, session_id, turn_id, tool_use_id, agent, tier, int(plan), int(background),
+                 int(background), now, now),
+            )  # fmt: skip
             return _run(conn.execute("SELECT * FROM subagent_runs WHERE id = ?", (run_id,)).fetchone())
 
         return await self.db.transaction(write)
@@ -108,20 +123,45 @@ class SubagentRuns:
             (run_id, role, json.dumps(dict(content), ensure_ascii=False), timestamp()),
         )
 
-    async def set_status(self, run_id: str, status: RunStatus, turn_id: str | None = None) -> None:
-        """The run's state; `turn_id` when a resume moves it to the turn that resumed it."""
+    async def set_status(
+        self, run_id: str, status: RunStatus, turn_id: str | None = None, result: str | None = None
+    ) -> None:
+        """The run's state; `turn_id` when a resume moves it to the turn that resumed it;
+        `result`, the final message a background run's notice carries."""
         await self.db.execute(
-            "UPDATE subagent_runs SET status = ?, turn_id = COALESCE(?, turn_id), updated_at = ? WHERE id = ?",
-            (status, turn_id, timestamp(), run_id),
+            "UPDATE subagent_runs SET status = ?, turn_id = COALESCE(?, turn_id),"
+            " result = COALESCE(?, result), updated_at = ? WHERE id = ?",
+            (status, turn_id, result, timestamp(), run_id),
         )
 
-    async def interrupt_running(self) -> int:
-        """At start (one process owns a home): runs a dead process left `running` ended with it,
-        as `failed`, so they can be resumed; how many there were."""
-        return await self.db.execute(
-            "UPDATE subagent_runs SET status = 'failed', updated_at = ? WHERE status = 'running'",
-            (timestamp(),),
+    async def interrupt_running(self) -> list[SubagentRun]:
+        """At start (one process owns a home): the runs a dead or stopped process left `running`
+        ended with it; each is now `interrupted` (resumable), and returned."""
+
+        def write(conn: sqlite3.Connection) -> list[SubagentRun]:
+            rows = conn.execute("SELECT * FROM subagent_runs WHERE status = 'running' ORDER BY id").fetchall()
+            conn.execute(
+                "UPDATE subagent_runs SET status = 'interrupted', updated_at = ? WHERE status = 'running'",
+                (timestamp(),),
+            )
+            return [replace(_run(row), status="interrupted") for row in rows]
+
+        return await self.db.transaction(write)
+
+    async def pending_notices(self) -> list[tuple[SubagentRun, str | None]]:
+        """Background runs that ended and whose parent was not told yet, oldest first, each
+        with its result (None: it never recorded one, having been cut short)."""
+        rows = await self.db.fetchall(
+            "SELECT * FROM subagent_runs WHERE notice_pending = 1 AND status != 'running' ORDER BY id"
         )
+        return [(_run(row), row["result"]) for row in rows]
+
+    async def told(self, run_ids: Sequence[str]) -> None:
+        """The parent was told these runs' ends: no notice is owed for them any more."""
+        if not run_ids:
+            return
+        marks = ", ".join("?" * len(run_ids))
+        await self.db.execute(f"UPDATE subagent_runs SET notice_pending = 0 WHERE id IN ({marks})", tuple(run_ids))
 
 
 def _run(row: sqlite3.Row) -> SubagentRun:
@@ -134,6 +174,7 @@ def _run(row: sqlite3.Row) -> SubagentRun:
         tier=row["tier"],
         plan=bool(row["plan"]),
         status=row["status"],
+        background=bool(row["background"]),
         created_at=row["created_at"],
         updated_at=row["updated_at"],
     )
