@@ -496,6 +496,36 @@ async def test_a_subagent_sees_the_image_it_reads(served: Server, llm: Loopback)
         await client.delete(f"/v1/sessions/{sid}")
 
 
+def resumes_the_child(request: Received) -> Canned:
+    """`gpt`, and `resume <run id>` continues that child run with a question."""
+    prompt, after = prompt_of(request.json["messages"])
+    if prompt.startswith("resume ") and not any(m["role"] == "tool" for m in after):
+        call = {"agent": "explore", "prompt": "Child: what did it show?", "resume": prompt.split()[1]}
+        return openai_calls(request.json, [("task", call)])
+    return gpt(request)
+
+
+async def test_a_resumed_subagent_is_shown_the_image_its_run_read_before(served: Server, llm: Loopback) -> None:
+    llm.respond = resumes_the_child
+    async with httpx.AsyncClient(base_url=served.url, timeout=DEADLINE) as client:
+        sid = await session(client, "openai:gpt-4o", llm.url + "/v1")
+        log = await turn(client, sid, "delegate")
+        (done,) = [e for e in log if e["type"] == "subagent.completed"]
+        run_id = done["subagent_id"]
+        stored = (await client.get(f"/v1/sessions/{sid}/subagents/{run_id}")).json()["messages"]
+        (shown,) = [b for m in stored for b in m.get("blocks") or [] if b["type"] == "image"]
+        assert (shown["width"], shown["height"]) == (64, 48)
+        got = await client.get(f"/v1/sessions/{sid}/images/{shown['image_id']}")  # a child's image is the session's
+        assert got.status_code == 200 and got.content == SMALL
+
+        await turn(client, sid, f"resume {run_id}", after=log[-1]["_id"])
+        resumed = [q.json for q in llm.requests if prompt_of(q.json["messages"])[0] == "Child: what did it show?"]
+        assert len(resumed) == 1  # it answered at once, with the earlier read in front of it
+        (image,) = openai_images(resumed[0])
+        assert image.size == (64, 48) and image.tobytes() == Image.open(io.BytesIO(SMALL)).tobytes()
+        await client.delete(f"/v1/sessions/{sid}")
+
+
 def hang_after_reading(llm: Loopback) -> Callable[[Received], Canned]:
     """`gpt`, except that the answer to a result of `look, then wait` never comes (once)."""
     hung: list[bool] = []

@@ -12,7 +12,8 @@ lists, a child never runs commands, MCP tools or the browser's page-changing act
 003): those are dropped, and a listed `browser` is given as `browser_read`. Changes it stages,
 approvals it asks for and files it delivers belong to the parent's turn. Images its tools
 return are shown to its model as a turn's are (`agent.vision`: fitted, budgeted, or
-`visionUnavailable` when its model has no vision), kept in its in-memory transcript.
+`visionUnavailable` when its model has no vision); a stored run keeps them in the image store,
+named by id in its rows as a turn's are, so a resumed child is shown them again.
 
 Limits: `MAX_DEPTH` (Flue's delegation depth: the root is depth 0 and an agent at depth
 `max_depth` cannot delegate; `task` stays offered to agents that list it, with a static schema
@@ -84,9 +85,10 @@ from agentbox.agent.loop import side_events
 from agentbox.agent.mcp_tools import PREFIX as MCP_PREFIX
 from agentbox.agent.models import ChatMessage, Model, ModelError, ModelRequest, Reply, ToolCall, ToolSpec
 from agentbox.agent.providers.arguments import invalid_arguments
-from agentbox.agent.vision import Vision, budget, shown_parts
+from agentbox.agent.vision import Vision, budget, load_parts, newest_only, recorded, shown_parts
+from agentbox.store.images import ImageStore
 from agentbox.store.sessions import NewEvent
-from agentbox.store.subagents import RunStatus, SubagentRun, SubagentRunNotFound, SubagentRuns
+from agentbox.store.subagents import RunMessage, RunStatus, SubagentRun, SubagentRunNotFound, SubagentRuns
 from agentbox.tools.base import Action, TextBlock, Tool, ToolResult
 from agentbox.tools.runner import SessionTools
 from agentbox.tools.tiers import ORDER, Tier, intersect
@@ -119,7 +121,7 @@ INTERRUPTED_NOTICE = (
 Status = Literal["completed", "failed", "max_steps"]
 Emit = Callable[[list[NewEvent]], Awaitable[Any]]
 #: Keeps one new message of a child's conversation.
-Journal = Callable[[ChatMessage], Awaitable[None]]
+Journal = Callable[[ChatMessage, Sequence[Mapping[str, Any]]], Awaitable[None]]
 
 #: The tool_use_id of the tool call running in this context (see `calling`).
 _tool_use_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -233,6 +235,7 @@ class Subagents:
         vision: Callable[[AgentSpec], Vision] | None = None,
         background: BackgroundTasks | None = None,
         runs: SubagentRuns | None = None,
+        images: ImageStore | None = None,
     ) -> None:
         self.agents, self.parent, self.canonical = agents, parent, canonical
         self.models, self.emit, self.system_facts = models, emit, system_facts
@@ -248,6 +251,9 @@ class Subagents:
         """The session's background tasks; None: `background: true` is refused."""
         self.runs = runs
         """Where children's transcripts are kept; None: kept in memory only, never resumable."""
+        self.images = images
+        """Where a kept transcript's images go, so a resumed child sees them again (None: only
+        their labels are kept)."""
         self._unnamed = itertools.count(1)
 
     def read_only(self, agent: str) -> bool:
@@ -376,7 +382,9 @@ class Subagents:
     ) -> ToolResult:
         path = (*self.task_path, call_id)
         tools = self.child_tools(spec, path)
-        stored, history = await self.open_run(spec, call_id, tools, resumed, background)
+        model = self.models(spec)
+        vision = self.vision(spec) if self.vision is not None else Vision(model.name)
+        stored, history = await self.open_run(spec, call_id, tools, resumed, background, vision)
         if (
             background
         ):  # it outlives the turn: what it asks is the session's, and leaves the turn's status alone
@@ -391,17 +399,17 @@ class Subagents:
             [NewEvent("subagent.started", {**started, **({"background": True} if background else {})})]
         )
         delivered = tools.deliveries
-        model = self.models(spec)
         run = ChildRun(
             spec=spec,
             tools=tools,
             model=model,
-            vision=self.vision(spec) if self.vision is not None else Vision(model.name),
+            vision=vision,
             system=self.child_system(spec, tools),
             task_path=path,
             emit=self.emit,
             max_steps=self.max_steps,
             journal=self.journal(stored) if stored is not None else None,
+            images=self.images if stored is not None else None,
         )
         try:
             result = await run.run(prompt, history)
@@ -436,7 +444,8 @@ class Subagents:
         call_id: str,
         tools: SessionTools,
         resumed: SubagentRun | None,
-        background: bool = False,
+        background: bool,
+        vision: Vision,
     ) -> tuple[str | None, list[ChatMessage]]:
         """(the stored run's id, the conversation it continues): a new run, or the resumed one
         moved to this turn; (None, []) where runs are not kept."""
@@ -444,18 +453,30 @@ class Subagents:
             return None, []
         if resumed is not None:
             await self.runs.set_status(resumed.id, "running", tools.turn_id)
-            return resumed.id, [message_of(m.role, m.content) for m in await self.runs.messages(resumed.id)]
+            return resumed.id, await self.history(await self.runs.messages(resumed.id), vision)
         run = await self.runs.create(
             tools.session_id, tools.turn_id, call_id, spec.name, tools.tier.value, tools.plan, background
         )
         return run.id, []
 
+    async def history(self, rows: Sequence[RunMessage], vision: Vision) -> list[ChatMessage]:
+        """A stored conversation as the resumed child's model is shown it: its results' images
+        read back from the store, the newest `MAX_IMAGES_PER_REQUEST` only, as a turn's are."""
+        kept = newest_only([row.content.get("blocks") for row in rows])
+        messages = []
+        for row, blocks in zip(rows, kept, strict=True):
+            message = message_of(row.role, row.content)
+            if blocks and self.images is not None:
+                message = replace(message, parts=await load_parts(blocks, vision, self.images))
+            messages.append(message)
+        return messages
+
     def journal(self, run_id: str) -> Journal:
         runs = self.runs
         assert runs is not None
 
-        async def record(message: ChatMessage) -> None:
-            await runs.append(run_id, message.role, message_content(message))
+        async def record(message: ChatMessage, blocks: Sequence[Mapping[str, Any]]) -> None:
+            await runs.append(run_id, message.role, message_content(message, blocks))
 
         return record
 
@@ -483,6 +504,7 @@ class Subagents:
                 emit=self.emit, system_facts=self.system_facts, depth=self.depth + 1,
                 max_depth=self.max_depth, task_path=path, semaphore=self.semaphore,
                 writer_lock=self.writer_lock, max_steps=self.max_steps, vision=self.vision, runs=self.runs,
+                images=self.images,
             )  # fmt: skip
         return child
 
@@ -503,13 +525,15 @@ class Subagents:
         return "\n\n".join(part for part in (spec.instructions, roster_part, self.system_facts) if part)
 
 
-def message_content(message: ChatMessage) -> dict[str, Any]:
-    """A child's message as its stored row's content (`store/subagents.py`)."""
+def message_content(message: ChatMessage, blocks: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """A child's message as its stored row's content (`store/subagents.py`); `blocks`: a result
+    that showed images, its texts and images by id (`agent.vision.stored_blocks`)."""
     return {
         "text": message.text,
         "tool_calls": [{"id": c.id, "name": c.name, "input": c.input} for c in message.tool_calls],
         "tool_use_id": message.tool_use_id,
         "is_error": message.is_error,
+        **({"blocks": [dict(b) for b in blocks]} if blocks else {}),
     }
 
 
@@ -540,6 +564,8 @@ class ChildRun:
     """Whether its model is shown its results' images (kept in memory, fitted as a turn's are)."""
     journal: Journal | None = None
     """Where each new message is kept as it is made (a stored run); None: memory only."""
+    images: ImageStore | None = None
+    """Where a kept run's result images go (with the journal); None: they stay in memory."""
     messages: list[ChatMessage] = field(default_factory=list)
     steps: int = 0
     """Model calls made (also the `call_index` of the next one)."""
@@ -595,10 +621,10 @@ class ChildRun:
         await self.add(ChatMessage("assistant", reply.text, list(reply.tool_calls)))
         return reply
 
-    async def add(self, message: ChatMessage) -> None:
+    async def add(self, message: ChatMessage, blocks: Sequence[Mapping[str, Any]] = ()) -> None:
         self.messages.append(message)
         if self.journal is not None:
-            await self.journal(message)
+            await self.journal(message, blocks)
 
     async def execute(self, calls: Sequence[ToolCall]) -> None:
         for call in calls:
@@ -606,9 +632,15 @@ class ChildRun:
             events = side_events(result)
             if events:
                 await self.emit(events)
-            text, parts = await shown_parts(result.content, self.vision)
+            blocks: list[dict[str, Any]] = []
+            if self.images is not None:  # kept: its images go to the store, so a resume shows them
+                text, blocks = await recorded(result, self.vision, self.images)
+                parts = await load_parts(blocks, self.vision, self.images) if blocks else ()
+            else:
+                text, parts = await shown_parts(result.content, self.vision)
             await self.add(
-                ChatMessage("tool", text, tool_use_id=call.id, is_error=result.is_error, parts=parts)
+                ChatMessage("tool", text, tool_use_id=call.id, is_error=result.is_error, parts=parts),
+                blocks,
             )
 
     async def call(self, call: ToolCall) -> ToolResult:

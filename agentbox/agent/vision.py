@@ -19,8 +19,8 @@ image). On the way to the model each one goes through:
     budget       at most `MAX_IMAGES_PER_MESSAGE` images in one provider message (`budget`);
                  past it, each further image is a text note the model reads
 
-A child agent's transcript lives in memory, so its images are fitted the same way and kept
-as they are (`shown_parts`) instead of being stored.
+A child agent's stored run keeps its images the same way (its rows name them; a resume loads
+them); a child whose run is not stored keeps them in memory as they are (`shown_parts`).
 
 Pillow decodes what a tool read; the pixel count is checked from the header before anything
 is decoded, so a small file that unpacks to gigapixels costs nothing.

@@ -733,7 +733,7 @@ class Worker:
         return Subagents(
             agents={}, parent=host.tools, canonical=canonical, models=child_model,
             system_facts="", emit=emit, vision=child_vision, semaphore=background.semaphore,
-            background=background, runs=self.runs,
+            background=background, runs=self.runs, images=self.images,
         )  # fmt: skip
 
     def _limits(self, session: Session) -> ModelLimits:

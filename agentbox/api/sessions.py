@@ -372,6 +372,11 @@ class SubagentMessage(BaseModel):
     tool_calls: list[dict[str, Any]]
     tool_use_id: str | None
     is_error: bool
+    blocks: list[dict[str, Any]] | None = Field(
+        None,
+        description="A tool result that showed images: its texts and images in order, each image "
+        "by `image_id` (its bytes at `GET /v1/sessions/{id}/images/{image_id}`).",
+    )
     created_at: str
 
 

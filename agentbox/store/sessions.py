@@ -446,8 +446,7 @@ class SessionStore:
         by that id (an image is served only to a caller of a session that saw it)."""
 
         row = await self.db.fetchone(
-            "SELECT json_extract(b.value, '$.media_type') FROM messages m, json_each(m.content, '$.blocks') b"
-            " WHERE m.session_id = ? AND m.role = 'tool' AND json_extract(b.value, '$.image_id') = ? LIMIT 1",
+            f"SELECT media_type FROM ({_SHOWN_IMAGES}) WHERE session_id = ? AND image_id = ? LIMIT 1",
             (session_id, image_id),
         )
         return None if row is None else str(row[0])
@@ -860,12 +859,23 @@ def insert_event(
     return event
 
 
+#: Every image a session's transcripts show, as (session_id, image_id, media_type): the blocks of
+#: its tool rows (`agent.vision`) and of its subagents' tool rows (`store.subagents`).
+_SHOWN_IMAGES = (
+    "SELECT m.session_id, json_extract(b.value, '$.image_id') AS image_id,"
+    " json_extract(b.value, '$.media_type') AS media_type"
+    " FROM messages m, json_each(m.content, '$.blocks') b WHERE m.role = 'tool'"
+    " UNION ALL"
+    " SELECT r.session_id, json_extract(b.value, '$.image_id'), json_extract(b.value, '$.media_type')"
+    " FROM subagent_messages s JOIN subagent_runs r ON r.id = s.run_id, json_each(s.content, '$.blocks') b"
+    " WHERE s.role = 'tool'"
+)
+
+
 def _image_ids(conn: sqlite3.Connection, where: str, args: tuple[str, ...]) -> set[str]:
-    """Image ids named by tool rows' `blocks` (`agent.vision`) that match `where`."""
+    """Image ids the session transcripts' `_SHOWN_IMAGES` name that match `where`."""
     rows = conn.execute(
-        "SELECT DISTINCT image_id FROM (SELECT m.session_id, json_extract(b.value, '$.image_id') AS image_id"
-        " FROM messages m, json_each(m.content, '$.blocks') b WHERE m.role = 'tool') m"
-        f" WHERE image_id IS NOT NULL AND {where}",
+        f"SELECT DISTINCT image_id FROM ({_SHOWN_IMAGES}) m WHERE image_id IS NOT NULL AND {where}",
         args,
     ).fetchall()
     return {str(r[0]) for r in rows}
