@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import AsyncIterator
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from test_tools_read import (
     text_of,
 )
 
+from agentbox.agent.prompt import facts
 from agentbox.config import ConfigError, KnowledgeBaseSpec, knowledge_bases
 from agentbox.store.db import Database
 from agentbox.store.file_ids import MAX_FILE_IDS, FileIdRepo
@@ -102,7 +104,10 @@ async def test_an_unselected_knowledge_base_inside_a_selected_one_is_external(ho
     grepped = await GREP.run(ctx, GrepParams(pattern="alpha", path="."))
     assert "a.md" in text_of(grepped) and "secret" not in text_of(grepped) and ctx.asked == []
     everything = kb_ctx(host_box, None, None, allow_external=False)  # by default every one is selected
-    assert not (await read(everything, host_box.p("notes/private/secret.md"))).is_error and everything.asked == []
+    assert (
+        not (await read(everything, host_box.p("notes/private/secret.md"))).is_error
+        and everything.asked == []
+    )
 
 
 async def test_list_gives_file_ids_that_read_takes_and_marks_images(host_box: Box, ids: FileIdRepo) -> None:
@@ -258,3 +263,21 @@ async def test_id_and_prefix_parameters_are_bounded() -> None:
     session_selection([], "x", [{"id": "k" * MAX_KNOWLEDGE_BASE_ID_CHARS, "path": "p"}], None)
     with pytest.raises(ConfigError):
         session_selection([], "x", [{"id": "k" * (MAX_KNOWLEDGE_BASE_ID_CHARS + 1), "path": "p"}], None)
+
+
+async def test_the_prompt_describes_the_first_selected_knowledge_base_as_the_working_directory(
+    host_box: Box,
+) -> None:
+    seed(host_box)
+    scope = kb_ctx(host_box, None, ["notes"]).knowledge.scope(host_box.machine.root)
+    text = await facts(host_box.machine, date(2026, 1, 2), scope)
+    assert f"Working directory: {host_box.p('notes')}" in text
+    listing = text.split("Directory structure:\n", 1)[1]
+    assert listing.splitlines() == ["- a.md", "- private/"]  # the base's top level, not the root's
+    whole = await facts(
+        host_box.machine,
+        date(2026, 1, 2),
+        kb_ctx(host_box, None, None).knowledge.scope(host_box.machine.root),
+    )
+    assert f"Working directory: {host_box.machine.root}\n" in whole
+    assert f"- {rel(host_box, 'notes').split('/')[0]}/" in whole.split("Directory structure:\n", 1)[1]

@@ -137,23 +137,25 @@ async def facts(machine: Machine | None, today: date, scope: Scope | None = None
     lines = [f"Date: {today.isoformat()}"]
     if machine is not None:
         lines.append(environment_line(machine))
-        lines.append(f"Working directory: {scope.base.root if scope is not None else machine.root}")
+        working = scope.base.root if scope is not None else machine.root
+        lines.append(f"Working directory: {working}")
         if scope is not None and len(scope.registered) > 1:
             lines.append(
                 "Knowledge bases (your own files; relative paths start at the first; search and "
                 "knowledgeBaseIds use these ids):\n" + "\n".join(f"- {line}" for line in scope.describe())
             )
         lines.append(f"Shell: {await exec_shell(machine)} (the exec tool runs each command with it, -c)")
-        listing = await directory_listing(machine)
+        listing = await directory_listing(machine, working)
         if listing:
             lines.append(f"Directory structure:\n{listing}")
     return "\n".join(lines)
 
 
-async def directory_listing(machine: Machine) -> str:
-    """The working directory's top level (not recursive), folders with a trailing `/`, sorted."""
+async def directory_listing(machine: Machine, folder: str | None = None) -> str:
+    """The top level of `folder` (the working directory; default the machine's root), not
+    recursive, folders with a trailing `/`, sorted."""
     try:
-        entries = await file_ops(machine).listdir(machine.root)
+        entries = await file_ops(machine).listdir(folder or machine.root)
     except Exception:  # an unreadable root leaves the listing out rather than failing the prompt
         return ""
     names = [  # a link is listed as itself, wherever it leads; the trash is no entry of the agent's
