@@ -356,6 +356,33 @@ def test_a_message_that_joined_the_running_turn_shows_once_and_where_it_was_take
     )
 
 
+def test_the_knowledge_bases_are_shown_and_selected_from_the_page(
+    server: Server, browsing: Browsing, api: httpx.Client
+) -> None:
+    registered = [{"id": "notes", "path": "notes", "name": "Notes"}]
+    created = api.post("/v1/sessions", json={"model": "scripted", "script": [], "knowledge_bases": registered})
+    sid = created.json()["id"]
+    page = browsing.page()
+    log_in(page, server)
+    page.goto(f"{server.url}/console/#/sessions/{sid}")
+    panel = page.locator("#knowledge-bases")
+    notes, workspace = panel.locator('li[data-id="notes"]'), panel.locator('li[data-id="workspace"]')
+    expect(notes).to_contain_text("Notes")
+    expect(notes).to_contain_text("notes")
+    expect(workspace.locator(".badge")).to_have_text("base")  # every one selected, the workspace first
+    workspace.locator("input").uncheck()
+    expect(notes.locator(".badge")).to_have_text("base")
+    expect(workspace.locator("input")).not_to_be_checked()
+    listed = api.get(f"/v1/sessions/{sid}/knowledge-bases").json()["items"]
+    assert [(kb["id"], kb["selected"], kb["base"]) for kb in listed] == [
+        ("workspace", False, False), ("notes", True, True),
+    ]  # fmt: skip
+    notes.locator("input").uncheck()  # nothing selected: the API refuses, the page says why
+    expect(page.locator(".side-column .error")).to_be_visible()
+    expect(notes.locator("input")).to_be_checked()
+    assert api.get(f"/v1/sessions/{sid}").json()["knowledge_base_ids"] == ["notes"]
+
+
 def test_a_failed_turn_shows_its_error(server: Server, browsing: Browsing, api: httpx.Client) -> None:
     script = [{"expect": {"tool_result_contains": "nope"}}]  # the model's first call fails
     sid = api.post("/v1/sessions", json={"model": "scripted", "script": script}).json()["id"]

@@ -55,6 +55,7 @@ export async function call(method, path, { json, form, params, headers } = {}) {
 
 export const get = (path, params) => call("GET", path, { params });
 export const post = (path, json, options = {}) => call("POST", path, { json, ...options });
+export const patch = (path, json) => call("PATCH", path, { json });
 export const del = (path) => call("DELETE", path);
 
 /** The `data` of a sandbox route's envelope. */

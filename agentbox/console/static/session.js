@@ -4,7 +4,7 @@
 // and on a dropped connection the browser reconnects with Last-Event-ID, so nothing is missed
 // or shown twice. Text deltas carry no id, so they never move that cursor.
 
-import { get, post, stream, uploadFile, url } from "./api.js";
+import { get, patch, post, stream, uploadFile, url } from "./api.js";
 import { badge, diffView, flash, h, pretty, size } from "./dom.js";
 import { machineOf } from "./sessions.js";
 
@@ -38,6 +38,7 @@ class SessionPage {
     this.running = false;
     this.build(main);
     this.refreshSession();
+    this.refreshKnowledge();
     this.timer = setInterval(() => this.refreshSession(), STATUS_POLL_MS);
     const handlers = this.handlers();
     for (const type of ["turn.queued", "turn.started", "turn.completed", "turn.aborted", "turn.failed", "approval.requested", "approval.resolved"]) {
@@ -66,6 +67,7 @@ class SessionPage {
     this.log = h("ol", { class: "conversation", id: "conversation", "aria-live": "polite" });
     this.changes = h("div", { id: "changes" }, h("p", { class: "dim empty" }, "No change sets."));
     this.delivered = h("ul", { id: "delivered", class: "files" });
+    this.knowledge = h("ul", { id: "knowledge-bases", class: "knowledge-bases" });
     this.composerBox = this.composer();
     main.append(
       h(
@@ -87,6 +89,8 @@ class SessionPage {
         h(
           "aside",
           { class: "side-column" },
+          h("h2", {}, "Knowledge bases"),
+          this.knowledge,
           h("h2", {}, "Change sets"),
           this.changes,
           h("h2", {}, "Delivered files"),
@@ -148,6 +152,44 @@ class SessionPage {
         clearInterval(this.timer);
       }
     }
+  }
+
+  // ------------------------------------------------------------------ knowledge bases
+
+  /** The session's knowledge bases, each with a box that selects it; the first selected is
+   * where the agent's relative paths start (marked "base"). */
+  async refreshKnowledge() {
+    let items;
+    try {
+      items = (await get(`${this.base}/knowledge-bases`)).items;
+    } catch (error) {
+      flash(this.knowledge, error);
+      return;
+    }
+    const selected = items.filter((kb) => kb.selected).map((kb) => kb.id);
+    this.knowledge.replaceChildren(
+      ...items.map((kb) => {
+        const box = h("input", { type: "checkbox", "data-id": kb.id, onchange: () => this.select(selected, kb.id, box.checked) });
+        box.checked = kb.selected;
+        return h(
+          "li",
+          { class: "knowledge-base", "data-id": kb.id },
+          h("label", {}, box, ` ${kb.name} `, h("span", { class: "dim" }, kb.path)),
+          kb.base ? h("span", { class: "badge base" }, "base") : null,
+        );
+      }),
+    );
+  }
+
+  /** Select or leave out one knowledge base (the order of the others is kept). */
+  async select(selected, id, on) {
+    const ids = on ? [...selected, id] : selected.filter((other) => other !== id);
+    try {
+      await patch(this.base, { knowledge_base_ids: ids });
+    } catch (error) {
+      flash(this.knowledge.parentElement, error);
+    }
+    await this.refreshKnowledge();
   }
 
   refreshSoon() {
