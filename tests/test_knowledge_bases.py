@@ -59,18 +59,17 @@ def rel(box: Box, path: str) -> str:
     return posixpath.relpath(box.p(path), box.machine.root)
 
 
-def kb_ctx(box: Box, ids: FileIdRepo | None, selected: list[str] | None, **kwargs: Any) -> Ctx:
-    """A context whose session registered `notes` and `private` (inside `notes`) in the box."""
+def kb_ctx(
+    box: Box, ids: FileIdRepo | None, selected: list[str] | None, nested: bool = False, **kwargs: Any
+) -> Ctx:
+    """A context whose session registered `notes` and `private` (inside `notes`) in the box;
+    `nested`: also `shared` inside `private` and `hidden` inside `shared`."""
     ctx = box.ctx(**kwargs)
-    ctx.knowledge = selection(
-        [],
-        "test",
-        [
-            KnowledgeBaseSpec("notes", rel(box, "notes")),
-            KnowledgeBaseSpec("private", rel(box, "notes/private")),
-        ],
-        selected,
-    )
+    folders = {"notes": "notes", "private": "notes/private"}
+    if nested:
+        folders |= {"shared": "notes/private/shared", "hidden": "notes/private/shared/hidden"}
+    specs = [KnowledgeBaseSpec(kb_id, rel(box, folder)) for kb_id, folder in folders.items()]
+    ctx.knowledge = selection([], "test", specs, selected)
     ctx.file_ids = ids
     return ctx
 
@@ -155,6 +154,8 @@ async def test_search_covers_the_selected_knowledge_bases_and_narrows_by_id(
     host_box: Box, ids: FileIdRepo
 ) -> None:
     seed(host_box)
+    host_box.write("notes/private/shared/c.md", "alpha shared\n")  # `shared`, in `private`
+    host_box.write("notes/private/shared/hidden/d.md", "alpha hidden\n")  # `hidden`, in `shared`
     ctx = kb_ctx(host_box, ids, ["notes"])
     ctx.services = MachineServices.of(host_box.machine)
     try:
@@ -169,9 +170,18 @@ async def test_search_covers_the_selected_knowledge_bases_and_narrows_by_id(
         both = kb_ctx(host_box, ids, ["notes", "private"])
         both.services = ctx.services
         only = await SEARCH.run(both, SearchParams(query="alpha", knowledgeBaseIds=["private"]))
-        assert {r["path"] for r in only.data["results"]} == {host_box.p("notes/private/secret.md")}
+        assert {r["path"] for r in only.data["results"]} == {
+            host_box.p(f"notes/private/{name}") for name in ("secret.md", "shared/c.md", "shared/hidden/d.md")
+        }
         outside = await SEARCH.run(ctx, SearchParams(query="alpha", pathPrefix=host_box.p("other")))
         assert outside.is_error and "outside the session's knowledge bases" in text_of(outside)
+
+        nested = kb_ctx(host_box, ids, ["notes", "shared"], nested=True)
+        nested.services = ctx.services
+        deep = await SEARCH.run(nested, SearchParams(query="alpha", limit=16))
+        assert {r["path"] for r in deep.data["results"]} == {
+            host_box.p("notes/a.md"), host_box.p("notes/private/shared/c.md"),
+        }  # fmt: skip  # the deepest knowledge base holding a file decides
     finally:
         await ctx.services.close()
 

@@ -57,7 +57,7 @@ import posixpath
 import re
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -482,20 +482,19 @@ class Filters:
     updated_after: float | None = None  # mtime >= this (timestamp)
     updated_before: float | None = None  # mtime < this
     within: tuple[str, ...] = ()  # folders (knowledge base roots) a file must be in, any of them
-    without: tuple[str, ...] = ()  # folders (unselected knowledge bases) it must not be in
+    without: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Folders (unselected knowledge bases) a file must not be in, each with the chosen folders
+    inside it that are in again: the deepest knowledge base holding a file decides."""
 
     def where(self) -> tuple[str, list[object]]:
         """SQL conditions on `f` (files) and their parameters."""
         clauses: list[str] = []
         args: list[object] = []
-        for folders, negate in ((self.within, False), (self.without, True)):
-            if not folders:
-                continue
-            inside = " OR ".join("substr(f.path, 1, ?) = ?" for _ in folders)
-            clauses.append(f"{'NOT ' if negate else ''}({inside})")
-            for folder in folders:
-                top = folder.rstrip("/") + "/"
-                args += [len(top), top]
+        if self.within:
+            clauses.append(_inside_any(self.within, args))
+        for folder, again in self.without:
+            inside = _inside_any((folder,), args)
+            clauses.append(f"(NOT {inside} OR {_inside_any(again, args)})" if again else f"NOT {inside}")
         if self.path_prefix:
             clauses.append("substr(f.path, 1, ?) = ?")
             args += [len(self.path_prefix), self.path_prefix]
@@ -514,6 +513,14 @@ class Filters:
             for tag in self.tags:
                 args += [tag, len(tag) + 1, tag + "/"]
         return " AND ".join(clauses) or "1", args
+
+
+def _inside_any(folders: Sequence[str], args: list[object]) -> str:
+    """An SQL condition: `f.path` lies inside one of `folders` (their parameters go to `args`)."""
+    for folder in folders:
+        top = folder.rstrip("/") + "/"
+        args += [len(top), top]
+    return "(" + " OR ".join("substr(f.path, 1, ?) = ?" for _ in folders) + ")"
 
 
 @dataclass(frozen=True)
@@ -1165,8 +1172,8 @@ def _filters(params: SearchParams, scope: Scope) -> tuple[Filters, list[str]]:
     except ScopeError as exc:
         raise SearchInputError(str(exc)) from exc
     roots = tuple(kb.root for kb in chosen)
-    unselected = tuple(  # an unselected knowledge base inside a chosen one is not the session's
-        kb.root
+    unselected = tuple(  # an unselected knowledge base inside a chosen one is not the session's,
+        (kb.root, tuple(root for root in roots if below(kb.root, root)))  # but chosen ones in it are
         for kb in scope.registered
         if kb.id not in scope.selected and any(below(root, kb.root) for root in roots)
     )
