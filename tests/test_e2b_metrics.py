@@ -7,9 +7,14 @@ does in the sandbox: memory held by a process, a busy loop, a file written.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,6 +32,8 @@ from agentbox.e2b.metrics import (
     Samples,
 )
 from agentbox.machines.base import Usage
+from agentbox.machines.cgroups import Cgroups, Limits
+from agentbox.machines.usage import host_memory, measure
 from tests.conftest import Server, eventually, point_e2b_sdk, start_server, stop_server, traversable
 
 API_KEY = "e2b-metrics-key"
@@ -197,3 +204,60 @@ def test_the_cpu_share_counts_from_the_previous_reading_of_the_same_lifetime() -
     assert samples.add(usage(2.5, cpus=2), 1003.0).cpu_used_pct == 75.0  # 1.5 s of 2 CPUs in 1 s
     assert samples.add(usage(0.5, started_at=1010.0), 1011.0).cpu_used_pct == 50.0  # a new lifetime
     assert samples.add(usage(9.0, started_at=1010.0), 1012.0).cpu_used_pct == 100.0  # at most all of it
+
+
+# --- what a sandbox's usage is read from ----------------------------------------------------
+
+#: A host process that, once told to go, holds BUSY_MB and spins for a second, then says so.
+BUSY_MB = 64
+BUSY = f"""import sys, time
+sys.stdin.readline()
+held = bytearray({BUSY_MB} * 2**20)
+end = time.time() + 1
+while time.time() < end:
+    pass
+print("done", flush=True)
+time.sleep(60)
+"""
+
+
+def spinner() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def run_to_done(busy: subprocess.Popen[bytes]) -> None:
+    assert busy.stdin is not None and busy.stdout is not None
+    busy.stdin.write(b"go\n")
+    busy.stdin.flush()
+    assert busy.stdout.readline() == b"done\n"
+
+
+def test_without_a_cgroup_the_processes_are_read_from_proc(tmp_path: Path) -> None:
+    busy = spinner()
+    try:
+        run_to_done(busy)
+        got = measure(None, [busy.pid], Limits(), tmp_path, time.time())
+        assert got.cpu_seconds >= 0.5 and got.memory_used >= BUSY_MB * MIB and got.memory_cache == 0
+        # Nothing limits such a sandbox: the totals are the host's.
+        assert (got.cpu_count, got.memory_total) == (os.cpu_count(), host_memory())
+        assert got.disk_total > got.disk_used >= 0
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+@pytest.mark.skipif(Cgroups().version == "none", reason="no cgroups on this host")
+def test_a_cgroup_counts_cpu_and_memory_against_its_limits(tmp_path: Path) -> None:
+    group = Cgroups().create(f"metrics-test-{uuid.uuid4().hex[:8]}", Limits(memory_bytes=256 * MIB, cpus=2))
+    assert group is not None
+    busy = spinner()
+    try:
+        group.add(busy.pid)  # before it spins and allocates: all of that is charged to the group
+        run_to_done(busy)
+        got = measure(group, [], Limits(memory_bytes=256 * MIB, cpus=2), tmp_path, time.time())
+        assert got.cpu_seconds >= 0.5 and BUSY_MB * MIB <= got.memory_used < 256 * MIB
+        assert (got.cpu_count, got.memory_total) == (2, 256 * MIB)
+    finally:
+        busy.kill()
+        busy.wait()
+        group.destroy()
