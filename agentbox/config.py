@@ -96,6 +96,7 @@ when the machine is opened.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import ipaddress
 import os
 import posixpath
@@ -173,6 +174,13 @@ def default_home() -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/agentbox")
     return Path.home() / ".local" / "share" / "agentbox"
+
+
+def home_label(home: Path) -> str:
+    """A short, stable name for a server home (its resolved path, hashed): what the things a
+    server makes elsewhere (containers, E2B sandboxes) carry, so its next start sweeps its own
+    leftovers and never another home's."""
+    return hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:16]
 
 
 @dataclass

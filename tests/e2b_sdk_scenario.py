@@ -59,6 +59,7 @@ def commands(sbx: Sandbox) -> dict[str, Any]:
         "failed": failed,
         "background": {"listed": listed, "killed": killed, "exit_code": ended},
         "stdin_via_connect": again.wait().stdout,
+        "metrics": [m.mem_total > m.mem_used > 0 and m.cpu_count > 0 for m in sbx.get_metrics()[-1:]],
     }
 
 

@@ -152,7 +152,6 @@ def test_files_write_read_list_make_dir_remove_exists(sbx: Sandbox) -> None:
     assert [w.path for w in written] == ["/workspace/notes/sub/x.txt", "/workspace/notes/sub/y.txt"]
     deep = sorted(e.path for e in sbx.files.list("/workspace/notes", depth=2))
     assert deep == [f"/workspace/notes/{n}" for n in ("a.txt", "sub", "sub/x.txt", "sub/y.txt")]
-    assert sbx.get_metrics() == []
     moved = sbx.files.rename("/workspace/notes/a.txt", "/workspace/notes/b.txt")
     assert (moved.name, moved.path) == ("b.txt", "/workspace/notes/b.txt")
     assert sbx.files.read("/workspace/notes/b.txt") == "alpha\n"

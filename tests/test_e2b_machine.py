@@ -12,6 +12,7 @@ that server finds the same sandbox again through the session's marker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import signal
@@ -27,10 +28,13 @@ import pytest_asyncio
 from conftest import Server, e2b_entry, start_e2b_client, stop_server, traversable
 from test_api_v2 import Aio
 
+from agentbox.config import home_label
 from agentbox.machines.base import ExecRequest, Lifetime, WatchChange, Watching
 from agentbox.machines.e2b import EXTRA, REQUEST_TIMEOUT, E2BMachine, E2BOptions, sdk
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.kinds import KINDS
+from agentbox.store.db import Database
+from agentbox.store.markers import MarkersRepo
 from agentbox.workspace import files, remote_files
 from agentbox.workspace.errors import WorkspaceError
 from agentbox.workspace.fileops import RemoteOps, file_ops
@@ -458,6 +462,53 @@ async def test_a_session_on_an_e2b_machine_survives_a_server_restart(
         assert await _listed(endpoint, session) == []  # the session's sandbox is killed with it
     finally:
         stop_server(client)
+
+
+async def test_a_restarted_server_kills_what_a_dead_one_left_and_nothing_else(
+    endpoint: Server, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    home = traversable(tmp_path_factory.mktemp("e2b-sweep"), tmp_path_factory) / "home"
+    home.mkdir()
+    live, deleted = f"ses_{uuid.uuid4().hex[:12]}", f"ses_{uuid.uuid4().hex[:12]}"
+    client = start_e2b_client(home, endpoint)
+    try:
+        assert Aio(client, live).post("/v2/commands", command="echo kept > kept.txt")["exit_code"] == 0
+        assert Aio(client, deleted).post("/v2/commands", command="true")["exit_code"] == 0
+    finally:
+        client.process.kill()  # it dies: no machine is closed, every sandbox runs on
+        client.process.wait()
+    [live_box], [deleted_box] = await _listed(endpoint, live), await _listed(endpoint, deleted)
+    async with Database.in_home(home) as db:  # deleted as the server died: its marker is still live
+        await MarkersRepo(db).retire(deleted)
+    options = E2BOptions.from_options(entry(endpoint))
+    params = options.api_params()
+
+    def made_by(owner: Path) -> E2BMachine:
+        return E2BMachine("cloud", f"sbx_{uuid.uuid4().hex[:12]}", options,
+                          session_id=f"ses_{uuid.uuid4().hex[:12]}", home=home_label(owner))  # fmt: skip
+
+    unrecorded = made_by(home)  # made by this home, which died before its marker was written
+    foreign = made_by(home.parent / "another-home")  # another server's, on the same endpoint and key
+    for machine in (unrecorded, foreign):
+        await machine.start()
+    await unrecorded.stop()  # paused: swept all the same
+    for machine in (unrecorded, foreign):
+        await machine.close()
+    stranger = await sdk().AsyncSandbox.create(metadata={"owner": "someone else"}, **params)
+    client = start_e2b_client(home, endpoint)  # the sweep runs before it serves
+    try:
+        for gone in (deleted_box.sandbox_id, unrecorded.sandbox_id):
+            with pytest.raises(sdk().exceptions.NotFoundException):
+                await sdk().AsyncSandbox.get_info(gone, **params)
+        for kept in (live_box.sandbox_id, foreign.sandbox_id, stranger.sandbox_id):
+            assert (await sdk().AsyncSandbox.get_info(kept, **params)).state.value == "running"
+        assert Aio(client, live).post("/v2/commands", command="cat kept.txt")["stdout"] == "kept\n"
+        assert [s.sandbox_id for s in await _listed(endpoint, live)] == [live_box.sandbox_id]  # reconnected
+    finally:
+        stop_server(client)
+        for left in (live_box.sandbox_id, foreign.sandbox_id, stranger.sandbox_id):
+            with contextlib.suppress(Exception):
+                await sdk().AsyncSandbox.kill(left, **params)
 
 
 async def _listed(endpoint: Server, session: str) -> list:

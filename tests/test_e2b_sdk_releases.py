@@ -114,6 +114,7 @@ def test_a_whole_session_with_each_pinned_release(release: str, keyed_server: Se
         "failed": {"exit_code": 3, "stderr": "bad\n"},
         "background": {"listed": True, "killed": True, "exit_code": 137},
         "stdin_via_connect": "got:ping\n",
+        "metrics": [True],  # the newest sample, in the shape this release's model reads
     }
     assert sync["files"] == {
         "listing": ["b.txt"],

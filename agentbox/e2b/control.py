@@ -10,7 +10,9 @@
     POST   /sandboxes/{id}/connect, /v2/.../connect  {timeout}  200 Sandbox (what `Sandbox.connect` reads), resuming
     POST   /sandboxes/{id}/pause                     {memory}  204, 409 when paused: filesystem-only, always
     POST   /sandboxes/{id}/resume                    {timeout}  201 Sandbox, 409 when running
-    GET    /sandboxes/{id}/metrics                   200 []: no samples are collected
+    GET    /sandboxes/{id}/metrics                   ?start&end (unix seconds)  200 [SandboxMetric]
+    GET    /sandboxes/metrics                        ?sandbox_ids=a,b  200 {sandboxes: {id: SandboxMetric}}
+                                                     (`metrics.py`: samples of the sandbox's cgroup)
 
 Every request carries `X-API-Key`, checked against the server's API key (any key is taken
 when the server has none). Every error, a refused key and malformed JSON included, is
@@ -35,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentbox.e2b.metrics import MAX_METRICS_IDS, metric_view
 from agentbox.e2b.sandboxes import (
     DEFAULT_TIMEOUT_SECONDS,
     ENVD_VERSION,
@@ -86,6 +89,11 @@ async def body_of(request: Request) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise E2BError(400, "the request body must be a JSON object")
     return value
+
+
+def whole_number(given: str) -> bool:
+    """ASCII digits only: `str.isdigit` also takes `²`, which `int` refuses."""
+    return given.isascii() and given.isdigit()
 
 
 def stamp(moment: datetime) -> str:
@@ -155,7 +163,7 @@ async def list_sandboxes(request: Request, table: SandboxTable) -> Response:
 def _limit(given: str | None) -> int:
     if given is None:
         return MAX_LIST_LIMIT
-    if not given.isdigit() or not 0 < int(given) <= MAX_LIST_LIMIT:
+    if not whole_number(given) or not 0 < int(given) <= MAX_LIST_LIMIT:
         raise E2BError(400, f"limit must be a whole number from 1 to {MAX_LIST_LIMIT}")
     return int(given)
 
@@ -192,8 +200,38 @@ async def connect(request: Request, table: SandboxTable) -> Response:
 
 
 async def metrics(request: Request, table: SandboxTable) -> Response:
-    table.get(request.path_params["sandbox_id"])
-    return JSONResponse([])
+    """The sandbox's samples in [start, end] (default: since it started, until now)."""
+    sandbox = table.get(request.path_params["sandbox_id"])
+    start, end = (_unix_seconds(request.query_params.get(name), name) for name in ("start", "end"))
+    if start is not None and end is not None and start > end:
+        raise E2BError(400, "start must not be after end")
+    await table.fresh_sample(sandbox)
+    return JSONResponse([metric_view(s) for s in sandbox.samples.between(start, end)])
+
+
+async def many_metrics(request: Request, table: SandboxTable) -> Response:
+    """The newest sample of each named sandbox that has one (unknown ids are left out)."""
+    given = request.query_params.get("sandbox_ids")
+    if not given:
+        raise E2BError(400, "sandbox_ids is required: a comma-separated list of sandbox ids")
+    ids = list(dict.fromkeys(filter(None, given.split(","))))
+    if len(ids) > MAX_METRICS_IDS:
+        raise E2BError(400, f"sandbox_ids may name at most {MAX_METRICS_IDS} sandboxes")
+    found = {}
+    for sandbox_id in ids:
+        sandbox = table.find(sandbox_id)
+        newest = await table.fresh_sample(sandbox) if sandbox is not None else None
+        if newest is not None:
+            found[sandbox_id] = metric_view(newest)
+    return JSONResponse({"sandboxes": found})
+
+
+def _unix_seconds(given: str | None, name: str) -> int | None:
+    if given is None:
+        return None
+    if not whole_number(given):
+        raise E2BError(400, f"{name} must be a Unix time in whole seconds")
+    return int(given)
 
 
 async def pause(request: Request, table: SandboxTable) -> Response:
@@ -242,6 +280,7 @@ def control_app(table: SandboxTable) -> Starlette:
         route("/v2/sandboxes", create, "POST"),
         route("/sandboxes", list_sandboxes, "GET"),
         route("/v2/sandboxes", list_sandboxes, "GET"),
+        route("/sandboxes/metrics", many_metrics, "GET"),  # before `{sandbox_id}` takes the name
         route("/sandboxes/{sandbox_id}", get_sandbox, "GET"),
         route("/sandboxes/{sandbox_id}", kill, "DELETE"),
         route("/sandboxes/{sandbox_id}/timeout", set_timeout, "POST"),

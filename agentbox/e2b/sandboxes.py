@@ -40,7 +40,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from agentbox.e2b import records
+from agentbox.e2b.metrics import FRESH_SECONDS, METRICS_INTERVAL_SECONDS, Sample, Samples
 from agentbox.ids import SESSION, new_id
+from agentbox.machines.base import Metered
+from agentbox.machines.cgroups import Limits
+from agentbox.machines.disk import DEFAULT_DISK_MB
 from agentbox.machines.kinds import memory_mb
 from agentbox.secrets import SecretBox
 from agentbox.system import System
@@ -113,6 +117,8 @@ class E2BSandbox:
     """A polled watcher's id (the machine's watch hub's) -> the seq its events were read to."""
     state: str = "running"
     """E2B's state: `running` or `paused` (gone sandboxes are not in the table)."""
+    samples: Samples = field(default_factory=Samples)
+    """Its metrics (`metrics.py`): a bounded ring, gone with the sandbox."""
     _next_pid: itertools.count[int] = field(default_factory=lambda: itertools.count(FIRST_PID))
     _expiry: asyncio.Task[None] | None = None
 
@@ -183,8 +189,13 @@ def checked_strings(value: Any, what: str) -> dict[str, str]:
 class SandboxTable:
     """Every E2B sandbox of one running server, with the timers that end them."""
 
-    def __init__(self, system_of: Callable[[], System | None]) -> None:
+    def __init__(
+        self, system_of: Callable[[], System | None], *, interval: float = METRICS_INTERVAL_SECONDS
+    ) -> None:
         self._system_of = system_of
+        self._interval = interval
+        """Seconds between two metrics samples of each running sandbox."""
+        self._sampler: asyncio.Task[None] | None = None
         self._sandboxes: dict[str, E2BSandbox] = {}
         self._provided: System | None = None
         """The system whose registry has our env provider (once per system)."""
@@ -292,8 +303,11 @@ class SandboxTable:
         """The sandbox whose token signed `url` (each is tried: at most MAX_E2B_SANDBOXES)."""
         return next((s for s in self._sandboxes.values() if s.signature_ok(url)), None)
 
+    def find(self, sandbox_id: str) -> E2BSandbox | None:
+        return self._sandboxes.get(sandbox_id)
+
     def get(self, sandbox_id: str) -> E2BSandbox:
-        sandbox = self._sandboxes.get(sandbox_id)
+        sandbox = self.find(sandbox_id)
         if sandbox is None:
             raise not_found(sandbox_id)
         return sandbox
@@ -359,13 +373,14 @@ class SandboxTable:
         return await self.system().services.get(sandbox_id)
 
     def shape(self) -> dict[str, int]:
-        """cpuCount, memoryMB, diskSizeMB as the SDK shows them (0: no limit set)."""
+        """cpuCount, memoryMB, diskSizeMB as the SDK shows them (0: no limit set); the CPUs are
+        the limit every sandbox gets without `cpus` (`Limits`), as its metrics count them."""
         config = self.system().registry.config(None)
         options = config.options
         return {
-            "cpuCount": math.ceil(float(options.get("cpus") or 0)) or (os.cpu_count() or 1),
+            "cpuCount": math.ceil(float(options.get("cpus") or Limits().cpus or 0)) or (os.cpu_count() or 1),
             "memoryMB": memory_mb(config),
-            "diskSizeMB": int(options.get("disk_mb", 0) or 0),
+            "diskSizeMB": int(options.get("disk_mb", DEFAULT_DISK_MB) or 0),
         }
 
     async def close(self) -> None:
@@ -373,6 +388,39 @@ class SandboxTable:
         for sandbox in self._sandboxes.values():
             self._disarm(sandbox)
         self._sandboxes.clear()
+        if self._sampler is not None:
+            self._sampler.cancel()
+            self._sampler = None
+
+    # -- metrics --------------------------------------------------------------------------
+
+    async def sample(self, sandbox: E2BSandbox) -> Sample | None:
+        """A new sample of a running sandbox's machine, added to its ring; None when there is
+        nothing to measure (paused, reclaimed while idle, or a kind that is not `Metered`)."""
+        entry = self.system().registry.entry(sandbox.id) if sandbox.state == "running" else None
+        if entry is None or not isinstance(entry.machine, Metered):
+            return None
+        usage = await asyncio.to_thread(entry.machine.usage)
+        return sandbox.samples.add(usage, time.time()) if usage is not None else None
+
+    async def fresh_sample(self, sandbox: E2BSandbox) -> Sample | None:
+        """The newest sample, taken now when the newest is older than FRESH_SECONDS."""
+        newest = sandbox.samples.newest()
+        if newest is None or time.time() - newest.at > FRESH_SECONDS:
+            newest = await self.sample(sandbox) or newest
+        return newest
+
+    async def _sample_all(self) -> None:
+        """Every interval, a sample of each running sandbox (a failure is logged, not fatal)."""
+        while True:
+            await asyncio.sleep(self._interval)
+            for sandbox in list(self._sandboxes.values()):
+                try:
+                    await self.sample(sandbox)
+                except E2BError:
+                    break  # the server is not open: the next round tries again
+                except Exception:
+                    log.exception("e2b sandbox %s: its metrics sample failed", sandbox.id)
 
     # -- records and lifetime -----------------------------------------------------------
 
@@ -387,6 +435,8 @@ class SandboxTable:
         self._disarm(sandbox)
         if sandbox.state == "running":
             sandbox._expiry = asyncio.create_task(self._expire(sandbox))
+        if self._sampler is None:
+            self._sampler = asyncio.create_task(self._sample_all())
 
     @staticmethod
     def _disarm(sandbox: E2BSandbox) -> None:

@@ -255,6 +255,40 @@ class Lifetime(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Usage:
+    """What a running machine uses right now, as the host measures it (`Metered.usage`)."""
+
+    cpu_count: int
+    """CPUs it may use: its CPU limit rounded up, or the host's CPUs without one."""
+    cpu_seconds: float
+    """CPU time its processes used in this lifetime, the ended ones included where the host
+    counts them (a cgroup), so the difference of two readings is the time used between them."""
+    started_at: float
+    """When this lifetime began (wall-clock seconds): `cpu_seconds` counts from there."""
+    memory_used: int
+    """Bytes its processes hold, page cache not included."""
+    memory_cache: int
+    """Bytes of page cache charged to it (0 where that is not measured)."""
+    memory_total: int
+    """Its memory limit in bytes, or the host's memory without one."""
+    disk_used: int
+    """Bytes used of its workspace's file system."""
+    disk_total: int
+    """Bytes of that file system (its disk budget when it has one)."""
+
+
+@runtime_checkable
+class Metered(Protocol):
+    """A machine whose CPU, memory and disk the server can measure (the bubblewrap sandbox):
+    E2B's metrics of a sandbox are read from it."""
+
+    def usage(self) -> Usage | None:
+        """What it uses now; None when it is not running. Reads files (cgroup, /proc, statvfs):
+        call it off the event loop."""
+        ...
+
+
 Listener = Callable[[str, str], None]
 
 

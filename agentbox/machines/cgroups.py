@@ -5,6 +5,11 @@ own limits still bound everything). A sandbox's processes are moved in as they a
 before its agent is asked to start anything, so every command is born inside the group
 (`SandboxMachine._join_group`). Which version a host offers is detected once; a host
 with neither gets sandboxes without limits and says so in `Cgroups.report()`.
+
+A group is also where a sandbox's usage is read (`SandboxGroup.cpu_seconds`, `memory`): the
+CPU time and memory of every process it ever held, the ended ones included, which no sum
+over `/proc` gives. On v1 the CPU time is in the `cpuacct` controller, so groups are made
+there too.
 """
 
 from __future__ import annotations
@@ -17,10 +22,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-#: v1 controllers a sandbox group is created in (freezer: stop everything before killing it).
-V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+#: v1 controllers a sandbox group is created in (freezer: stop everything before killing it;
+#: cpuacct: the CPU time its processes used, which v1's `cpu` does not count).
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
+#: A v1 memory limit at or above this is the kernel's "unlimited" (it writes 2**63 rounded
+#: down to a page).
+V1_UNLIMITED = 1 << 62
 #: Attempts to empty a group before giving up on its rmdir.
 TEARDOWN_ATTEMPTS = 50
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """A group's memory as the kernel charges it, in bytes."""
+
+    used: int
+    """Charged and not page cache: what its processes hold (anonymous memory, kernel objects)."""
+    cache: int
+    """Page cache charged to it (files read and written; tmpfs such as its /tmp counts here)."""
+    limit: int | None
+    """Its limit, None when it has none."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +102,32 @@ class SandboxGroup:
                     return int((d / name).read_text())
         return None
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time its processes used since the group was made (v2 `cpu.stat` usage_usec, v1
+        `cpuacct.usage`); None where no controller counts it."""
+        for d in self.dirs:
+            with contextlib.suppress(OSError, ValueError):
+                return int((d / "cpuacct.usage").read_text()) / 1e9
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                return int(_keyed(d / "cpu.stat")["usage_usec"]) / 1e6
+        return None
+
+    def memory(self) -> MemoryUse | None:
+        """What the memory controller charges it now (v2 `memory.current`, v1
+        `memory.usage_in_bytes`, less the page cache of `memory.stat`); None without one."""
+        for d in self.dirs:
+            for current, limit, cache_key in (
+                ("memory.current", "memory.max", "file"),
+                ("memory.usage_in_bytes", "memory.limit_in_bytes", "total_cache"),
+            ):
+                with contextlib.suppress(OSError, KeyError, ValueError):
+                    charged = int((d / current).read_text())
+                    cache = int(_keyed(d / "memory.stat")[cache_key])
+                    raw = (d / limit).read_text().strip()
+                    bound = None if raw == "max" or int(raw) >= V1_UNLIMITED else int(raw)
+                    return MemoryUse(max(charged - cache, 0), cache, bound)
+        return None
+
     def oom_kills(self) -> int:
         for d in self.dirs:
             for name in ("memory.oom_control", "memory.events"):
@@ -120,6 +167,11 @@ class SandboxGroup:
             (freezer / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
         else:
             (freezer / "cgroup.freeze").write_text("1" if frozen else "0")
+
+
+def _keyed(path: Path) -> dict[str, str]:
+    """A `key value` per line file (`cpu.stat`, `memory.stat`) as a dict."""
+    return dict(line.split(" ", 1) for line in path.read_text().splitlines() if " " in line)
 
 
 class Cgroups:
@@ -173,12 +225,14 @@ class Cgroups:
 
     def _create_v1(self, name: str, limits: Limits) -> SandboxGroup:
         own = own_cgroups()
-        dirs = []
+        dirs: list[Path] = []
         for c in V1_CONTROLLERS:
             if c not in own or not (self.root / c).is_dir():
                 continue
             d = self.root / c / own[c].lstrip("/") / "agentbox" / name
             d.mkdir(parents=True, exist_ok=True)
+            if any(os.path.samefile(d, other) for other in dirs):
+                continue  # controllers mounted together (`cpu,cpuacct`): one directory
             dirs.append(d)
             if c == "memory" and limits.memory_bytes:
                 (d / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))

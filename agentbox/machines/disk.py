@@ -130,6 +130,17 @@ def usage(workspace: Path) -> int:
     return total
 
 
+def space(workspace: Path) -> tuple[int, int]:
+    """(used, total) bytes of the workspace as its processes see them: its image's file system
+    when it has one (what `df /workspace` says inside, the budget less ext4's own blocks), else
+    its files' blocks (`usage`) on the host file system that holds it."""
+    fs = os.statvfs(workspace)
+    total = fs.f_blocks * fs.f_frsize
+    if os.path.ismount(workspace):
+        return (fs.f_blocks - fs.f_bfree) * fs.f_frsize, total
+    return usage(workspace), total
+
+
 def remove(workspace: Path) -> None:
     """Delete the workspace and its image (purge): unmounted first, so nothing else is touched."""
     detach(workspace)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import shutil
 import socket
@@ -57,6 +56,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from agentbox.config import home_label
 from agentbox.machines import exec_agent
 from agentbox.machines.agent_channel import AgentChannel, AgentProcess
 from agentbox.machines.base import OS, TRASH_COVER_BYTES, TRASH_DIR, ExecRequest, ExecResult, collect
@@ -228,11 +228,6 @@ def _option(key: str, value: Any, default: Any) -> Any:
     return value
 
 
-def home_label(home: Path) -> str:
-    """A short, stable name for a server home (its resolved path, hashed)."""
-    return hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:16]
-
-
 class DockerHost:
     """What one server shares among its docker machines: engines, images, the imports done."""
 
@@ -305,7 +300,6 @@ class DockerHost:
         return reference
 
 
-
 def image_tag(image: Image) -> str:
     """The engine's tag of an image: DIGEST_TAG_HEX hex of its digest, then its owner. The
     digest is of the debootstrap stream, the same whoever built it; the tree is owned by the
@@ -314,6 +308,7 @@ def image_tag(image: Image) -> str:
     as the owner and could not enter the other's 0700 directories."""
     digest = image.manifest.digest.removeprefix("sha256:")[:DIGEST_TAG_HEX]
     return f"{digest}-{image.manifest.uid}-{image.manifest.gid}"
+
 
 async def tar_stream(rootfs: Path) -> AsyncIterator[bytes]:
     """The tree as a tar stream, owners as numbers (the image's files belong to its uid)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentbox.config import MachineConfig, Settings
+from agentbox.config import MachineConfig, Settings, home_label
 from agentbox.machines.base import Machine
 from agentbox.machines.cgroups import Limits
 from agentbox.machines.errors import MachineUnavailable
@@ -72,8 +72,9 @@ class Kind:
     workspace_disk: bool = False
     """The session's workspace is an ext4 image of `disk_mb` (mounted before each start)."""
     sweep: Callable[[Any, list[MachineConfig], set[str]], Awaitable[list[str]]] | None = None
-    """After a restart: remove what machines of these entries left that no live session's
-    instance id (the set) names, such as a dead server's containers. Returns what it removed."""
+    """After a restart: remove what machines of these entries (secrets decrypted) left that no
+    live session's instance id (the set) names, such as a dead server's containers or E2B
+    sandboxes. Only this home's: each kind tells its own by a label. Returns what it removed."""
 
 
 def memory_mb(config: MachineConfig) -> int:
@@ -175,8 +176,26 @@ def make_e2b(build: Build) -> E2BMachine:
         raise MachineUnavailable(f"machine {build.config.name!r}: {exc}") from None
     return E2BMachine(
         build.config.name, build.instance_id, options, build.env,
-        session_id=build.session_id, sandbox_id=build.recovered.get("e2b_sandbox_id"),
+        session_id=build.session_id, sandbox_id=build.recovered.get("e2b_sandbox_id"), home=build.shared,
     )  # fmt: skip
+
+
+def e2b_owner(settings: Settings) -> str:
+    """The label every e2b machine of this home puts on its sandboxes (`HOME_KEY`)."""
+    return home_label(settings.home)
+
+
+async def sweep_e2b(label: str, configs: list[MachineConfig], keep: set[str]) -> list[str]:
+    from agentbox.machines.e2b import E2BOptions
+    from agentbox.machines.e2b.sweep import sweep
+
+    entries = []
+    for config in configs:
+        try:
+            entries.append(E2BOptions.from_options(config.options))
+        except ValueError:  # its machines fail to start with that error; nothing of it to sweep
+            continue
+    return await sweep(label, entries, keep)
 
 
 KINDS: dict[str, Kind] = {
@@ -186,6 +205,6 @@ KINDS: dict[str, Kind] = {
         Kind("docker", make_docker, shared=docker_host, sweep=sweep_docker),
         Kind("local", make_local),
         Kind("ssh", make_ssh),
-        Kind("e2b", make_e2b),
+        Kind("e2b", make_e2b, shared=e2b_owner, sweep=sweep_e2b),
     )
 }

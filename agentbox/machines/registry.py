@@ -69,7 +69,7 @@ from agentbox.machines.errors import (
 )
 from agentbox.machines.kinds import KINDS, Build, Kind, memory_mb
 from agentbox.machines.sandbox import SandboxHost, release_orphans
-from agentbox.secrets import SecretBox, redact
+from agentbox.secrets import SecretBox, SecretError, redact
 
 #: Seconds between janitor sweeps (idle reclaim and workspace purge).
 JANITOR_INTERVAL = 30.0
@@ -262,6 +262,10 @@ class Registry:
         """The entry's options with `enc:` secrets decrypted: only when opening it."""
         return SecretBox(self.settings.home).decrypt_fields(config.options, SECRET_FIELDS)
 
+    def unsealed(self, config: MachineConfig) -> MachineConfig:
+        """The entry as a kind gets it to make (or sweep) machines: its secrets decrypted."""
+        return MachineConfig(config.name, config.kind, self.secrets(config), config.level, config.env)
+
     def view(self, session_id: str | None = None, name: str | None = None) -> Machine:
         """The machine as a session would get it, without starting anything: the live one if it
         is open, else an unstarted one whose path map works (the workspace is a host folder), so
@@ -279,7 +283,7 @@ class Registry:
     async def _create(self, config: MachineConfig, session_id: str | None) -> Entry:
         if session_id is not None and await self.retired(session_id):
             raise deleted(session_id)
-        config = MachineConfig(config.name, config.kind, self.secrets(config), config.level, config.env)
+        config = self.unsealed(config)
         instance_id, recovered = await self._recovered(session_id, config.name) if session_id else (None, {})
         machine = self._machine(config, session_id, instance_id or new_id("sbx"), recovered)
         if isinstance(machine, Lifetime):
@@ -533,11 +537,14 @@ class Registry:
             run = self.session_dir(marker.session_id) / "run" / marker.machine
             shutil.rmtree(run, ignore_errors=True)
             recovered.append(marker.session_id)
-        await self._sweep_leftovers({marker.sandbox_id for marker in live})
+        # A deleted session's marker is live when the server died before closing its machines.
+        kept = [m for m in live if not await self.markers.retired(m.session_id)]
+        await self._sweep_leftovers({marker.sandbox_id for marker in kept})
         return recovered
 
     async def _sweep_leftovers(self, keep: set[str]) -> None:
-        """Each kind's own leftovers that no live session names (a dead server's containers).
+        """Each kind's own leftovers that no live session names (a dead server's containers,
+        its E2B sandboxes).
 
         An engine that cannot be reached is logged, not fatal: its machines report it when used.
         """
@@ -546,7 +553,13 @@ class Registry:
             if kind.sweep is None or not configs:
                 continue
             try:
-                removed = await kind.sweep(self.shared(kind), configs, keep)
+                opened = [self.unsealed(c) for c in configs]
+                removed = await kind.sweep(self.shared(kind), opened, keep)
+            except SecretError as exc:
+                log.warning(
+                    "could not sweep leftovers of %s machines: a secret is unreadable: %s", kind.name, exc
+                )
+                continue
             except MachineError as exc:
                 log.warning("could not sweep leftovers of %s machines: %s", kind.name, exc.message)
                 continue

@@ -69,7 +69,7 @@ from typing import Any
 from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines import seccomp
 from agentbox.machines.agent_channel import PIPE_CHUNK, AgentChannel, AgentProcess
-from agentbox.machines.base import OS, TRASH_COVER_BYTES, TRASH_DIR, ExecRequest, ExecResult, collect
+from agentbox.machines.base import OS, TRASH_COVER_BYTES, TRASH_DIR, ExecRequest, ExecResult, Usage, collect
 from agentbox.machines.binaries import playwright_driver_dir, reachable_copy, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
 from agentbox.machines.errors import ImageError, MachineUnavailable
@@ -78,6 +78,7 @@ from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
 from agentbox.machines.shared_run import SharedRun
 from agentbox.machines.sysroot import Base, ensure_base, hosts_file, resolv_conf
+from agentbox.machines.usage import measure
 
 #: Seconds a sandbox may take from launch to its agent saying "ready".
 START_TIMEOUT = 20.0
@@ -1006,6 +1007,14 @@ class SandboxMachine(HostFiles):
 
     async def destroy(self) -> None:
         await self.stop()  # nothing of a sandbox outlives its stop but /workspace
+
+    def usage(self) -> Usage | None:
+        """What this lifetime uses now (`Metered`; `machines/usage.py` says what is measured
+        with a cgroup and without one); None when it is not running."""
+        if self.state != "running" or self._proc is None:
+            return None
+        pids = process_tree(self._proc.pid) if self._group is None else []
+        return measure(self._group, pids, self.config.limits, self.workspace, self.started_at)
 
     def busy(self) -> bool:
         """A running command (or a process it left behind) keeps the sandbox alive."""

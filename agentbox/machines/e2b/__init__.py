@@ -17,14 +17,15 @@ through `file_ops(machine)` -> `RemoteOps`, as for the ssh kind.
     user = "user"                # whom envd runs commands as ("root" for helpers)
     on_stop = "pause"            # idle: "pause" (files kept) or "kill" (a new sandbox next time)
 
-Lifetime. `start` creates the sandbox with the session, machine and instance ids in its
-metadata, or, when it had one, connects to it again (resuming a paused one); after a
+Lifetime. `start` creates the sandbox with the server home's label and the session, machine
+and instance ids in its metadata, or, when it had one, connects to it again (resuming a paused one); after a
 restart the session's marker names the sandbox (`marker()`), and if it does not, the
 sandbox is found by its metadata. While running, the sandbox's E2B timeout is pushed back
 every REFRESH_FRACTION of `timeout`, so it ends by itself only when agentbox stops caring.
 `stop` (the registry's idle reclaim) pauses it (or kills it, `on_stop = "kill"`), `destroy`
 (the session closed) kills it, `close` (the server stopping) leaves it running until its
-timeout, for the next server to connect to.
+timeout, for the next server to connect to. What a server that died left is killed when the
+next one starts: its home's sandboxes that no live session names (`sweep`), never another's.
 
 Commands. Each is one envd process running `/bin/sh -c` the same command line as the ssh
 kind's (`ssh.channel.remote_command`): it checks the cwd and argv[0] (a failure is the
@@ -49,7 +50,7 @@ failure is the OSError of its errno (ENOENT, EEXIST, ENOTDIR, EISDIR, ENOTEMPTY,
 
 The modules: `options` (the entry, and the SDK or the refusal that names its extra),
 `process` (a command's envd events as a `Process`, envd's errors as errnos), `watch` (envd's
-WatchDir as `WatchChange`s), `machine` (`E2BMachine`).
+WatchDir as `WatchChange`s), `machine` (`E2BMachine`), `sweep` (a dead server's sandboxes).
 """
 
 from agentbox.machines.e2b.machine import E2BMachine, SandboxFacts

@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The metadata keys every sandbox of an e2b machine carries: its owner (the server home's
+#: `home_label`), and the machine, instance and session it is for.
+HOME_KEY, MACHINE_KEY, INSTANCE_KEY, SESSION_KEY = (
+    "agentbox_home", "agentbox_machine", "agentbox_instance", "agentbox_session",
+)  # fmt: skip
 #: The refreshes push the end back every this share of `timeout`.
 REFRESH_FRACTION = 0.5
 #: Seconds a command's process may take to report its pid.
@@ -93,8 +98,11 @@ class E2BMachine:
         *,
         session_id: str | None = None,
         sandbox_id: str | None = None,
+        home: str = "",
     ) -> None:
         self.name = name
+        self.home = home
+        """The server home's label (`config.home_label`): whose sandbox it is, for the sweep."""
         self.instance_id = instance_id
         self.options = options
         self.env = dict(env or {})
@@ -120,11 +128,13 @@ class E2BMachine:
     # lifecycle --------------------------------------------------------------------------
 
     def metadata(self) -> dict[str, str]:
-        """What the sandbox carries on its endpoint, so a restarted server can find it."""
+        """What the sandbox carries on its endpoint, so a restarted server can find it (and
+        sweep it when no live session names it: `sweep.py`)."""
         return {
-            "agentbox_machine": self.name,
-            "agentbox_instance": self.instance_id,
-            "agentbox_session": self.session_id or "",
+            HOME_KEY: self.home,
+            MACHINE_KEY: self.name,
+            INSTANCE_KEY: self.instance_id,
+            SESSION_KEY: self.session_id or "",
         }
 
     async def start(self) -> None:
@@ -158,7 +168,7 @@ class E2BMachine:
         params = self.options.api_params()
         sandbox_id = self.sandbox_id
         if sandbox_id is None:
-            query = e2b.SandboxQuery(metadata={"agentbox_instance": self.instance_id})
+            query = e2b.SandboxQuery(metadata={INSTANCE_KEY: self.instance_id})
             found = await e2b.AsyncSandbox.list(query=query, **params).next_items()
             sandbox_id = found[0].sandbox_id if found else None
         if sandbox_id is None:
