@@ -18,7 +18,7 @@ Every request carries `X-API-Key`, checked against the server's API key (any key
 when the server has none). Every error, a refused key and malformed JSON included, is
 `{code, message}` with `code` the HTTP status: the SDK reads exactly that and nothing else.
 A create with an `Idempotency-Key` seen before answers the sandbox that key made, while it is
-there. Templates other than the default image are not served yet.
+there. `templateID` picks the configured machine (`sandboxes.template_machine`).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def detail_view(sandbox: E2BSandbox, table: SandboxTable) -> dict[str, Any]:
         "endAt": stamp(sandbox.end_at),
         "state": sandbox.state,
         "metadata": sandbox.metadata,
-        **table.shape(),
+        **table.shape(sandbox),
     }
 
 

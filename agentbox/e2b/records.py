@@ -2,7 +2,7 @@
 
 The record sits in the session's directory (`sessions/<id>/e2b.json`), so purging the
 session (`kill`, or the registry's purge of an inactive one) removes it too. It holds what
-E2B knows beyond the session: template, metadata, lifetime, state, and, sealed with the
+E2B knows beyond the session: template and the machine it picked, metadata, lifetime, state, and, sealed with the
 home's secret key (`agentbox.secrets`), the envd access token and the env vars. Processes
 and watchers are not kept: they end with the server. A record that cannot be read is
 skipped and left where it is (logged), never a reason not to start.
@@ -35,6 +35,7 @@ def save(session_dir: Path, sandbox: E2BSandbox, box: SecretBox) -> None:
     record = {
         "id": sandbox.id,
         "template": sandbox.template,
+        "machine": sandbox.machine,
         "metadata": sandbox.metadata,
         "env": box.encrypt(json.dumps(sandbox.env)),
         "access_token": box.encrypt(sandbox.access_token),
@@ -75,6 +76,7 @@ def _load(path: Path, box: SecretBox) -> dict[str, Any]:
     return {
         "id": record["id"],
         "template": str(record["template"]),
+        "machine": None if record.get("machine") is None else str(record["machine"]),
         "metadata": {str(k): str(v) for k, v in record["metadata"].items()},
         "env": {str(k): str(v) for k, v in env.items()},
         "access_token": box.decrypt(record["access_token"]),

@@ -1,10 +1,18 @@
 """E2B sandboxes as agentbox sessions: what E2B's control plane knows about each one.
 
-An E2B sandbox is the default machine's per-session sandbox of a session whose id is the
+An E2B sandbox is a configured machine's per-session sandbox of a session whose id is the
 sandbox id (`ses_<ulid>`), so `/sandboxes/<id>/v2/...` of agentbox's own API reaches the same
-sandbox. A template names the default machine's image: `base`, that image's name, or
-`code-interpreter-v1` (what `e2b-code-interpreter` asks for; its code contexts need a Jupyter
-kernel in the image). Beside the session this table keeps what E2B adds: the template, `metadata`,
+sandbox. `templateID` picks the machine (`template_machine`):
+
+    absent, `base`, `code-interpreter-v1`   the default machine (`code-interpreter-v1` is what
+                                            `e2b-code-interpreter` asks for; its code contexts
+                                            need a Jupyter kernel in that machine's image)
+    a configured machine's name             that machine, if it is per-session (a sandbox, a
+                                            container, a remote E2B sandbox: not the host's)
+    an image name                           the per-session machine that runs that image (the
+                                            default one first)
+
+An unknown template is a 404 that lists the ones this server has (`templates`). Beside the session this table keeps what E2B adds: the template, `metadata`,
 `envVars` (the sandbox's environment, given to the registry as an env provider so every
 process sees them), the `envdAccessToken` envd checks, and the end of its lifetime.
 
@@ -39,6 +47,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from agentbox.config import MachineConfig, Settings
 from agentbox.e2b import records
 from agentbox.e2b.metrics import FRESH_SECONDS, METRICS_INTERVAL_SECONDS, Sample, Samples
 from agentbox.ids import SESSION, new_id
@@ -90,6 +99,44 @@ def not_found(sandbox_id: str) -> E2BError:
     return E2BError(404, f"sandbox {sandbox_id!r} was not found")
 
 
+def templates(settings: Settings) -> list[str]:
+    """The templates this server has: the aliases of the default machine, then each
+    per-session machine's name and, where it names one, its image."""
+    names = [DEFAULT_TEMPLATE, CODE_INTERPRETER_TEMPLATE]
+    for config in _template_machines(settings):
+        names += [config.name, *([str(config.options["image"])] if config.options.get("image") else [])]
+    return list(dict.fromkeys(names))
+
+
+def template_machine(settings: Settings, template: str) -> MachineConfig:
+    """The configured machine `template` picks (see the module docstring); a 404 that lists
+    the templates for one this server does not have, a 503 when the default machine is not
+    per-session and the template falls to it."""
+    machines = _template_machines(settings)
+    if template in (DEFAULT_TEMPLATE, CODE_INTERPRETER_TEMPLATE):
+        default = settings.machine(settings.default_machine)
+        if default is None or not default.per_session:
+            raise E2BError(
+                503, f"the default machine {settings.default_machine!r} is not a per-session sandbox"
+            )
+        return default
+    chosen = next((c for c in machines if c.name == template), None) or next(
+        (c for c in machines if str(c.options.get("image", "")) == template), None
+    )
+    if chosen is None:
+        raise E2BError(
+            404,
+            f"template {template!r} not found; this server has {', '.join(map(repr, templates(settings)))}",
+        )
+    return chosen
+
+
+def _template_machines(settings: Settings) -> list[MachineConfig]:
+    """The per-session machines, the default one first."""
+    configs = [c for c in settings.machines.values() if c.per_session]
+    return sorted(configs, key=lambda c: c.name != settings.default_machine)
+
+
 @dataclass(frozen=True)
 class Launched:
     """A process envd started: the machine's command and how E2B described it."""
@@ -119,6 +166,8 @@ class E2BSandbox:
     """E2B's state: `running` or `paused` (gone sandboxes are not in the table)."""
     samples: Samples = field(default_factory=Samples)
     """Its metrics (`metrics.py`): a bounded ring, gone with the sandbox."""
+    machine: str | None = None
+    """The configured machine its template picked (None: the default machine)."""
     _next_pid: itertools.count[int] = field(default_factory=lambda: itertools.count(FIRST_PID))
     _expiry: asyncio.Task[None] | None = None
 
@@ -253,25 +302,17 @@ class SandboxTable:
         """A new sandbox, started (so the first command finds it running) and timed."""
         system = self.system()
         template = template or DEFAULT_TEMPLATE
-        config = system.registry.config(None)
-        if not config.per_session:
-            raise E2BError(503, f"the default machine {config.name!r} is not a per-session sandbox")
-        image = str(config.options.get("image", DEFAULT_TEMPLATE))
-        if template not in (DEFAULT_TEMPLATE, CODE_INTERPRETER_TEMPLATE, image):
-            raise E2BError(
-                404,
-                f"template {template!r} not found; this server has {image!r} (alias {CODE_INTERPRETER_TEMPLATE!r})",
-            )
+        config = template_machine(system.settings, template)
         if len(self._sandboxes) >= MAX_E2B_SANDBOXES:
             raise E2BError(429, f"at most {MAX_E2B_SANDBOXES} sandboxes at once; kill one first")
         now = datetime.now(UTC)
         sandbox = E2BSandbox(
             new_id(SESSION), template, metadata, env, secrets.token_hex(ACCESS_TOKEN_BYTES),
-            now, now + timedelta(seconds=timeout),
+            now, now + timedelta(seconds=timeout), machine=config.name,
         )  # fmt: skip
         self._sandboxes[sandbox.id] = sandbox
         try:
-            await system.services.get(sandbox.id)
+            await system.services.get(sandbox.id, sandbox.machine)
             self._record(sandbox)
         except BaseException:
             del self._sandboxes[sandbox.id]
@@ -289,6 +330,14 @@ class SandboxTable:
         for fields in await asyncio.to_thread(records.load_all, sessions, self._box()):
             sandbox = E2BSandbox(**fields)
             self._sandboxes[sandbox.id] = sandbox
+            if sandbox.machine is not None and system.settings.machine(sandbox.machine) is None:
+                log.info(
+                    "e2b sandbox %s ran on machine %r, no longer configured; killing it",
+                    sandbox.id,
+                    sandbox.machine,
+                )
+                await self._kill_logged(sandbox)
+                continue
             if sandbox.state == "running" and sandbox.end_at <= datetime.now(UTC):
                 log.info(
                     "e2b sandbox %s reached its timeout while the server was down; killing it", sandbox.id
@@ -340,7 +389,7 @@ class SandboxTable:
         self._record(sandbox)
         self._disarm(sandbox)
         system = self.system()
-        entry = system.registry.entry(sandbox_id)
+        entry = system.registry.entry(sandbox_id, sandbox.machine)
         if entry is not None:
             await system.registry.suspend(entry)
 
@@ -352,7 +401,7 @@ class SandboxTable:
             if strict:
                 raise E2BError(409, f"sandbox {sandbox_id!r} is already running")
             return self.extend(sandbox_id, timeout)
-        await self.system().services.get(sandbox_id)
+        await self.system().services.get(sandbox_id, sandbox.machine)
         sandbox.state = "running"
         return self.set_timeout(sandbox_id, timeout)
 
@@ -368,14 +417,15 @@ class SandboxTable:
     async def services(self, sandbox_id: str) -> MachineServices:
         """The sandbox's machine and its services (rebuilt transparently if agentbox reclaimed it
         while idle); a paused sandbox stays paused until `connect` or `resume`."""
-        if self.get(sandbox_id).state == "paused":
+        sandbox = self.get(sandbox_id)
+        if sandbox.state == "paused":
             raise E2BError(409, f"sandbox {sandbox_id!r} is paused; connect to it to resume it")
-        return await self.system().services.get(sandbox_id)
+        return await self.system().services.get(sandbox_id, sandbox.machine)
 
-    def shape(self) -> dict[str, int]:
-        """cpuCount, memoryMB, diskSizeMB as the SDK shows them (0: no limit set); the CPUs are
-        the limit every sandbox gets without `cpus` (`Limits`), as its metrics count them."""
-        config = self.system().registry.config(None)
+    def shape(self, sandbox: E2BSandbox) -> dict[str, int]:
+        """cpuCount, memoryMB, diskSizeMB of its machine as the SDK shows them (0: no limit set);
+        the CPUs are the limit every sandbox gets without `cpus` (`Limits`), as its metrics count them."""
+        config = self.system().registry.config(sandbox.machine)
         options = config.options
         return {
             "cpuCount": math.ceil(float(options.get("cpus") or Limits().cpus or 0)) or (os.cpu_count() or 1),
@@ -397,7 +447,9 @@ class SandboxTable:
     async def sample(self, sandbox: E2BSandbox) -> Sample | None:
         """A new sample of a running sandbox's machine, added to its ring; None when there is
         nothing to measure (paused, reclaimed while idle, or a kind that is not `Metered`)."""
-        entry = self.system().registry.entry(sandbox.id) if sandbox.state == "running" else None
+        entry = (
+            self.system().registry.entry(sandbox.id, sandbox.machine) if sandbox.state == "running" else None
+        )
         if entry is None or not isinstance(entry.machine, Metered):
             return None
         usage = await asyncio.to_thread(entry.machine.usage)
