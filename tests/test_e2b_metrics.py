@@ -33,6 +33,7 @@ from agentbox.e2b.metrics import (
 )
 from agentbox.machines.base import Usage
 from agentbox.machines.cgroups import Cgroups, Limits
+from agentbox.machines.sandbox import owner_token
 from agentbox.machines.usage import host_memory, measure
 from tests.conftest import Server, eventually, point_e2b_sdk, start_server, stop_server, traversable
 
@@ -248,7 +249,10 @@ def test_without_a_cgroup_the_processes_are_read_from_proc(tmp_path: Path) -> No
 
 @pytest.mark.skipif(Cgroups().version == "none", reason="no cgroups on this host")
 def test_a_cgroup_counts_cpu_and_memory_against_its_limits(tmp_path: Path) -> None:
-    group = Cgroups().create(f"metrics-test-{uuid.uuid4().hex[:8]}", Limits(memory_bytes=256 * MIB, cpus=2))
+    # Named as a sandbox's group (`<id>-<owner token>`) of this live process: a server starting
+    # meanwhile sweeps any group whose owner is gone, and would kill the spinner.
+    name = f"metricstest{uuid.uuid4().hex[:8]}-{owner_token()}"
+    group = Cgroups().create(name, Limits(memory_bytes=256 * MIB, cpus=2))
     assert group is not None
     busy = spinner()
     try:
