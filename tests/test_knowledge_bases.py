@@ -34,7 +34,7 @@ from agentbox.store.db import Database
 from agentbox.store.file_ids import MAX_FILE_IDS, FileIdRepo
 from agentbox.tools.base import Action
 from agentbox.tools.edit import EDIT, EditParams
-from agentbox.tools.find import GREP, LIST, GrepParams, ListParams
+from agentbox.tools.find import GLOB, GREP, LIST, GlobParams, GrepParams, ListParams
 from agentbox.tools.knowledge import SEARCH, SearchParams
 from agentbox.tools.knowledge_bases import (
     MAX_SESSION_KNOWLEDGE_BASES,
@@ -107,6 +107,40 @@ async def test_an_unselected_knowledge_base_inside_a_selected_one_is_external(ho
         not (await read(everything, host_box.p("notes/private/secret.md"))).is_error
         and everything.asked == []
     )
+
+
+async def test_a_walk_from_above_reaches_a_selected_knowledge_base_inside_an_unselected_one(
+    host_box: Box,
+) -> None:
+    """`notes` (selected) holds `private` (not) holding `shared` (selected) holding `hidden`
+    (not): the deepest knowledge base holding a file decides what a walk shows."""
+    seed(host_box)
+    host_box.write("notes/private/shared/c.md", "alpha shared\n")
+    host_box.write("notes/private/shared/hidden/d.md", "alpha hidden\n")
+    ctx = kb_ctx(host_box, None, ["notes", "shared"], nested=True, allow_external=False)
+    globbed = text_of(await GLOB.run(ctx, GlobParams(pattern="**/*.md")))
+    grepped = text_of(await GREP.run(ctx, GrepParams(pattern="alpha", path=".")))
+    listed = text_of(await LIST.run(ctx, ListParams(path=".", query=".md")))
+    for shown in (globbed, grepped, listed):
+        assert "a.md" in shown and "shared/c.md" in shown, shown
+        assert "secret.md" not in shown and "d.md" not in shown, shown
+    assert ctx.asked == []
+
+
+async def test_a_link_on_the_way_to_a_nested_knowledge_base_is_not_walked(host_box: Box) -> None:
+    """The attack: `private/shared` is a link to a folder outside every knowledge base; handed
+    to rg as a root of its own it would be followed, and its files listed without asking."""
+    seed(host_box)
+    host_box.mkdir("notes/private")
+    (host_box.h("notes/private") / "shared").symlink_to(host_box.h("other"))
+    ctx = kb_ctx(host_box, None, ["notes", "shared"], nested=True, allow_external=False)
+    for result in (
+        await GLOB.run(ctx, GlobParams(pattern="**/*.md")),
+        await GREP.run(ctx, GrepParams(pattern="alpha", path=".")),
+        await LIST.run(ctx, ListParams(path=".", query=".md")),
+    ):
+        assert "b.md" not in text_of(result) and "alpha other" not in text_of(result), text_of(result)
+        assert "a.md" in text_of(result)
 
 
 async def test_list_gives_file_ids_that_read_takes_and_marks_images(host_box: Box, ids: FileIdRepo) -> None:

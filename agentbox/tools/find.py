@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +126,33 @@ def walk_excludes(ctx: ToolContext, folder: str) -> list[str]:
     return trash + unselected
 
 
+async def walk_again(ctx: ToolContext, folder: str) -> list[str]:
+    """The selected knowledge bases a walk of `folder` would miss, each inside an unselected
+    one it leaves out: walked as roots of their own (ripgrep cannot re-enter a folder it
+    leaves out), so the deepest knowledge base holding a file decides, as everywhere.
+
+    A root rg is handed explicitly is followed even through a link, so one is kept only when
+    every folder from `folder` down to it is a real folder, not a link."""
+    scope = ctx.scope
+    unselected = [kb.root for kb in scope.registered if kb.id not in scope.selected and below(folder, kb.root)]
+    nested = [kb.root for kb in scope.chosen if any(below(u, kb.root) for u in unselected)]
+    return [root for root in nested if await plain_folders(ctx.machine, folder, root)]
+
+
+async def plain_folders(machine: Machine, folder: str, root: str) -> bool:
+    """Whether every step from `folder` down to `root` is a folder, none of them a link."""
+    step = folder
+    for part in posixpath.relpath(root, folder).split("/"):
+        step = posixpath.join(step, part)
+        try:
+            st = await file_ops(machine).lstat(step, follow=False)
+        except FAILURES:
+            return False
+        if st is None or st.is_symlink or not st.is_dir:
+            return False
+    return True
+
+
 # --- rg --files -------------------------------------------------------------------------------
 
 
@@ -161,12 +188,14 @@ async def rg_files(
     keep: int,
     accept: Callable[[str], bool],
     exclude: list[str],
+    also: Sequence[str] = (),
 ) -> FileScan:
     """Files under a folder as rg lists them (.gitignore respected), as inside paths, sorted.
 
     rg runs on the machine (as `agentbox.workspace.grep` does), in the folder's resolved
-    inside path. `accept` sees each path relative to the folder. rg is stopped once
-    MAX_FILES_COUNTED files were accepted; it never outlives this call.
+    inside path; `also`: folders below it walked as roots of their own (`walk_again`).
+    `accept` sees each path relative to the folder. rg is stopped once MAX_FILES_COUNTED
+    files were accepted; it never outlives this call.
     """
     args = ["--files", "--null", "--no-config", "--no-messages", "--no-ignore-global", "--no-require-git"]
     args += ["--sort", "path", "--one-file-system"]
@@ -176,7 +205,8 @@ async def rg_files(
     rg = await machine.find_program("rg")
     if rg is None:
         raise bad_request("search", f"machine {machine.name!r} has no ripgrep (rg) to search with", folder)
-    request = ExecRequest(argv=(rg, *args, "--", "."), cwd=folder, env=workspace_grep.RG_ENV)
+    roots = [".", *("./" + posixpath.relpath(root, folder) for root in also)]
+    request = ExecRequest(argv=(rg, *args, "--", *roots), cwd=folder, env=workspace_grep.RG_ENV)
     proc = await machine.spawn(request)
     done = False
     stderr = asyncio.ensure_future(workspace_grep.read_capped_stream(proc.stderr, MAX_RG_STDERR_BYTES))
@@ -195,13 +225,13 @@ async def rg_files(
                     if len(kept) < keep:
                         kept.append(posixpath.join(folder, rel))
                     if total >= MAX_FILES_COUNTED:
-                        return FileScan(kept, total, complete=False)
+                        return FileScan(sorted(kept), total, complete=False)
             code = await proc.wait()
             done = True
         message = (await stderr).decode("utf-8", "replace").strip()
         if code == 2 and message:
             raise WorkspaceError("bad_request", workspace_grep.rg_message(message), "search", folder)
-        return FileScan(kept, total, complete=True)
+        return FileScan(sorted(kept), total, complete=True)
     finally:
         if not done:
             proc.kill()
@@ -333,6 +363,7 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
                 keep=MAX_LIST_ENTRIES,
                 accept=accept,
                 exclude=walk_excludes(ctx, target.inside),
+                also=await walk_again(ctx, target.inside),
             )
             sizes = await asyncio.gather(*(size_of(ctx.machine, path) for path in scan.kept))
             entries = [Entry(path, path, size) for path, size in zip(scan.kept, sizes, strict=True)]
@@ -403,6 +434,7 @@ async def run_glob(ctx: ToolContext, p: GlobParams) -> ToolResult:
             keep=MAX_GLOB_PATHS,
             accept=glob_matcher(p.pattern),
             exclude=walk_excludes(ctx, target.inside),
+            also=await walk_again(ctx, target.inside),
         )
     except FAILURES as exc:
         return ToolResult.error(problem(exc, p.path))
@@ -445,6 +477,7 @@ async def run_grep(ctx: ToolContext, p: GrepParams) -> ToolResult:
             p.pattern,
             include=p.include or None,
             exclude=walk_excludes(ctx, found.inside) or None,
+            also=await walk_again(ctx, found.inside),
             case_insensitive=p.caseInsensitive,
             fixed_strings=p.literal,
             max_results=MAX_GREP_COUNTED,

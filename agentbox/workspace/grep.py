@@ -118,6 +118,8 @@ class GrepOptions:
     recursive: bool = True
     hidden: bool = False
     respect_gitignore: bool = True
+    also: tuple[str, ...] = ()
+    """Folders below the path searched as roots of their own (ones `exclude` leaves out around them)."""
 
     def check(self, op: str, path: str) -> None:
         def refuse(message: str) -> None:
@@ -163,7 +165,7 @@ class GrepOptions:
             args.append(f"--type={self.file_type}")
         args += [f"--glob={g}" for g in self.include]
         args += [f"--glob=!{g}" for g in self.exclude]
-        return [*args, "--regexp", self.pattern, "--", target]
+        return [*args, "--regexp", self.pattern, "--", target, *self.also]
 
 
 def globs(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -541,6 +543,7 @@ async def grep(
     respect_gitignore: bool = True,
     timeout: float = GREP_TIMEOUT_SECONDS,
     unsorted_limit: int = MAX_UNSORTED_BYTES,
+    also: Sequence[str] = (),
 ) -> GrepResult:
     """Lines matching `pattern` (a Rust regex, or literal with `fixed_strings`) in a file or tree.
 
@@ -564,6 +567,7 @@ async def grep(
         recursive=recursive,
         hidden=hidden,
         respect_gitignore=respect_gitignore,
+        also=tuple(also),
     )
     return await run_search(machine, path, options, "grep", timeout, unsorted_limit=unsorted_limit)
 
