@@ -714,7 +714,7 @@ class SandboxMachine(HostFiles):
             upper, work = self.run / "upper" / "root", self.run / "work" / "root"
             return ["--overlay-src", rootfs, "--overlay", str(upper), str(work), "/"]
         if plan.layer == FUSE_OVERLAY:
-            merged = await self._mount_layer((("root", plan.image.rootfs),))
+            merged = await self._mount_layer((("root", (plan.image.rootfs,)),))
             return ["--bind-fd", str(fd_of(merged / "root")), "/"]
         return ["--ro-bind", rootfs, "/"]
 
@@ -722,7 +722,8 @@ class SandboxMachine(HostFiles):
         """bwrap arguments for the fallback root: the host's /usr, the curated /etc, a /var."""
         host = self.host
         if self.layer_on:
-            merged = await self._mount_layer((("usr", Path("/usr")), ("sys", host.base.root)))
+            base = host.base
+            merged = await self._mount_layer((("usr", base.usr_layers()), ("sys", (base.root,))))
             args = ["--bind-fd", str(fd_of(merged / "usr")), "/usr"]
             args += ["--bind-fd", str(fd_of(merged / "sys" / "etc")), "/etc"]
             args += ["--bind-fd", str(fd_of(merged / "sys" / "var")), "/var"]
@@ -836,8 +837,9 @@ class SandboxMachine(HostFiles):
             points[inside] = point
         return points
 
-    async def _mount_layer(self, lowers: tuple[tuple[str, Path], ...]) -> Path:
-        """Mount the discardable system layer with fuse-overlayfs: one mount per (name, lower).
+    async def _mount_layer(self, lowers: tuple[tuple[str, tuple[Path, ...]], ...]) -> Path:
+        """Mount the discardable system layer with fuse-overlayfs: one mount per (name, lower
+        layers, top first).
 
         The mounts live in the host's mount namespace under a root-only directory and are
         handed to bwrap as descriptors; nothing is bind-mounted under AGENTBOX_HOME, so no
@@ -851,7 +853,7 @@ class SandboxMachine(HostFiles):
             for d in (upper, work, point):
                 d.mkdir(parents=True, exist_ok=True)
             opts = (
-                f"lowerdir={lower},upperdir={upper},workdir={work},"
+                f"lowerdir={':'.join(map(str, lower))},upperdir={upper},workdir={work},"
                 f"squash_to_uid={host.uid},squash_to_gid={host.gid},allow_other,nosuid,nodev"
             )
             proc = subprocess.Popen(
