@@ -1,4 +1,4 @@
-"""The locale of sandbox commands: UTF-8, read from one locale archive instead of ~25 files.
+"""What every sandbox command's start reads: its locale, from one archive; not /etc/passwd.
 
 Every command runs with `LANG=C.UTF-8`. glibc finds that locale in its archive
 (`/usr/lib/locale/locale-archive`, one open and one mapping) when the root carries one, and
@@ -6,6 +6,9 @@ otherwise in a directory of a dozen files it opens one by one, each a round trip
 fuse-overlayfs when `/usr` is the system layer. The image's build and the fallback's base
 write that archive; the checks here hold on both roots, and each pairs the fast path with
 what a command sees, so a "fix" that dropped UTF-8 (`LANG=C`) would fail them.
+
+Commands also get `SHELL` (root's login shell, as login(1) sets it), without which bash
+looks root up through nss (nscd's socket, nsswitch.conf, /etc/passwd) at every start.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from conftest import SANDBOX_DEADLINE, SandboxFactory
 from agentbox.machines.base import ExecRequest, ExecResult, Machine
 from agentbox.machines.images import ROOTFS
 from agentbox.machines.sandbox import SandboxConfig, SandboxMachine
-from agentbox.machines.sysroot import LOCALE_ARCHIVE, SANDBOX_LOCALE, host_key, write_locale_archive
+from agentbox.machines.sysroot import (
+    LOCALE_ARCHIVE,
+    SANDBOX_LOCALE,
+    host_key,
+    login_shell,
+    write_locale_archive,
+)
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the system layer needs a root server")
 NEEDS_LOCALEDEF = pytest.mark.skipif(
@@ -94,6 +103,39 @@ async def test_without_an_archive_the_locale_is_a_dozen_files(make_sandbox: Sand
     assert result.exit_code == 0, result.stderr
     mapped = result.stdout.decode().split()
     assert len(mapped) >= 10 and all(p.startswith("/usr/lib/locale/C.utf8/") for p in mapped)
+
+
+# --- SHELL ---------------------------------------------------------------------------------
+
+
+async def test_shell_is_roots_login_shell_on_both_roots(
+    make_sandbox: SandboxFactory, make_image_sandbox: SandboxFactory
+) -> None:
+    for m in (await make_sandbox(), await make_image_sandbox()):
+        result = await bash(m, "getent passwd root | cut -d: -f7; printenv SHELL")
+        assert result.exit_code == 0, result.stderr
+        in_passwd, exported = result.stdout.decode().split()
+        assert in_passwd.startswith("/") and exported == in_passwd == m.shell
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="the host's /usr has no strace")
+async def test_bash_starts_without_reading_passwd(make_sandbox: SandboxFactory) -> None:
+    """Paired with the same start under `env -u SHELL`, which does read it: the probe sees opens."""
+    m = await make_sandbox()
+    trace = "strace -f -e trace=openat,connect {} -c true 2>&1 | grep -c -e /etc/passwd -e nscd"
+    shell = await m.find_program("bash")
+    plain = await bash(m, trace.format(shell))
+    unset = await bash(m, trace.format(f"env -u SHELL {shell}"))
+    assert plain.stdout.decode().strip() == "0", plain.stdout
+    assert int(unset.stdout.decode().strip()) >= 2, unset.stdout
+
+
+def test_login_shell_reads_the_shell_field_of_uid_0() -> None:
+    table = "daemon:x:1:1::/usr/sbin:/usr/sbin/nologin\nroot:x:0:0:root:/root:/bin/bash\n"
+    assert login_shell(table) == "/bin/bash"
+    assert login_shell(table, uid=1) == "/usr/sbin/nologin"
+    assert login_shell("root:x:0:0:root:/root:\n") is None
+    assert login_shell("broken line\n") is None
 
 
 # --- the archive itself --------------------------------------------------------------------

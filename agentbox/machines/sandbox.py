@@ -77,7 +77,7 @@ from agentbox.machines.hostfs import HostFiles, Owner
 from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
 from agentbox.machines.shared_run import SharedRun
-from agentbox.machines.sysroot import Base, ensure_base, hosts_file, resolv_conf
+from agentbox.machines.sysroot import Base, ensure_base, hosts_file, login_shell, resolv_conf
 
 #: Seconds a sandbox may take from launch to its agent saying "ready".
 START_TIMEOUT = 20.0
@@ -453,6 +453,8 @@ class SandboxMachine(HostFiles):
         self.users = {"root": self.owner, str(0): self.owner}
         self.plan: RootPlan | None = None
         """This lifetime's image and layer, decided at each start."""
+        self.shell: str | None = None
+        """root's login shell in this lifetime's /etc/passwd: every command's `SHELL`."""
         self.view = self._view()
         self.loop: asyncio.AbstractEventLoop = asyncio.get_event_loop()
         self.state = "stopped"
@@ -587,6 +589,7 @@ class SandboxMachine(HostFiles):
         (PRIVATE_DIRS).
         """
         self.plan = self.host.plan(self.config)
+        self.shell = self._login_shell(self.plan)
         dirs = [self.workspace, self.run / "var"]
         if self.plan.layer == KERNEL_OVERLAY:
             dirs += [
@@ -972,9 +975,14 @@ class SandboxMachine(HostFiles):
     # commands ---------------------------------------------------------------------
 
     def command_env(self, request: ExecRequest) -> dict[str, str]:
+        """What login(1) sets (PATH, HOME, SHELL, USER, LOGNAME), a UTF-8 locale, the machine's
+        variables, the request's. With SHELL given, bash does not look root up in /etc/passwd
+        at every start (it does, through nss, only to fill in `$SHELL`)."""
+        shell = {"SHELL": self.shell} if self.shell is not None else {}
         return {
             "PATH": SANDBOX_PATH,
             "HOME": SANDBOX_HOME,
+            **shell,
             "USER": "root",
             "LOGNAME": "root",
             "LANG": "C.UTF-8",
@@ -983,6 +991,14 @@ class SandboxMachine(HostFiles):
             **self.config.env,
             **request.env,
         }
+
+    def _login_shell(self, plan: RootPlan) -> str | None:
+        """root's shell in the passwd the sandbox will see: the image's, or the curated base's."""
+        etc = plan.image.rootfs / "etc" if plan.image is not None else self.host.base.etc
+        try:
+            return login_shell((etc / "passwd").read_text(errors="replace"))
+        except OSError:
+            return None
 
     async def spawn(self, request: ExecRequest) -> AgentProcess:
         if self.state != "running" or self._channel is None:

@@ -239,6 +239,15 @@ def without_humans(table: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def login_shell(passwd: str, uid: int = 0) -> str | None:
+    """`uid`'s login shell in a passwd table, or None when it has no entry or no shell."""
+    for line in passwd.splitlines():
+        fields = line.split(":")
+        if len(fields) == 7 and fields[2] == str(uid) and fields[6].startswith("/"):
+            return fields[6]
+    return None
+
+
 def resolv_conf(network: bool) -> str:
     """slirp4netns serves DNS at 10.0.2.3; with the network off there is no resolver."""
     return "nameserver 10.0.2.3\n" if network else ""
