@@ -77,7 +77,7 @@ from agentbox.machines.hostfs import HostFiles, Owner
 from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
 from agentbox.machines.shared_run import SharedRun
-from agentbox.machines.sysroot import Base, ensure_base, hosts_file, resolv_conf
+from agentbox.machines.sysroot import Base, ensure_base, hosts_file, login_shell, resolv_conf
 from agentbox.machines.usage import measure
 
 #: Seconds a sandbox may take from launch to its agent saying "ready".
@@ -454,6 +454,8 @@ class SandboxMachine(HostFiles):
         self.users = {"root": self.owner, str(0): self.owner}
         self.plan: RootPlan | None = None
         """This lifetime's image and layer, decided at each start."""
+        self.shell: str | None = None
+        """root's login shell in this lifetime's /etc/passwd: every command's `SHELL`."""
         self.view = self._view()
         self.loop: asyncio.AbstractEventLoop = asyncio.get_event_loop()
         self.state = "stopped"
@@ -588,6 +590,7 @@ class SandboxMachine(HostFiles):
         (PRIVATE_DIRS).
         """
         self.plan = self.host.plan(self.config)
+        self.shell = self._login_shell(self.plan)
         dirs = [self.workspace, self.run / "var"]
         if self.plan.layer == KERNEL_OVERLAY:
             dirs += [
@@ -715,7 +718,7 @@ class SandboxMachine(HostFiles):
             upper, work = self.run / "upper" / "root", self.run / "work" / "root"
             return ["--overlay-src", rootfs, "--overlay", str(upper), str(work), "/"]
         if plan.layer == FUSE_OVERLAY:
-            merged = await self._mount_layer((("root", plan.image.rootfs),))
+            merged = await self._mount_layer((("root", (plan.image.rootfs,)),))
             return ["--bind-fd", str(fd_of(merged / "root")), "/"]
         return ["--ro-bind", rootfs, "/"]
 
@@ -723,7 +726,8 @@ class SandboxMachine(HostFiles):
         """bwrap arguments for the fallback root: the host's /usr, the curated /etc, a /var."""
         host = self.host
         if self.layer_on:
-            merged = await self._mount_layer((("usr", Path("/usr")), ("sys", host.base.root)))
+            base = host.base
+            merged = await self._mount_layer((("usr", base.usr_layers()), ("sys", (base.root,))))
             args = ["--bind-fd", str(fd_of(merged / "usr")), "/usr"]
             args += ["--bind-fd", str(fd_of(merged / "sys" / "etc")), "/etc"]
             args += ["--bind-fd", str(fd_of(merged / "sys" / "var")), "/var"]
@@ -837,8 +841,9 @@ class SandboxMachine(HostFiles):
             points[inside] = point
         return points
 
-    async def _mount_layer(self, lowers: tuple[tuple[str, Path], ...]) -> Path:
-        """Mount the discardable system layer with fuse-overlayfs: one mount per (name, lower).
+    async def _mount_layer(self, lowers: tuple[tuple[str, tuple[Path, ...]], ...]) -> Path:
+        """Mount the discardable system layer with fuse-overlayfs: one mount per (name, lower
+        layers, top first).
 
         The mounts live in the host's mount namespace under a root-only directory and are
         handed to bwrap as descriptors; nothing is bind-mounted under AGENTBOX_HOME, so no
@@ -852,7 +857,7 @@ class SandboxMachine(HostFiles):
             for d in (upper, work, point):
                 d.mkdir(parents=True, exist_ok=True)
             opts = (
-                f"lowerdir={lower},upperdir={upper},workdir={work},"
+                f"lowerdir={':'.join(map(str, lower))},upperdir={upper},workdir={work},"
                 f"squash_to_uid={host.uid},squash_to_gid={host.gid},allow_other,nosuid,nodev"
             )
             proc = subprocess.Popen(
@@ -971,9 +976,14 @@ class SandboxMachine(HostFiles):
     # commands ---------------------------------------------------------------------
 
     def command_env(self, request: ExecRequest) -> dict[str, str]:
+        """What login(1) sets (PATH, HOME, SHELL, USER, LOGNAME), a UTF-8 locale, the machine's
+        variables, the request's. With SHELL given, bash does not look root up in /etc/passwd
+        at every start (it does, through nss, only to fill in `$SHELL`)."""
+        shell = {"SHELL": self.shell} if self.shell is not None else {}
         return {
             "PATH": SANDBOX_PATH,
             "HOME": SANDBOX_HOME,
+            **shell,
             "USER": "root",
             "LOGNAME": "root",
             "LANG": "C.UTF-8",
@@ -982,6 +992,14 @@ class SandboxMachine(HostFiles):
             **self.config.env,
             **request.env,
         }
+
+    def _login_shell(self, plan: RootPlan) -> str | None:
+        """root's shell in the passwd the sandbox will see: the image's, or the curated base's."""
+        etc = plan.image.rootfs / "etc" if plan.image is not None else self.host.base.etc
+        try:
+            return login_shell((etc / "passwd").read_text(errors="replace"))
+        except OSError:
+            return None
 
     async def spawn(self, request: ExecRequest) -> AgentProcess:
         if self.state != "running" or self._channel is None:

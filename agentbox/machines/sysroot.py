@@ -9,6 +9,12 @@ them the server may read) so that `apt-get` inside works.
 
 This is the fallback for a machine whose image (`images.py`) is not built.
 
+The base also carries a `usr/` of what it adds over the host's `/usr`: a glibc locale archive
+holding the host's archive (if any) plus `C.utf8`, the locale every sandbox command runs in.
+Without it, each program that calls `setlocale` (bash does, at every start) opens and maps
+about 25 files under `/usr/lib/locale`, each a round trip to fuse-overlayfs when `/usr` is
+the system layer; with it, one file. The locale itself is the same compiled `C.utf8`.
+
 With a system layer (see `sandbox.py`) the sandbox writes over these through an overlay
 whose upper directory lives only as long as the sandbox.
 """
@@ -20,10 +26,20 @@ import hashlib
 import os
 import shutil
 import stat as stat_mod
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 HOST_ETC = Path("/etc")
+HOST_USR = Path("/usr")
+#: What the base is made of; a change builds a new base on every host (it is in `host_key`).
+BASE_FORMAT = 2
+#: Where glibc looks for its locale archive (fixed when glibc is built), relative to `/`.
+LOCALE_ARCHIVE = "usr/lib/locale/locale-archive"
+#: The compiled locale of every sandbox command (`LANG=C.UTF-8`), as glibc names its directory.
+SANDBOX_LOCALE = Path("/usr/lib/locale/C.utf8")
+#: Seconds `localedef` may take to write the archive (it takes milliseconds).
+LOCALEDEF_TIMEOUT = 60
 #: Host package databases copied into the base /var, so `apt-get` inside knows what is installed.
 VAR_COPIES = ("lib/dpkg", "lib/apt")
 #: Directories apt and friends expect under /var.
@@ -48,7 +64,16 @@ SANDBOX_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback
 class Base:
     """The per-host base a sandbox's system layer starts from."""
 
-    root: Path  # contains etc/, var/ and an empty usr/ mount point
+    root: Path  # contains etc/, var/ and usr/ (what the base adds over the host's /usr)
+
+    @property
+    def usr(self) -> Path:
+        return self.root / "usr"
+
+    def usr_layers(self) -> tuple[Path, ...]:
+        """A layered /usr, top first: what the base adds (when it adds anything), the host's /usr."""
+        adds = (self.root / LOCALE_ARCHIVE).is_file()
+        return (self.usr, HOST_USR) if adds else (HOST_USR,)
 
     @property
     def etc(self) -> Path:
@@ -59,10 +84,12 @@ class Base:
         return self.root / "var"
 
 
-def host_key() -> str:
-    """Changes whenever the host's /etc or package database changes."""
-    h = hashlib.sha256()
-    for p in (HOST_ETC, Path("/var/lib/dpkg/status"), HOST_ETC / "passwd", HOST_ETC / "group"):
+def host_key(base_format: int = BASE_FORMAT) -> str:
+    """Changes whenever the base's format, the host's /etc, locales or package database change."""
+    h = hashlib.sha256(f"format {base_format}\n".encode())
+    watched = (HOST_ETC, Path("/var/lib/dpkg/status"), HOST_ETC / "passwd", HOST_ETC / "group",
+               Path("/") / LOCALE_ARCHIVE, SANDBOX_LOCALE / "LC_CTYPE")  # fmt: skip
+    for p in watched:
         try:
             st = p.stat()
             h.update(f"{p}:{st.st_mtime_ns}:{st.st_size}".encode())
@@ -99,6 +126,7 @@ def _build_base(root: Path) -> None:
     tmp = root.with_name(root.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "usr").mkdir(parents=True)
+    write_locale_archive(tmp)
     copy_curated_etc(HOST_ETC, tmp / "etc")
     for d in VAR_DIRS:
         (tmp / "var" / d).mkdir(parents=True, exist_ok=True)
@@ -115,6 +143,36 @@ def _build_base(root: Path) -> None:
         tmp.rename(root)
     except OSError:  # another server built it meanwhile
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_locale_archive(
+    root: Path, host_archive: Path = Path("/") / LOCALE_ARCHIVE, locale: Path = SANDBOX_LOCALE
+) -> bool:
+    """`root/LOCALE_ARCHIVE`: `host_archive` (so the host's own locales stay) plus `locale`.
+
+    Written by the host's `localedef`, the tool of the glibc whose files the sandbox runs;
+    the same inputs give the same bytes. A host without `localedef` or `locale` gets no
+    archive (False): glibc then reads the locale's files, as before.
+    """
+    localedef = shutil.which("localedef")
+    if localedef is None or not locale.is_dir():
+        return False
+    target = root / LOCALE_ARCHIVE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if host_archive.is_file() and os.access(host_archive, os.R_OK):
+        shutil.copyfile(host_archive, target)
+    try:
+        done = subprocess.run(
+            [localedef, f"--prefix={root}", "--add-to-archive", "--replace", str(locale)],
+            stdin=subprocess.DEVNULL, capture_output=True, env={"PATH": os.defpath, "LC_ALL": "C"},
+            timeout=LOCALEDEF_TIMEOUT, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        done = None
+    if done is None or done.returncode != 0:
+        target.unlink(missing_ok=True)
+        return False
+    return True
 
 
 def _unreadable(directory: str, names: list[str]) -> set[str]:
@@ -179,6 +237,15 @@ def without_humans(table: str) -> str:
             continue
         lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def login_shell(passwd: str, uid: int = 0) -> str | None:
+    """`uid`'s login shell in a passwd table, or None when it has no entry or no shell."""
+    for line in passwd.splitlines():
+        fields = line.split(":")
+        if len(fields) == 7 and fields[2] == str(uid) and fields[6].startswith("/"):
+            return fields[6]
+    return None
 
 
 def resolv_conf(network: bool) -> str:
