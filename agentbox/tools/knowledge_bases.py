@@ -12,9 +12,7 @@ them (`knowledge_base_ids`; by default every one registered, `workspace` first):
   tier says); any other path is external, as a path outside the workspace is: full tiers
   only, asked on every read in full-ask. That includes a registered knowledge base the
   session did not select, even where it lies inside a selected one: the deepest knowledge
-  base holding a path decides. Walks (`list` with a query, `glob`, `grep`) leave an unselected
-  one out whole, so a selected knowledge base nested inside it is walked only from its own
-  root (a path inside it), not from above: ripgrep cannot re-enter a folder it leaves out;
+  base holding a path decides, in reads, walks (`find.walk_again`) and `search` alike;
 - `search` looks only in the selected knowledge bases, and its `knowledgeBaseIds` narrows
   that further; `edit`'s `destinationKnowledgeBaseId` moves into another selected one.
 
