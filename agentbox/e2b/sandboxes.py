@@ -54,6 +54,7 @@ from agentbox.ids import SESSION, new_id
 from agentbox.machines.base import Metered
 from agentbox.machines.cgroups import Limits
 from agentbox.machines.disk import DEFAULT_DISK_MB
+from agentbox.machines.errors import ImageNotFound
 from agentbox.machines.kinds import memory_mb
 from agentbox.secrets import SecretBox
 from agentbox.system import System
@@ -314,9 +315,11 @@ class SandboxTable:
         try:
             await system.services.get(sandbox.id, sandbox.machine)
             self._record(sandbox)
-        except BaseException:
+        except BaseException as exc:
             del self._sandboxes[sandbox.id]
             await self._close_machine(system, sandbox.id)
+            if ImageNotFound in (type(exc), type(exc.__cause__)):  # the operator's to build: no retry helps
+                raise E2BError(404, f"template {template!r} is not ready: {exc}") from None
             raise
         self._arm(sandbox)
         return sandbox
