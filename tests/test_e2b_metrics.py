@@ -216,13 +216,16 @@ def test_the_cpu_share_counts_from_the_previous_reading_of_the_same_lifetime() -
 
 # --- what a sandbox's usage is read from ----------------------------------------------------
 
-#: A host process that, once told to go, holds BUSY_MB and spins for a second, then says so.
+#: A host process that, once told to go, holds BUSY_MB and spins until it has used BUSY_CPU
+#: seconds of CPU (not of wall time: on a loaded machine a second of spinning gets less), then
+#: says so.
 BUSY_MB = 64
+BUSY_CPU = 0.6
 BUSY = f"""import sys, time
 sys.stdin.readline()
 held = bytearray({BUSY_MB} * 2**20)
-end = time.time() + 1
-while time.time() < end:
+start = time.process_time()
+while time.process_time() - start < {BUSY_CPU}:
     pass
 print("done", flush=True)
 time.sleep(60)
