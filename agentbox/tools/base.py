@@ -194,6 +194,14 @@ class ToolContext(Protocol):
         ...
 
 
+async def shown_file_ids(ctx: ToolContext, paths: Iterable[str]) -> dict[str, str]:
+    """The file ids of files a tool shows, recorded for the session; path -> id (none where
+    the context keeps no ids)."""
+    if ctx.file_ids is None:
+        return {}
+    return await ctx.file_ids.remember(ctx.session_id, paths)
+
+
 Run = Callable[[ToolContext, Any], Awaitable[ToolResult]]
 
 

@@ -31,7 +31,7 @@ from wcmatch import glob as wc_glob
 
 from agentbox.machines.base import TRASH_DIR, ExecRequest, Machine
 from agentbox.machines.errors import MachineError
-from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult
+from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult, shown_file_ids
 from agentbox.tools.documents import IMAGE_EXTENSIONS
 from agentbox.tools.read import FAILURES, MAX_TEXT_BYTES, external_refusal, located, problem, stat_of
 from agentbox.workspace import grep as workspace_grep
@@ -117,13 +117,7 @@ def walk_excludes(ctx: ToolContext, folder: str) -> list[str]:
     """rg globs (relative to `folder`) that leave out of a walk of `folder` the trash and the
     knowledge bases below it the session did not select (external: listed, not walked)."""
     trash = [f"/{TRASH_DIR}"] if folder.rstrip("/") == ctx.machine.root.rstrip("/") else []
-    scope = ctx.scope
-    unselected = [
-        "/" + posixpath.relpath(kb.root, folder)
-        for kb in scope.registered
-        if kb.id not in scope.selected and below(folder, kb.root)
-    ]
-    return trash + unselected
+    return trash + ["/" + posixpath.relpath(root, folder) for root in ctx.scope.unselected_below(folder)]
 
 
 async def walk_again(ctx: ToolContext, folder: str) -> list[str]:
@@ -133,9 +127,8 @@ async def walk_again(ctx: ToolContext, folder: str) -> list[str]:
 
     A root rg is handed explicitly is followed even through a link, so one is kept only when
     every folder from `folder` down to it is a real folder, not a link."""
-    scope = ctx.scope
-    unselected = [kb.root for kb in scope.registered if kb.id not in scope.selected and below(folder, kb.root)]
-    nested = [kb.root for kb in scope.chosen if any(below(u, kb.root) for u in unselected)]
+    unselected = ctx.scope.unselected_below(folder)
+    nested = [kb.root for kb in ctx.scope.chosen if any(below(u, kb.root) for u in unselected)]
     return [root for root in nested if await plain_folders(ctx.machine, folder, root)]
 
 
@@ -379,7 +372,7 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
         return ToolResult.text(
             f"{target.inside}: no entries{kind}{starting} {what}.", path=target.inside, total=0, entries=[]
         )
-    ids = await shown_ids(ctx, [e.path for e in entries if e.path is not None])
+    ids = await shown_file_ids(ctx, [e.path for e in entries if e.path is not None])
     body = f"{target.inside}:\n" + "\n".join(e.line(ids.get(e.path or "")) for e in entries)
     if len(entries) < total or not complete:
         body += narrow(
@@ -393,13 +386,6 @@ async def run_list(ctx: ToolContext, p: ListParams) -> ToolResult:
         truncated=len(entries) < total,
         entries=[e.record(ids.get(e.path or "")) for e in entries],
     )
-
-
-async def shown_ids(ctx: ToolContext, paths: list[str]) -> dict[str, str]:
-    """The file ids of files a tool shows, recorded for the session (none without a store)."""
-    if ctx.file_ids is None or not paths:
-        return {}
-    return await ctx.file_ids.remember(ctx.session_id, paths)
 
 
 # --- glob -----------------------------------------------------------------------------------------

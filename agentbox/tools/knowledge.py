@@ -68,7 +68,7 @@ from pydantic import Field
 from agentbox.config import default_home
 from agentbox.machines.base import TRASH_DIR, Machine
 from agentbox.machines.errors import MachineError
-from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult
+from agentbox.tools.base import Action, Tool, ToolContext, ToolParams, ToolResult, shown_file_ids
 from agentbox.tools.documents import read_docx
 from agentbox.tools.knowledge_bases import Scope, ScopeError
 from agentbox.tools.note_files import NoteFiles, NoteStat, note_files
@@ -1238,8 +1238,8 @@ async def run_search(ctx: ToolContext, params: SearchParams) -> ToolResult:
         )
     text = render(params.query, outcome, limit, notes)
     results = [h.to_dict() for h in outcome.hits]
-    if ctx.file_ids is not None and results:
-        ids = await ctx.file_ids.remember(ctx.session_id, [h.path for h in outcome.hits])
+    ids = await shown_file_ids(ctx, [h.path for h in outcome.hits])
+    if ids:
         scope = ctx.scope
         for result, hit in zip(results, outcome.hits, strict=True):
             holder = scope.holder(hit.path)

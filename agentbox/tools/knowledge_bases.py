@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from agentbox.config import WORKSPACE_KNOWLEDGE_BASE, KnowledgeBaseSpec, knowledge_base_spec
-from agentbox.workspace.fileops import within
+from agentbox.workspace.fileops import below, within
 
 Source = Literal["workspace", "config", "session"]
 #: Knowledge bases one session registers of its own (besides the workspace and configured ones).
@@ -81,6 +81,10 @@ class Scope:
         """Whether `inside` is the session's own: its deepest knowledge base is selected."""
         kb = self.holder(inside)
         return kb is not None and kb.id in self.selected
+
+    def unselected_below(self, folder: str) -> list[str]:
+        """The roots of the knowledge bases below `folder` the session did not select."""
+        return [kb.root for kb in self.registered if kb.id not in self.selected and below(folder, kb.root)]
 
     def narrowed(self, ids: Sequence[str] | None) -> list[KnowledgeBase]:
         """The selected knowledge bases `ids` names (all of them for None); a query can only

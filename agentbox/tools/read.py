@@ -47,6 +47,7 @@ from agentbox.tools.base import (
     ToolContext,
     ToolParams,
     ToolResult,
+    shown_file_ids,
 )
 from agentbox.tools.document_images import (
     MAX_ATTACHED_IMAGES,
@@ -571,9 +572,8 @@ async def with_image_refs(
     refs, total = await image_refs(machine, note, text, holder.root if holder else machine.root)
     if not refs:
         return result
-    if ctx.file_ids is not None:
-        ids = await ctx.file_ids.remember(ctx.session_id, [r.inside for r in refs if r.exists and r.inside])
-        refs = [dataclasses.replace(r, file_id=ids.get(r.inside or "")) for r in refs]
+    ids = await shown_file_ids(ctx, [r.inside for r in refs if r.exists and r.inside])
+    refs = [dataclasses.replace(r, file_id=ids.get(r.inside or "")) for r in refs]
     result.data["imageRefs"] = [r.to_dict() for r in refs]
     result.data["imageRefsTotal"] = total
     listed = "; ".join(f"{r.src} ({r.skipped or ('exists' if r.exists else 'missing')})" for r in refs)
