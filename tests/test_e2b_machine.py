@@ -31,6 +31,8 @@ from test_api_v2 import Aio
 from agentbox.config import home_label
 from agentbox.machines.base import ExecRequest, Lifetime, WatchChange, Watching
 from agentbox.machines.e2b import EXTRA, REQUEST_TIMEOUT, E2BMachine, E2BOptions, sdk
+from agentbox.machines.e2b import sweep as sweeping
+from agentbox.machines.e2b.machine import HOME_KEY, INSTANCE_KEY
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.kinds import KINDS
 from agentbox.store.db import Database
@@ -509,6 +511,31 @@ async def test_a_restarted_server_kills_what_a_dead_one_left_and_nothing_else(
         for left in (live_box.sandbox_id, foreign.sandbox_id, stranger.sandbox_id):
             with contextlib.suppress(Exception):
                 await sdk().AsyncSandbox.kill(left, **params)
+
+
+async def test_a_sweep_reads_at_most_its_pages_and_leaves_the_rest_to_a_later_start(
+    endpoint: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five dead sandboxes, pages of two, at most two pages a start: four go, then the fifth."""
+    monkeypatch.setattr(sweeping, "SWEEP_PAGE_SIZE", 2)
+    monkeypatch.setattr(sweeping, "MAX_SWEEP_PAGES", 2)
+    options = E2BOptions.from_options(entry(endpoint))
+    params, e2b = options.api_params(), sdk()
+    label = f"home-{uuid.uuid4().hex[:12]}"
+    made = {
+        (await e2b.AsyncSandbox.create(metadata={HOME_KEY: label, INSTANCE_KEY: f"sbx_{i}"}, **params)).sandbox_id
+        for i in range(5)
+    }
+    try:
+        first = await sweeping.sweep(label, [options], keep=set())
+        assert len(first) == 4 and set(first) <= made
+        second = await sweeping.sweep(label, [options], keep=set())
+        assert second == list(made - set(first))
+        assert await sweeping.sweep(label, [options], keep=set()) == []
+    finally:
+        for left in made:
+            with contextlib.suppress(Exception):
+                await e2b.AsyncSandbox.kill(left, **params)
 
 
 async def _listed(endpoint: Server, session: str) -> list:

@@ -27,7 +27,10 @@ from agentbox.machines.e2b.options import E2BOptions, sdk
 
 log = logging.getLogger(__name__)
 
-#: Pages of a listing read at most per endpoint (100 sandboxes each: the listing's page).
+#: Sandboxes asked for per page of an endpoint's listing (E2B's own most per page).
+SWEEP_PAGE_SIZE = 100
+#: Pages of a listing read at most per endpoint at one start; what lies beyond is swept at a
+#: later start, so one endpoint cannot hold a start-up in a listing without end.
 MAX_SWEEP_PAGES = 100
 
 
@@ -52,12 +55,16 @@ async def sweep(label: str, entries: Iterable[E2BOptions], keep: set[str]) -> li
 async def _sweep_endpoint(e2b: Any, options: E2BOptions, label: str, keep: set[str]) -> list[str]:
     params = options.api_params()
     states = [e2b.SandboxState.RUNNING, e2b.SandboxState.PAUSED]
-    pages = e2b.AsyncSandbox.list(query=e2b.SandboxQuery(metadata={HOME_KEY: label}, state=states), **params)
+    query = e2b.SandboxQuery(metadata={HOME_KEY: label}, state=states)
+    pages = e2b.AsyncSandbox.list(query=query, limit=SWEEP_PAGE_SIZE, **params)
     found: list[Any] = []
     for _ in range(MAX_SWEEP_PAGES):
         if not pages.has_next:
             break
         found += await pages.next_items()
+    if pages.has_next:
+        log.warning("more than %d pages of e2b sandboxes at %s: the rest are swept at a later start",
+                    MAX_SWEEP_PAGES, options.where)  # fmt: skip
     killed = []
     for info in found:
         metadata = info.metadata or {}
