@@ -260,7 +260,8 @@ def test_a_session_from_login_to_review_in_the_browser(
     tree.get_by_role("button", name="dot.png").click()
     image = page.locator("#viewer img.preview")
     expect(image).to_be_visible()
-    assert image.evaluate("img => img.complete && [img.naturalWidth, img.naturalHeight]") == [8, 6]
+    # visible is not loaded: wait for the decode before reading its size
+    assert image.evaluate("img => img.decode().then(() => [img.naturalWidth, img.naturalHeight])") == [8, 6]
     assert "dot.png" in workspace_names(api, sid)
     # a change made by someone else shows up live, and the tree follows
     api.post(f"/sandboxes/{sid}/v2/fs/write", json={"path": "/workspace/later.txt", "content": "x"})
