@@ -202,6 +202,8 @@ class AgentChannel:
         self.running = 0
         """Commands started and not yet reported ended."""
         self.ready: asyncio.Future[None] = loop.create_future()
+        self.namespace: int | None = None
+        """The agent's user namespace (from `R`): where a machine nests its account's."""
         self._next = 0
         self._pending: dict[int, asyncio.Future[int]] = {}
         """Spawns waiting for their pid, by command id."""
@@ -236,7 +238,7 @@ class AgentChannel:
             return
         fds: list[int] = []
         try:
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, max(len(self.shared), 1))
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, len(self.shared) + 1)
         except BlockingIOError:
             return
         except OSError:
@@ -259,6 +261,8 @@ class AgentChannel:
         if op == b"R":
             for inside, fd in zip(self.shared, fds, strict=False):
                 self.view.attach(inside, fd)
+            if len(fds) > len(self.shared) and self.namespace is None:
+                self.namespace = fds[len(self.shared)]
             if not self.ready.done():
                 self.ready.set_result(None)
         elif op == b"P":
@@ -291,6 +295,9 @@ class AgentChannel:
 
     def close(self) -> None:
         """Close the socket: the agent kills every command and exits (and its machine ends)."""
+        if self.namespace is not None:
+            os.close(self.namespace)
+            self.namespace = None
         if self.sock is not None:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(self.sock.fileno())
@@ -322,15 +329,20 @@ class AgentChannel:
         stdin: bytes | None,
         interactive: bool,
         pty: TerminalSize | None = None,
+        account: bool = False,
     ) -> AgentProcess:
         """Start `argv` in `cwd` with exactly `env`; `stdin` (or `interactive`) gives it a stdin
-        pipe; `pty` runs it on a terminal of that size instead (`stdin` is then typed into it)."""
+        pipe; `pty` runs it on a terminal of that size instead (`stdin` is then typed into it).
+        `account`: the child gets the namespace sent with `send_account` as its fd 3."""
         self._next += 1
         cid = self._next
         pairs = [f"{k}={v}" for k, v in env.items()]
+        suffix = b"u" if account else b""
         if pty is not None:
             proc = AgentProcess(self, cid, None, None, None, terminal=True)
-            message: list[bytes | str | int] = [b"T", cid, cwd, pty.rows, pty.cols, len(argv), *argv, *pairs]
+            message: list[bytes | str | int] = [
+                b"T" + suffix, cid, cwd, pty.rows, pty.cols, len(argv), *argv, *pairs,
+            ]  # fmt: skip
             return await self._started(proc, argv, message, [], stdin)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -341,7 +353,13 @@ class AgentChannel:
             os.set_blocking(stdin_w, False)  # a command that does not read must not stop the server
             fds.append(in_r)
         proc = AgentProcess(self, cid, Pipe(out_r, self.loop), Pipe(err_r, self.loop), stdin_w)
-        return await self._started(proc, argv, [b"S", cid, cwd, len(argv), *argv, *pairs], fds, stdin)
+        return await self._started(
+            proc, argv, [b"S" + suffix, cid, cwd, len(argv), *argv, *pairs], fds, stdin
+        )
+
+    def send_account(self, namespace: int) -> None:
+        """Hand the agent the account's user namespace (`machines/account.py`); it keeps a copy."""
+        self.send([b"A"], [namespace])
 
     async def _started(
         self,

@@ -73,6 +73,10 @@ class ExecRequest:
     controlling terminal and its stdin, stdout and stderr: everything it writes arrives on
     `stdout` (`stderr` ends at once), `write_stdin` types into it, and the process is a
     `Terminal` (`resize`). A kind that cannot raises `TerminalUnsupported`."""
+    user: str | None = None
+    """The account to run as: None is the machine's own identity. A sandbox also has `root`
+    (its own) and `user` (`machines/account.py`); other names are `OwnerUnsupported`. Kinds
+    without accounts of their own run every command as their identity and ignore it."""
 
     def args(self) -> list[str]:
         return list(self.argv) if self.argv else ["/bin/sh", "-c", self.command]

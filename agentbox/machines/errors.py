@@ -13,7 +13,8 @@
     │                         (removed behind agentbox's back)
     ├── CapacityExceeded      the server already runs max_sandboxes sandboxes (or their memory
     │                         limits would pass max_sandbox_memory_mb): 503, retry after a while
-    ├── OwnerUnsupported      `?user=` names an owner this machine cannot set
+    ├── OwnerUnsupported      `?user=` names an owner this machine cannot set, or a command
+    │                         asks for an account it does not have
     ├── TerminalUnsupported   a command asked for a pseudo-terminal on a kind that gives none
     └── ImageError            an image (`images.py`) that is not built (ImageNotFound), held by
                               a running sandbox (ImageInUse), asked for wrongly

@@ -8,6 +8,8 @@ every sandbox's cold start):
 
     server -> agent   S id cwd argc argv... KEY=VALUE...   + fds: stdout, stderr[, stdin]
                       T id cwd rows cols argc argv... KEY=VALUE...   the same on a new pty
+                      Su, Tu: the same, with the account's namespace at the child's fd 3
+                      A                                    + fd: the account's user namespace
     agent -> server   P id pid        spawned                 + fd, after T: the pty's master
                       E id errno msg  could not spawn
                       X id code       exited (128+N for signal N)
@@ -15,7 +17,8 @@ every sandbox's cold start):
                       G pgid signal   signal a group whose leader has already exited
     agent -> server   R               ready, once at start     + fds: the directories named
                                                                  after the socket on the command
-                                                                 line, opened here (O_PATH)
+                                                                 line, opened here (O_PATH), then
+                                                                 the agent's own user namespace
 
 The server creates each command's pipes and reads them itself, so output never passes
 through this process. A `T` command gets a pseudo-terminal instead, opened here, in the
@@ -40,6 +43,11 @@ directories that exist only inside the machine (its tmpfs `/tmp` and `$HOME`), w
 opens in its own view and hands to the server with `R`, so the server reaches them by
 descriptor too. This file runs with the machine's `python3 -I -S`: standard library only,
 nothing from agentbox, old Python 3 versions too.
+
+The account (`machines/account.py`): a user namespace nested in the sandbox's, made by the
+server, handed over once with `A` and kept here close-on-exec. A `Su` or `Tu` command gets it
+as its fd 3, and the server's argv starts with `nsenter --user=/proc/self/fd/3`, which enters
+it before running the command. The agent itself never enters it, and holds no capability.
 """
 
 import _ctypes
@@ -111,6 +119,7 @@ def main():
     devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     by_pid = {}  # pid -> command id
     by_id = {}  # command id -> pid
+    account: list[int] = []  # the account's user namespace, once the server has sent it
 
     def send(*fields):
         ctl.send(b"\0".join(f if isinstance(f, bytes) else str(f).encode() for f in fields))
@@ -127,6 +136,8 @@ def main():
                 (os.POSIX_SPAWN_DUP2, fds[0], 1),
                 (os.POSIX_SPAWN_DUP2, fds[1], 2),
             ]
+            if fields[0] == b"Su":
+                actions.append((os.POSIX_SPAWN_DUP2, the_account(), 3))
             pid = os.posix_spawnp(argv[0], argv, env, file_actions=actions, setsid=True)
         except OSError as exc:
             send(b"E", cid, exc.errno or 0, exc.strerror or str(exc))
@@ -149,6 +160,7 @@ def main():
         size = b"".join(n.to_bytes(2, sys.byteorder) for n in (rows, cols, 0, 0))
         opened = []
         try:
+            namespace = the_account() if fields[0] == b"Tu" else None
             master, slave = os.openpty()
             opened += [master, slave]
             fcntl.ioctl(master, termios.TIOCSWINSZ, size)
@@ -166,6 +178,8 @@ def main():
                 fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
                 for fd in (0, 1, 2):
                     os.dup2(slave, fd)
+                if namespace is not None:
+                    os.dup2(namespace, 3)
                 _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
                 os.chdir(cwd)
                 os.execvpe(argv[0], argv, env)
@@ -187,6 +201,11 @@ def main():
         rights = master.to_bytes(FD_SIZE, sys.byteorder)
         ctl.sendmsg([b"P\0%s\0%d" % (cid, pid)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
         os.close(master)
+
+    def the_account():
+        if not account:
+            raise OSError(2, "no account namespace was sent")
+        return account[0]
 
     def reap():
         """Collect every exited child; report the commands, drop the orphans."""
@@ -217,6 +236,10 @@ def main():
     shared = [
         os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC) for path in sys.argv[2:]
     ]
+    try:
+        shared.append(os.open("/proc/self/ns/user", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:  # no /proc: the machine has no account
+        pass
     rights = b"".join(fd.to_bytes(FD_SIZE, sys.byteorder) for fd in shared)
     ctl.sendmsg([b"R"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)] if shared else [])
     for fd in shared:
@@ -236,10 +259,16 @@ def main():
                         pass
                 return
             fields = data.split(b"\0")
-            if fields[0] == b"S":
+            if fields[0] in (b"S", b"Su"):
                 spawn(fields, fds)
-            elif fields[0] == b"T":
+            elif fields[0] in (b"T", b"Tu"):
+                for fd in fds:
+                    os.close(fd)
                 spawn_terminal(fields)
+            elif fields[0] == b"A":
+                for fd in account + fds[1:]:
+                    os.close(fd)
+                account[:] = fds[:1]
             elif fields[0] == b"G":  # a group whose leader already exited (children remain)
                 try:
                     os.killpg(int(fields[1]), int(fields[2]))

@@ -68,11 +68,22 @@ from typing import Any
 
 from agentbox.machines import bwrap as bwrap_mod
 from agentbox.machines import seccomp
+from agentbox.machines.account import (
+    ACCOUNT_ENV,
+    ACCOUNT_ID,
+    ACCOUNT_NAME,
+    ACCOUNT_SETUP_SECONDS,
+    ENTER_ACCOUNT,
+    ROOT_NAME,
+    SETUP_SCRIPT,
+    nest_argv,
+    nested_namespace,
+)
 from agentbox.machines.agent_channel import PIPE_CHUNK, AgentChannel, AgentProcess
 from agentbox.machines.base import OS, TRASH_COVER_BYTES, TRASH_DIR, ExecRequest, ExecResult, Usage, collect
 from agentbox.machines.binaries import playwright_driver_dir, reachable_copy, ripgrep_binary
 from agentbox.machines.cgroups import Cgroups, Limits, SandboxGroup
-from agentbox.machines.errors import ImageError, MachineUnavailable
+from agentbox.machines.errors import ImageError, MachineUnavailable, OwnerUnsupported
 from agentbox.machines.hostfs import HostFiles, Owner
 from agentbox.machines.hostview import Alias, HostView, Mount
 from agentbox.machines.images import DEFAULT_IMAGE, Image, ImageStore
@@ -451,7 +462,12 @@ class SandboxMachine(HostFiles):
         self.run = run
         self.hostname = f"sbx-{sandbox_id[-12:]}".lower()
         self.owner = (host.uid, host.gid)
-        self.users = {"root": self.owner, str(0): self.owner}
+        self.users = {
+            ROOT_NAME: self.owner,
+            "0": self.owner,
+            ACCOUNT_NAME: self.owner,
+            str(ACCOUNT_ID): self.owner,
+        }
         self.plan: RootPlan | None = None
         """This lifetime's image and layer, decided at each start."""
         self.shell: str | None = None
@@ -467,6 +483,8 @@ class SandboxMachine(HostFiles):
         self._proc: subprocess.Popen[bytes] | None = None
         self._slirp: subprocess.Popen[bytes] | None = None
         self._channel: AgentChannel | None = None
+        self._account: tuple[AgentChannel, asyncio.Future[None]] | None = None
+        """The lifetime whose agent holds the account's namespace, and its making."""
         self._group: SandboxGroup | None = None
         self._fuse: list[subprocess.Popen[bytes]] = []
         self._mounts: list[Path] = []
@@ -980,18 +998,57 @@ class SandboxMachine(HostFiles):
         variables, the request's. With SHELL given, bash does not look root up in /etc/passwd
         at every start (it does, through nss, only to fill in `$SHELL`)."""
         shell = {"SHELL": self.shell} if self.shell is not None else {}
+        account = ACCOUNT_ENV if self._as_account(request.user) else {}
         return {
             "PATH": SANDBOX_PATH,
             "HOME": SANDBOX_HOME,
             **shell,
-            "USER": "root",
-            "LOGNAME": "root",
+            "USER": ROOT_NAME,
+            "LOGNAME": ROOT_NAME,
             "LANG": "C.UTF-8",
             "HOSTNAME": self.hostname,
             "TERM": "xterm-256color",
+            **account,
             **self.config.env,
             **request.env,
         }
+
+    @staticmethod
+    def _as_account(user: str | None) -> bool:
+        """Whether `user` names the account (`machines/account.py`) rather than root."""
+        if user is None or user in (ROOT_NAME, "0"):
+            return False
+        if user in (ACCOUNT_NAME, str(ACCOUNT_ID)):
+            return True
+        raise OwnerUnsupported(f"a sandbox has no user {user!r}: only {ROOT_NAME!r} and {ACCOUNT_NAME!r}")
+
+    async def _account_ready(self, channel: AgentChannel) -> None:
+        """Make the account once per lifetime (concurrent first uses share the work)."""
+        if self._account is None or self._account[0] is not channel:
+            self._account = (channel, asyncio.ensure_future(self._make_account(channel)))
+        making = self._account[1]
+        try:
+            await asyncio.shield(making)
+        except Exception:
+            if self._account is not None and self._account[1] is making:
+                self._account = None  # the next use tries again
+            raise
+
+    async def _make_account(self, channel: AgentChannel) -> None:
+        if channel.namespace is None:
+            raise OwnerUnsupported(f"this sandbox's agent gave no user namespace: it has no {ACCOUNT_NAME!r}")
+        setup = await self.exec(ExecRequest(command=SETUP_SCRIPT, timeout=ACCOUNT_SETUP_SECONDS))
+        if setup.exit_code != 0:
+            detail = setup.stderr.decode(errors="replace").strip()[-500:]
+            raise OwnerUnsupported(f"this sandbox could not make its {ACCOUNT_NAME!r} account: {detail}")
+        launch = self.host.as_sandbox_uid(nest_argv(channel.namespace))
+        namespace = await self.loop.run_in_executor(
+            None, nested_namespace, launch, channel.namespace, LAUNCH_ENV
+        )
+        try:
+            channel.send_account(namespace)
+        finally:
+            os.close(namespace)
 
     def _login_shell(self, plan: RootPlan) -> str | None:
         """root's shell in the passwd the sandbox will see: the image's, or the curated base's."""
@@ -1006,8 +1063,19 @@ class SandboxMachine(HostFiles):
             raise MachineUnavailable("the sandbox is not running")
         self.last_used = time.monotonic()
         cwd = self.view.absolute(request.cwd or self.root)
-        return await self._channel.spawn(
-            request.args(), cwd, self.command_env(request), request.stdin, request.interactive, request.pty
+        channel, argv = self._channel, request.args()
+        as_account = self._as_account(request.user)
+        if as_account:
+            await self._account_ready(channel)
+            argv = [*ENTER_ACCOUNT, *argv]
+        return await channel.spawn(
+            argv,
+            cwd,
+            self.command_env(request),
+            request.stdin,
+            request.interactive,
+            request.pty,
+            account=as_account,
         )
 
     async def exec(self, request: ExecRequest) -> ExecResult:
