@@ -21,7 +21,12 @@ from e2b.api.client.models import ConnectSandbox, NewSandbox
 from e2b.api.client.models import Sandbox as SandboxModel
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
-from e2b.exceptions import AuthenticationException, NotFoundException, TimeoutException
+from e2b.exceptions import (
+    AuthenticationException,
+    InvalidArgumentException,
+    NotFoundException,
+    TimeoutException,
+)
 from e2b.sandbox.filesystem.filesystem import WriteEntry
 
 from agentbox.api.app import create_app
@@ -83,6 +88,28 @@ def test_a_failing_command_raises_with_its_exit_code(sbx: Sandbox) -> None:
         sbx.commands.run("echo bad >&2; exit 3")
     assert failed.value.exit_code == 3
     assert failed.value.stderr == "bad\n"
+
+
+def test_commands_run_as_user_unless_root_is_asked_for(sbx: Sandbox) -> None:
+    """envd's default user, as the SDK assumes: `user` (uid 1000, home /home/user); `root` on request."""
+    mine = sbx.commands.run('whoami; id -u; echo "$HOME"; cd ~ && pwd; echo made > ~/note')
+    assert mine.stdout.split("\n")[:4] == ["user", "1000", "/home/user", "/home/user"]
+    assert sbx.commands.run("whoami; id -u", user="root").stdout == "root\n0\n"
+    # each sees the other's files as its own: one owner, seen as 1000 or 0
+    assert (
+        sbx.commands.run("stat -c %U /home/user/note; cat /home/user/note", user="root").stdout
+        == "root\nmade\n"
+    )
+    assert sbx.commands.run("whoami", user="user").stdout == "user\n"
+    handle = sbx.commands.run("sleep 30", background=True)
+    assert sbx.commands.run("ps -o user= -p $(pgrep -x sleep)").stdout == "user\n"
+    handle.kill()
+
+
+def test_an_account_the_sandbox_lacks_is_invalid_argument(sbx: Sandbox) -> None:
+    with pytest.raises(InvalidArgumentException, match="no user 'postgres'"):
+        sbx.commands.run("touch /workspace/ran", user="postgres")
+    assert not sbx.files.exists("/workspace/ran")
 
 
 def test_background_command_is_listed_and_killed(sbx: Sandbox) -> None:

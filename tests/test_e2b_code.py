@@ -97,7 +97,7 @@ def test_stdout_and_stderr_reach_the_callbacks(sbx: Sandbox) -> None:
 def test_cells_run_inside_the_sandbox_with_envs(sbx: Sandbox, code_env: Server) -> None:
     code = "import os, socket; (os.getuid(), socket.gethostname(), os.getcwd(), os.path.exists(%r))"
     inside = sbx.run_code(code % str(code_env.home)).text
-    shell = sbx.commands.run("id -u; hostname").stdout.split()
+    shell = sbx.commands.run("id -u; hostname", user="root").stdout.split()  # kernels run as root
     assert inside == f"({shell[0]}, '{shell[1]}', '/workspace', False)"  # the server's home is not there
     env = sbx.run_code("import os; os.environ.get('ONLY_HERE')", envs={"ONLY_HERE": "yes"})
     assert env.text == "'yes'"

@@ -16,8 +16,9 @@ both, then hands the request to one of:
 and, for requests with `E2b-Sandbox-Port: 49999`, E2B's code interpreter (`code.py`).
 The services live beside this module: `process.py` (over the machine's command manager),
 `filesystem.py` (over `file_ops` and the watch hub), `files.py` (the HTTP routes), and what
-they share in `rpc.py`. Not served yet: PTYs, `StreamInput`, `Update`, file metadata, and
-running as a named user (`username` / `user` is accepted and ignored).
+they share in `rpc.py`. Processes run as the account the call names (`process.py`); file
+operations need no account, since both of a sandbox's are the same owner (`machines/account.py`).
+Not served yet: file metadata.
 """
 
 from __future__ import annotations

@@ -22,8 +22,11 @@ is NOT_FOUND, as envd forgets ended processes. Each message is within connectrpc
 cap (4 MiB) and is written before the next is read, waiting for the process to take it (the
 command manager's stdin timeout), so a long stream holds one message at a time.
 
-Not served: running as a named user (`user` is accepted and ignored: commands run as the
-sandbox's own root).
+Users: a process runs as the account the call names (`Authorization: Basic`, the SDK's
+`user=`), `user` when it names none, as envd does. A sandbox has `user` (uid 1000, home
+/home/user) and `root` (`machines/account.py`); another name is INVALID_ARGUMENT. Kinds
+without accounts run it as their own identity. The working directory is the machine's root
+(/workspace, which persists) unless `cwd` is given, not the user's home as in E2B's cloud.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from connectrpc.request import RequestContext
 
 from agentbox.e2b.envd_gen.process import process_pb as pr
 from agentbox.e2b.envd_gen.process.process_connect import Process
-from agentbox.e2b.rpc import inside_path, keepalive_of, oneof, rpc_errors, sandbox_id_of
+from agentbox.e2b.rpc import inside_path, keepalive_of, oneof, rpc_errors, sandbox_id_of, user_of
 from agentbox.e2b.sandboxes import E2BSandbox, Launched, SandboxTable
 from agentbox.machines.base import MAX_TERMINAL_SIDE, TerminalSize
 from agentbox.tools.services import MachineServices
@@ -129,6 +132,7 @@ class ProcessService(Process):
                 stdin=stdin,
                 timeout=process_deadline(ctx),
                 pty=size,
+                user=user_of(ctx),
             )
         pid = sandbox.new_pid(Launched(cmd.id, config, request.tag))
         yield pr.StartResponse(event=started(pid))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import posixpath
 from collections.abc import Iterator
@@ -24,6 +26,8 @@ KEEPALIVE_SECONDS = 30.0
 
 
 MIN_KEEPALIVE_SECONDS = 1.0
+#: Whom a process runs as when the call names nobody: envd's default user (`machines/account.py`).
+DEFAULT_USER = "user"
 
 
 #: WorkspaceError types as Connect codes and as envd's HTTP statuses.
@@ -114,3 +118,20 @@ class CheckedDecoding:
 
 
 CODECS = [CheckedDecoding(proto_binary_codec()), CheckedDecoding(proto_json_codec())]
+
+
+def user_of(ctx: RequestContext[Any, Any]) -> str:
+    """Whom the call runs as: `Authorization: Basic base64("<user>:")`, as the SDK sends it for
+    `user=`, or DEFAULT_USER without the header."""
+    header = ctx.request_headers.get("authorization")
+    if header is None:
+        return DEFAULT_USER
+    scheme, _, value = header.partition(" ")
+    try:
+        decoded = base64.b64decode(value, validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        decoded = ""
+    name = decoded.partition(":")[0]
+    if scheme.lower() != "basic" or not name:
+        raise ConnectError(Code.INVALID_ARGUMENT, "Authorization must be Basic base64('<user>:')")
+    return name

@@ -455,6 +455,7 @@ class CommandManager:
         keep_background: bool = False,
         input: bytes | None = None,
         pty: TerminalSize | None = None,
+        user: str | None = None,
     ) -> Command:
         """Start and return at once (async mode), status `running`.
 
@@ -463,13 +464,14 @@ class CommandManager:
         (a command that reads stdin then waits for input or `close_stdin`); `input` is
         written to it first and then it is closed. `pty` runs it on a pseudo-terminal of
         that size instead (the machine's kind may refuse): `write_stdin` types into it,
-        `resize` changes it, and all its output is `stdout`, under the same caps.
+        `resize` changes it, and all its output is `stdout`, under the same caps. `user` is
+        the machine's account to run as (`ExecRequest.user`).
         """
         deadline = None if timeout is None else _check_timeout(timeout)
         _check_input(input)
         cmd = await self._launch(
             command, cwd, env, deadline, session_id, stdin or input is not None or pty is not None,
-            keep_background, pty,
+            keep_background, pty, user=user,
         )  # fmt: skip
         self._feed(cmd, input)
         return cmd
@@ -499,6 +501,7 @@ class CommandManager:
         keep_background: bool,
         pty: TerminalSize | None = None,
         argv: tuple[str, ...] = (),
+        user: str | None = None,
     ) -> Command:
         self._check_open("exec")
         _check_command(command, cwd)
@@ -508,7 +511,9 @@ class CommandManager:
             raise _too_many("running commands", MAX_RUNNING_COMMANDS, "exec")
         session = self._session_for(session_id) if session_id is not None else None
         cwd = cwd or (session.working_dir if session else None)
-        request = ExecRequest(command=command, argv=argv, cwd=cwd, env=clean_env, interactive=stdin, pty=pty)
+        request = ExecRequest(
+            command=command, argv=argv, cwd=cwd, env=clean_env, interactive=stdin, pty=pty, user=user
+        )
         self._starting += 1
         spawning = asyncio.ensure_future(self.machine.spawn(request))
         try:
