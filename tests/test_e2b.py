@@ -101,6 +101,7 @@ def test_commands_run_as_user_unless_root_is_asked_for(sbx: Sandbox) -> None:
         == "root\nmade\n"
     )
     assert sbx.commands.run("whoami", user="user").stdout == "user\n"
+    assert sbx.commands.run("sudo whoami; sudo -u user whoami").stdout == "root\nuser\n"  # passwordless, as in E2B
     handle = sbx.commands.run("sleep 30", background=True)
     assert sbx.commands.run("ps -o user= -p $(pgrep -x sleep)").stdout == "user\n"
     handle.kill()

@@ -133,3 +133,34 @@ async def test_a_new_lifetime_makes_the_account_again(box: SandboxMachine) -> No
     await box.start()
     code, out, err = await run(box, "id -un")
     assert (code, out) == (0, "user\n"), err
+
+
+async def test_sudo_runs_a_command_as_root_and_returns_its_exit_code(make_image_sandbox: SandboxFactory) -> None:
+    """On an image (its /usr is the sandbox's layer) the account gets a passwordless `sudo`."""
+    box = await make_image_sandbox()
+    code, out, err = await run(box, "sudo id -u; sudo -u user id -u; sudo sh -c 'echo $HOME; exit 7'; echo rc=$?")
+    assert (code, out) == (0, f"0\n{ACCOUNT_ID}\n/root\nrc=7\n"), err
+    code, out, _ = await run(box, "echo typed | sudo cat; sudo -i pwd; sudo -n true && sudo -l | tail -1")
+    assert out == "typed\n/root\n    (ALL) NOPASSWD: ALL\n"
+    code, _, err = await run(box, "sudo /no/such/program")
+    assert code == 127 and "No such file" in err
+    code, _, err = await run(box, "sudo --bogus true")
+    assert code == 1 and "unknown option" in err
+
+
+async def test_a_killed_sudo_kills_its_root_command(make_image_sandbox: SandboxFactory) -> None:
+    box = await make_image_sandbox()
+    process = await box.spawn(ExecRequest(command="exec sudo sleep 300", user="user"))
+    async with asyncio.timeout(20):
+        while (await run(box, "pgrep -x sleep", user="root"))[0] != 0:
+            await asyncio.sleep(0.05)
+    process.kill()
+    async with asyncio.timeout(20):
+        while (await run(box, "pgrep -x sleep", user="root"))[0] == 0:
+            await asyncio.sleep(0.05)
+
+
+async def test_sudo_on_the_hosts_usr_under_the_system_layer(make_sandbox: SandboxFactory) -> None:
+    box = await make_sandbox()
+    code, out, err = await run(box, "id -un; sudo id -un")
+    assert (code, out) == (0, "user\nroot\n"), err

@@ -38,6 +38,7 @@ import os
 import select
 import shlex
 import subprocess
+from pathlib import Path
 
 from agentbox.machines.errors import MachineUnavailable
 
@@ -61,7 +62,24 @@ SETUP_SCRIPT = (
     f"grep -q '^{ACCOUNT_NAME}:' /etc/passwd || echo {shlex.quote(_PASSWD)} >> /etc/passwd\n"
     f"grep -q '^{ACCOUNT_NAME}:' /etc/group || echo {shlex.quote(_GROUP)} >> /etc/group\n"
     f"mkdir -p {ACCOUNT_HOME}\n"
+    "mkdir -p /run 2>/dev/null || true\n"
 )
+#: `sudo` (`sudo_shim.py`) and its root broker (`sudo_broker.py`), installed where /usr can be
+#: written (an image's layer); the broker listens on the shim's socket.
+SUDO_PATH = "/usr/local/bin/sudo"
+BROKER_PATH = "/usr/local/lib/agentbox/sudo-broker.py"
+SUDO_SOCKET = "/run/agentbox-sudo"
+SUDO_SOURCE = (Path(__file__).parent / "sudo_shim.py").read_bytes()
+BROKER_SOURCE = (Path(__file__).parent / "sudo_broker.py").read_bytes()
+#: `sh -c INSTALL_SCRIPT sh PATH`: stdin becomes the executable file PATH, replaced whole;
+#: exit 3 when /usr/local cannot be written (then there is no sudo).
+INSTALL_SCRIPT = (
+    'mkdir -p "$(dirname "$1")" 2>/dev/null && [ -w "$(dirname "$1")" ] || exit 3\n'
+    'cat > "$1.new" && chmod 755 "$1.new" && mv -f "$1.new" "$1"\n'
+)
+NO_SUDO_EXIT = 3
+#: What starts the broker (as root): the image's python, as the shim's `#!` line says.
+BROKER_ARGV = ("/usr/bin/python3", "-I", "-S", BROKER_PATH, SUDO_SOCKET)
 
 
 def nest_argv(sandbox_namespace_fd: int) -> list[str]:

@@ -73,9 +73,16 @@ from agentbox.machines.account import (
     ACCOUNT_ID,
     ACCOUNT_NAME,
     ACCOUNT_SETUP_SECONDS,
+    BROKER_ARGV,
+    BROKER_PATH,
+    BROKER_SOURCE,
     ENTER_ACCOUNT,
+    INSTALL_SCRIPT,
+    NO_SUDO_EXIT,
     ROOT_NAME,
     SETUP_SCRIPT,
+    SUDO_PATH,
+    SUDO_SOURCE,
     nest_argv,
     nested_namespace,
 )
@@ -485,6 +492,8 @@ class SandboxMachine(HostFiles):
         self._channel: AgentChannel | None = None
         self._account: tuple[AgentChannel, asyncio.Future[None]] | None = None
         """The lifetime whose agent holds the account's namespace, and its making."""
+        self._sudo: AgentProcess | None = None
+        """This lifetime's sudo broker (`sudo_broker.py`), when its /usr could take one."""
         self._group: SandboxGroup | None = None
         self._fuse: list[subprocess.Popen[bytes]] = []
         self._mounts: list[Path] = []
@@ -1049,6 +1058,27 @@ class SandboxMachine(HostFiles):
             channel.send_account(namespace)
         finally:
             os.close(namespace)
+        await self._start_sudo()
+
+    async def _start_sudo(self) -> None:
+        """Install `sudo` and start its broker as root; a /usr that cannot be written has none."""
+        for path, source in ((BROKER_PATH, BROKER_SOURCE), (SUDO_PATH, SUDO_SOURCE)):
+            argv = ("/bin/sh", "-c", INSTALL_SCRIPT, "sh", path)
+            installed = await self.exec(ExecRequest(argv=argv, stdin=source, timeout=ACCOUNT_SETUP_SECONDS))
+            if installed.exit_code == NO_SUDO_EXIT:
+                return
+            if installed.exit_code != 0:
+                detail = installed.stderr.decode(errors="replace").strip()[-500:]
+                raise OwnerUnsupported(f"this sandbox could not install sudo for {ACCOUNT_NAME!r}: {detail}")
+        broker = await self.spawn(ExecRequest(argv=BROKER_ARGV, cwd="/"))
+        async with asyncio.timeout(ACCOUNT_SETUP_SECONDS):
+            said = await broker.stdout.readline()
+        if said != b"ready\n":
+            broker.kill()
+            raise OwnerUnsupported(
+                f"the sudo broker did not start: {(await broker.stderr.read(500)).decode(errors='replace')}"
+            )
+        self._sudo = broker
 
     def _login_shell(self, plan: RootPlan) -> str | None:
         """root's shell in the passwd the sandbox will see: the image's, or the curated base's."""

@@ -354,7 +354,7 @@ class E2BMachine:
             process=process_pb.ProcessConfig(cmd="/bin/sh", args=["-c", line], envs={}, cwd="/"),
             stdin=piped,
         )
-        events = self._process_rpc.start(start, headers=self._headers(user))
+        events = self._process_rpc.start(start, headers=self._headers(user or request.user))
         process = E2BProcess(self, events, request.args()[0], {"cwd": cwd, "exec": request.args()[0]})
         self._processes.add(process)
         process.begin()
