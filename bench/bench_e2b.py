@@ -4,7 +4,8 @@
 
 The SDK is pointed at the server as a user would (`E2B_API_URL`, `E2B_SANDBOX_URL`) and
 times `Sandbox.create()` up to its first `commands.run("true")` done, then the round trip
-of `commands.run("true")` in a live sandbox, beside agentbox's own `POST /v2/commands` on
+of `commands.run("true")` in a live sandbox (as `user`, the SDK's default, and as `root`: the
+account's namespace costs one `nsenter` exec), beside agentbox's own `POST /v2/commands` on
 the same server and a bare spawn. The targets are E2B's cloud for scale (its published
 median create to first command, and about 50 ms per command from a client), not a limit.
 """
@@ -69,6 +70,7 @@ def e2b_figures(url: str, counts: Counts, spawn: float) -> list[Figure]:
     sandbox = Sandbox.create()
     try:
         runs = time_calls(lambda: sandbox.commands.run("true"), counts.runs, counts.warmup)
+        as_root = time_calls(lambda: sandbox.commands.run("true", user="root"), counts.runs, counts.warmup)
     finally:
         sandbox.kill()
     with httpx.Client(base_url=url, timeout=60) as client:
@@ -89,6 +91,13 @@ def e2b_figures(url: str, counts: Counts, spawn: float) -> list[Figure]:
             raw_seconds=own_median,
             target=Target(E2B_COMMAND_MS),
             extra={"ratio_to_bare_spawn": statistics.median(runs) / spawn},
+        ),
+        latency_figure(
+            "e2b_run_true_as_root",
+            'sbx.commands.run("true", user="root")',
+            as_root,
+            raw_label='commands.run("true") as user',
+            raw_seconds=statistics.median(runs),
         ),
         latency_figure(
             "api_exec_true",

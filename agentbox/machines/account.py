@@ -35,6 +35,7 @@ What that gives, and what it does not:
 from __future__ import annotations
 
 import os
+import posixpath
 import select
 import shlex
 import subprocess
@@ -57,13 +58,6 @@ ENTER_ACCOUNT = ("/usr/bin/nsenter", f"--user=/proc/self/fd/{NAMESPACE_FD}", "--
 
 _PASSWD = f"{ACCOUNT_NAME}:x:{ACCOUNT_ID}:{ACCOUNT_ID}:{ACCOUNT_NAME}:{ACCOUNT_HOME}:/bin/bash"
 _GROUP = f"{ACCOUNT_NAME}:x:{ACCOUNT_ID}:"
-#: Run as the sandbox's root: the account's entries (once) and its home.
-SETUP_SCRIPT = (
-    f"grep -q '^{ACCOUNT_NAME}:' /etc/passwd || echo {shlex.quote(_PASSWD)} >> /etc/passwd\n"
-    f"grep -q '^{ACCOUNT_NAME}:' /etc/group || echo {shlex.quote(_GROUP)} >> /etc/group\n"
-    f"mkdir -p {ACCOUNT_HOME}\n"
-    "mkdir -p /run 2>/dev/null || true\n"
-)
 #: `sudo` (`sudo_shim.py`) and its root broker (`sudo_broker.py`), installed where /usr can be
 #: written (an image's layer); the broker listens on the shim's socket.
 SUDO_PATH = "/usr/local/bin/sudo"
@@ -71,13 +65,20 @@ BROKER_PATH = "/usr/local/lib/agentbox/sudo-broker.py"
 SUDO_SOCKET = "/run/agentbox-sudo"
 SUDO_SOURCE = (Path(__file__).parent / "sudo_shim.py").read_bytes()
 BROKER_SOURCE = (Path(__file__).parent / "sudo_broker.py").read_bytes()
-#: `sh -c INSTALL_SCRIPT sh PATH`: stdin becomes the executable file PATH, replaced whole;
-#: exit 3 when /usr/local cannot be written (then there is no sudo).
-INSTALL_SCRIPT = (
-    'mkdir -p "$(dirname "$1")" 2>/dev/null && [ -w "$(dirname "$1")" ] || exit 3\n'
-    'cat > "$1.new" && chmod 755 "$1.new" && mv -f "$1.new" "$1"\n'
-)
+#: The exit of SETUP_SCRIPT when /usr/local cannot be written: an account, but no sudo.
 NO_SUDO_EXIT = 3
+#: One command as the sandbox's root: the account's entries (once), its home, then the broker
+#: and `sudo`, read from stdin (SETUP_INPUT), each replaced whole.
+SETUP_SCRIPT = (
+    f"grep -q '^{ACCOUNT_NAME}:' /etc/passwd || echo {shlex.quote(_PASSWD)} >> /etc/passwd\n"
+    f"grep -q '^{ACCOUNT_NAME}:' /etc/group || echo {shlex.quote(_GROUP)} >> /etc/group\n"
+    f"mkdir -p {ACCOUNT_HOME} || exit 1\n"
+    "mkdir -p /run 2>/dev/null\n"
+    f"mkdir -p {posixpath.dirname(BROKER_PATH)} 2>/dev/null && [ -w {posixpath.dirname(SUDO_PATH)} ] || exit {NO_SUDO_EXIT}\n"
+    f"head -c {len(BROKER_SOURCE)} > {BROKER_PATH}.new && cat > {SUDO_PATH}.new || exit 1\n"
+    f"chmod 755 {BROKER_PATH}.new {SUDO_PATH}.new && mv -f {BROKER_PATH}.new {BROKER_PATH} && mv -f {SUDO_PATH}.new {SUDO_PATH}\n"
+)
+SETUP_INPUT = BROKER_SOURCE + SUDO_SOURCE
 #: What starts the broker (as root): the image's python, as the shim's `#!` line says.
 BROKER_ARGV = ("/usr/bin/python3", "-I", "-S", BROKER_PATH, SUDO_SOCKET)
 

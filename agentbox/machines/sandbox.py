@@ -74,15 +74,11 @@ from agentbox.machines.account import (
     ACCOUNT_NAME,
     ACCOUNT_SETUP_SECONDS,
     BROKER_ARGV,
-    BROKER_PATH,
-    BROKER_SOURCE,
     ENTER_ACCOUNT,
-    INSTALL_SCRIPT,
     NO_SUDO_EXIT,
     ROOT_NAME,
+    SETUP_INPUT,
     SETUP_SCRIPT,
-    SUDO_PATH,
-    SUDO_SOURCE,
     nest_argv,
     nested_namespace,
 )
@@ -1044,41 +1040,26 @@ class SandboxMachine(HostFiles):
             raise
 
     async def _make_account(self, channel: AgentChannel) -> None:
+        """The account's files inside and its namespace outside, at once, then `sudo`'s broker."""
         if channel.namespace is None:
             raise OwnerUnsupported(f"this sandbox's agent gave no user namespace: it has no {ACCOUNT_NAME!r}")
-        setup = await self.exec(ExecRequest(command=SETUP_SCRIPT, timeout=ACCOUNT_SETUP_SECONDS))
-        if setup.exit_code != 0:
-            detail = setup.stderr.decode(errors="replace").strip()[-500:]
-            raise OwnerUnsupported(f"this sandbox could not make its {ACCOUNT_NAME!r} account: {detail}")
+        setup = ExecRequest(command=SETUP_SCRIPT, stdin=SETUP_INPUT, timeout=ACCOUNT_SETUP_SECONDS)
         launch = self.host.as_sandbox_uid(nest_argv(channel.namespace))
-        namespace = await self.loop.run_in_executor(
-            None, nested_namespace, launch, channel.namespace, LAUNCH_ENV
-        )
+        nesting = self.loop.run_in_executor(None, nested_namespace, launch, channel.namespace, LAUNCH_ENV)
+        done, namespace = await asyncio.gather(self.exec(setup), nesting, return_exceptions=True)
+        if isinstance(namespace, BaseException):
+            raise namespace
         try:
+            if isinstance(done, BaseException):
+                raise done
+            if done.exit_code not in (0, NO_SUDO_EXIT):
+                detail = done.stderr.decode(errors="replace").strip()[-500:]
+                raise OwnerUnsupported(f"this sandbox could not make its {ACCOUNT_NAME!r} account: {detail}")
             channel.send_account(namespace)
         finally:
             os.close(namespace)
-        await self._start_sudo()
-
-    async def _start_sudo(self) -> None:
-        """Install `sudo` and start its broker as root; a /usr that cannot be written has none."""
-        for path, source in ((BROKER_PATH, BROKER_SOURCE), (SUDO_PATH, SUDO_SOURCE)):
-            argv = ("/bin/sh", "-c", INSTALL_SCRIPT, "sh", path)
-            installed = await self.exec(ExecRequest(argv=argv, stdin=source, timeout=ACCOUNT_SETUP_SECONDS))
-            if installed.exit_code == NO_SUDO_EXIT:
-                return
-            if installed.exit_code != 0:
-                detail = installed.stderr.decode(errors="replace").strip()[-500:]
-                raise OwnerUnsupported(f"this sandbox could not install sudo for {ACCOUNT_NAME!r}: {detail}")
-        broker = await self.spawn(ExecRequest(argv=BROKER_ARGV, cwd="/"))
-        async with asyncio.timeout(ACCOUNT_SETUP_SECONDS):
-            said = await broker.stdout.readline()
-        if said != b"ready\n":
-            broker.kill()
-            raise OwnerUnsupported(
-                f"the sudo broker did not start: {(await broker.stderr.read(500)).decode(errors='replace')}"
-            )
-        self._sudo = broker
+        if done.exit_code == 0:  # the shim waits for the broker's socket a moment
+            self._sudo = await self.spawn(ExecRequest(argv=BROKER_ARGV, cwd="/"))
 
     def _login_shell(self, plan: RootPlan) -> str | None:
         """root's shell in the passwd the sandbox will see: the image's, or the curated base's."""

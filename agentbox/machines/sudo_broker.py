@@ -11,7 +11,7 @@ sandbox's root does not have, and root holds no capability.
 A request is one SEQPACKET message, NUL-separated: `cwd argc argv... KEY=VALUE...` with three
 descriptors. The reply: `X code` (128+N for signal N) or `E errno message`. Each request is
 served by a forked child of the broker; when the client goes away (the `sudo` process was
-killed) the command's process group is killed. It says `ready` on stdout once it listens. Standard library only; runs as
+killed) the command's process group is killed. Standard library only; runs as
 `python3 -I -S sudo_broker.py SOCKET`.
 """
 
@@ -34,7 +34,6 @@ def serve(path):
     server.bind(path)
     os.chmod(path, 0o666)
     server.listen(64)
-    os.write(1, b"ready\n")
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the handlers reap themselves
     while True:
         conn, _ = server.accept()

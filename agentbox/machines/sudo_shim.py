@@ -11,9 +11,12 @@ nothing here; the command gets the caller's environment with root's HOME, USER a
 import os
 import socket
 import sys
+import time
 
 SOCKET = "/run/agentbox-sudo"
 IGNORED = set("EHnSkv")
+#: Seconds to wait for the broker's socket (it starts with the account, beside the first command).
+CONNECT_SECONDS = 5.0
 USAGE = "usage: sudo [-EHnSikslv] [-u root|user] [--] command [args...]"
 
 
@@ -61,6 +64,20 @@ def command_of(login, shell, args):
     return args
 
 
+def connect():
+    deadline = time.monotonic() + CONNECT_SECONDS
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.connect(SOCKET)
+            return conn
+        except OSError as exc:
+            conn.close()
+            if time.monotonic() > deadline:
+                raise SystemExit(f"sudo: the sandbox's sudo broker is not running ({exc.strerror})") from None
+            time.sleep(0.02)
+
+
 def main():
     as_root, login, shell, keep_home, args = parse(sys.argv[1:])
     argv = command_of(login, shell, args)
@@ -71,11 +88,7 @@ def main():
         env["HOME"] = "/root"
     cwd = "/root" if login else os.getcwd()
     fields = [cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items())]
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        conn.connect(SOCKET)
-    except OSError as exc:
-        raise SystemExit(f"sudo: the sandbox's sudo broker is not running ({exc.strerror})") from None
+    conn = connect()
     socket.send_fds(conn, ["\0".join(fields).encode("utf-8", "surrogateescape")], [0, 1, 2])
     reply = conn.recv(4096).split(b"\0")
     if reply[0] == b"X":
