@@ -369,7 +369,7 @@ def tool_figures(root: Path, counts: Counts) -> list[Figure]:
     tool, machine = rows["tool_bash_true"], rows["machine_exec_true"]
     tool.raw_label, tool.raw = "machine.exec", machine.median
     tool.target = Target(TOOL_RATIO_TARGET, "ratio")
-    return [machine, rows["commands_run_true"], tool]
+    return [machine, rows["machine_exec_bash_true"], rows["commands_run_true"], tool]
 
 
 # --- 5. the stages of one exec, in one process -----------------------------------------------

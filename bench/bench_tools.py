@@ -290,10 +290,12 @@ async def bash_figures(tools: SessionTools, counts: Counts) -> list[Figure]:
     manager = CommandManager(machine)
     raw = Timed(bare_spawn, exited_0)
     layer = Timed(lambda: machine.exec(ExecRequest("true")), exited_0, awaited=True)
+    bash = await machine.find_program("bash") or "/bin/bash"
+    same_argv = Timed(lambda: machine.exec(ExecRequest(argv=(bash, "-c", "true"))), exited_0, awaited=True)
     commands = Timed(lambda: manager.run("true"), exited_0, awaited=True)
     tool = Timed(lambda: tools.call("bash", {"command": "true"}), tool_check("(no output)"), awaited=True)
     try:
-        await rounds((raw, layer, commands, tool), counts.samples, counts.warmup)
+        await rounds((raw, layer, same_argv, commands, tool), counts.samples, counts.warmup)
     finally:
         await manager.close()
     raw_seconds = statistics.median(raw.samples)
@@ -306,6 +308,13 @@ async def bash_figures(tools: SessionTools, counts: Counts) -> list[Figure]:
             layer.samples,
             raw_label="bare spawn",
             raw_seconds=raw_seconds,
+        ),
+        latency_figure(
+            "machine_exec_bash_true",
+            "machine.exec(argv=(bash, '-c', 'true')) (what the tool runs)",
+            same_argv.samples,
+            raw_label="machine.exec('true')",
+            raw_seconds=statistics.median(layer.samples),
         ),
         latency_figure(
             "commands_run_true",
@@ -323,6 +332,7 @@ async def bash_figures(tools: SessionTools, counts: Counts) -> list[Figure]:
                 raw_seconds=raw_seconds,
             ),
             machine_exec=layer.samples,
+            machine_exec_bash=same_argv.samples,
             commands_run=commands.samples,
         ),
     ]
