@@ -134,15 +134,20 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(root: Path) -> Iterator[Server]:
-    """`python -m agentbox serve` on a free loopback port with AGENTBOX_HOME under `root`."""
+def serving(root: Path, config: str | None = None) -> Iterator[Server]:
+    """`python -m agentbox serve` on a free loopback port with AGENTBOX_HOME under `root`; with
+    `config`, that text is its agentbox.toml (else the embedded defaults)."""
     home, log = root / "home", root / "server.log"
     home.mkdir()
+    env = {**os.environ, "AGENTBOX_HOME": str(home)}
+    if config is not None:
+        (root / "agentbox.toml").write_text(config)
+        env["AGENTBOX_CONFIG"] = str(root / "agentbox.toml")
     port = free_port()
     with log.open("ab") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "agentbox", "serve", "--port", str(port)],
-            env={**os.environ, "AGENTBOX_HOME": str(home)},
+            env=env,
             stdout=out,
             stderr=out,
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import statistics
 import subprocess
@@ -81,6 +82,10 @@ SECTIONS = ("stages", "side", "load", "grep", "tool")
 #: The sections that need agentbox served and the peer beside it.
 SERVED_SECTIONS = frozenset({"side", "load", "grep"})
 CONTENT = ("0123456789abcde\n" * (KIB // 16))[:KIB]
+#: The served sandbox's machine entry: the embedded default but for its CPU limit, which the
+#: bench sets to the host's cores (`--sandbox-cpus`), as the references (16 threads of bare
+#: spawns, parallel rg) use them all; the embedded default gives a sandbox one CPU.
+SANDBOX_CONFIG = '[machines.sandbox]\nkind = "sandbox"\nnetwork = "on"\ncpus = {cpus}\n'
 
 
 @dataclass(frozen=True)
@@ -458,11 +463,16 @@ def stage_figures(root: Path, counts: Counts) -> list[Figure]:
 
 
 def run(
-    counts: Counts, root: Path, venv: Path, sections: frozenset[str] = frozenset(SECTIONS)
+    counts: Counts,
+    root: Path,
+    venv: Path,
+    sections: frozenset[str] = frozenset(SECTIONS),
+    sandbox_cpus: float = float(os.cpu_count() or 1),
 ) -> tuple[list[Figure], dict[str, Any]]:
     figures = stage_figures(root, counts) if "stages" in sections else []
     if sections & SERVED_SECTIONS:
-        with serving(root) as server, peer_serving(venv, root / "peer.log") as peer:
+        config = SANDBOX_CONFIG.format(cpus=sandbox_cpus)
+        with serving(root, config) as server, peer_serving(venv, root / "peer.log") as peer:
             if "side" in sections:
                 figures += side_by_side(server, peer, counts, root)
             if "load" in sections:
@@ -473,7 +483,9 @@ def run(
         tools_root = root / "tools"
         tools_root.mkdir()
         figures += tool_figures(tools_root, counts)
-    details = {"counts": counts.__dict__, "peer": PEER_PACKAGE, "peer_venv": str(venv)}
+    details = {
+        "counts": counts.__dict__, "peer": PEER_PACKAGE, "peer_venv": str(venv), "sandbox_cpus": sandbox_cpus,
+    }  # fmt: skip
     return figures, {**details, "sections": [s for s in SECTIONS if s in sections]}
 
 
@@ -505,6 +517,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         metavar="SECTION",
         help=f"run only these sections ({', '.join(SECTIONS)}; default: all)",
     )
+    parser.add_argument(
+        "--sandbox-cpus",
+        type=float,
+        default=float(os.cpu_count() or 1),
+        help="the served sandbox's CPU limit (default: the host's cores; agentbox's own default is 1)",
+    )
     return parser.parse_args(argv)
 
 
@@ -513,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = QUICK if args.quick else Counts()
     started = time.perf_counter()
     with scratch_dir("hotpath") as tmp:
-        figures, details = run(counts, tmp, args.peer_venv, frozenset(args.only or SECTIONS))
+        figures, details = run(
+            counts, tmp, args.peer_venv, frozenset(args.only or SECTIONS), args.sandbox_cpus
+        )
     print(table(figures))
     print("\n".join(breakdown(figures)))
     print(footer(time.perf_counter() - started))
