@@ -317,3 +317,36 @@ def test_the_host_based_root_works_for_the_user_too(ci: Agentbox, request: pytes
     assert install["exit_code"] != 0 and "Read-only file system" in install["stderr"]
     assert len(bases) == 1 and (bases[0] / "var/lib/dpkg/status").exists()
     assert Path("/var/lib/dpkg/lock").exists() and not (bases[0] / "var/lib/dpkg/lock").exists()
+
+
+ACCOUNT_SCRIPT = """
+import asyncio, tempfile
+from pathlib import Path
+from agentbox.machines.base import ExecRequest
+from agentbox.machines.sandbox import SandboxConfig, SandboxHost, SandboxMachine
+
+async def main():
+    root = Path(tempfile.mkdtemp())
+    machine = SandboxMachine("sandbox", "sbx_nonrootaccount", SandboxHost(root), SandboxConfig(network=False),
+                             root / "workspace", root / "run")
+    await machine.start()
+    try:
+        for user in ("user", "root"):
+            done = await machine.exec(ExecRequest(command="id -un; id -u; cat /proc/self/uid_map", user=user, timeout=30))
+            print(done.exit_code, done.stdout.decode().split(), done.stderr.decode().strip())
+    finally:
+        await machine.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_the_user_account_needs_no_root_server(ci: Agentbox) -> None:
+    """The account's namespace is nested by host programs run as the server's own user: a
+    server that is not root makes it the same way (machines/account.py). On the host-based
+    root, whose /etc is read-only here, it has no name: uid 1000 all the same."""
+    ran = ci.py("-c", ACCOUNT_SCRIPT)
+    assert ran.returncode == 0, ran.stderr
+    as_user, as_root = ran.stdout.strip().split("\n")[-2:]
+    assert as_user.startswith("0 ['1000', '1000', '1000', '0', '1'] id: cannot find name"), ran.stdout
+    assert as_root.startswith(f"0 ['root', '0', '0', '{ci.user.uid}', '1']"), ran.stdout

@@ -29,7 +29,8 @@ What that gives, and what it does not:
 - A command as the account starts as `nsenter --user=/proc/self/fd/3 --preserve-credentials`
   (the agent puts the namespace at fd 3), so it costs one exec more than a root command.
 - The account's entry in /etc/passwd and /etc/group and its home are made inside, by a root
-  command, so a sandbox whose /etc cannot be written has no account (`OwnerUnsupported`).
+  command. Where /etc is read-only (the host-based root without a system layer) the account
+  still runs as 1000 with its home, but has no name there (`id -un` fails), and no `sudo`.
 """
 
 from __future__ import annotations
