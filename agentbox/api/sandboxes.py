@@ -67,15 +67,14 @@ async def session_machine(system: System, session_id: str | None) -> str | None:
     """The machine a sessions-API session runs on; None (the default) for an id with no session."""
     if session_id is None:
         return None
-    known = system.services.routes.get(session_id)
-    if known is not None:
-        return known or None
-    try:
-        machine = (await system.store.get_session(session_id)).machine or ""
-    except SessionNotFound:
-        return None  # nothing to remember: a session made later under this id gets its own machine
-    system.services.remember(session_id, machine)
-    if machine == NO_MACHINE:
+    machine = system.services.routes.get(session_id)
+    if machine is None:
+        try:
+            machine = (await system.store.get_session(session_id)).machine or ""
+        except SessionNotFound:
+            return None  # nothing to remember: a session made later under this id gets its own machine
+        system.services.remember(session_id, machine)
+    if machine == NO_MACHINE:  # every time, not only on the lookup that remembered it
         raise MachineNotFound(f"session {session_id} was created without a machine")
     return machine or None
 
