@@ -64,7 +64,12 @@ async def current(request: HTTPConnection) -> Sandbox:
 
 
 async def session_machine(system: System, session_id: str | None) -> str | None:
-    """The machine a sessions-API session runs on; None (the default) for an id with no session."""
+    """The machine a sessions-API session runs on; None (the default) for an id with no session.
+
+    Looked up once per id, with or without a session: the server mints every session's id
+    (`ids.new_id`), so an id asked for without one never gets one later, and an id's sandbox
+    requests cost no database transaction after the first.
+    """
     if session_id is None:
         return None
     machine = system.services.routes.get(session_id)
@@ -72,7 +77,7 @@ async def session_machine(system: System, session_id: str | None) -> str | None:
         try:
             machine = (await system.store.get_session(session_id)).machine or ""
         except SessionNotFound:
-            return None  # nothing to remember: a session made later under this id gets its own machine
+            machine = ""  # the default; remembered too, since no session can appear under this id later
         system.services.remember(session_id, machine)
     if machine == NO_MACHINE:  # every time, not only on the lookup that remembered it
         raise MachineNotFound(f"session {session_id} was created without a machine")
