@@ -86,6 +86,8 @@ CONTENT = ("0123456789abcde\n" * (KIB // 16))[:KIB]
 #: bench sets to the host's cores (`--sandbox-cpus`), as the references (16 threads of bare
 #: spawns, parallel rg) use them all; the embedded default gives a sandbox one CPU.
 SANDBOX_CONFIG = '[machines.sandbox]\nkind = "sandbox"\nnetwork = "on"\ncpus = {cpus}\n'
+#: The prefix of a sandbox of its own (an id with no session), for the session twin's stage.
+STAGE_SANDBOX = "/sandboxes/ses_benchstage"
 
 
 @dataclass(frozen=True)
@@ -423,6 +425,9 @@ def stage_figures(root: Path, counts: Counts) -> list[Figure]:
             await asgi_call(app, "POST", "/v2/commands", {"command": "true", "timeout": 60})
             sandbox = await app.state.system.services.get(None, None)
             await asgi_call(app, "POST", "/v2/fs/write", {"path": "/workspace/s.txt", "content": CONTENT})
+            await asgi_call(
+                app, "POST", f"{STAGE_SANDBOX}/v2/fs/write", {"path": "/workspace/s.txt", "content": CONTENT}
+            )
             ops = {
                 "bare": Timed(bare_spawn, lambda _: None),
                 "machine": Timed(lambda: sandbox.machine.exec(ExecRequest("true")), exited_0, awaited=True),
@@ -435,6 +440,11 @@ def stage_figures(root: Path, counts: Counts) -> list[Figure]:
                 ),
                 "read": Timed(
                     lambda: asgi_call(app, "GET", "/v2/fs/read?path=/workspace/s.txt"),
+                    lambda _: None,
+                    awaited=True,
+                ),
+                "session_read": Timed(
+                    lambda: asgi_call(app, "GET", f"{STAGE_SANDBOX}/v2/fs/read?path=/workspace/s.txt"),
                     lambda _: None,
                     awaited=True,
                 ),
@@ -456,6 +466,7 @@ def stage_figures(root: Path, counts: Counts) -> list[Figure]:
         row("stage_asgi_exec", "stage: app, POST /v2/commands, no socket", "exec", "CommandManager.run", "manager"),
         latency_figure("stage_asgi_health", "stage: app, GET /health, no socket", s["health"]),
         latency_figure("stage_asgi_read", "stage: app, GET /v2/fs/read 1 KiB, no socket", s["read"]),
+        latency_figure("stage_asgi_session_read", "stage: app, the same under /sandboxes/<id>", s["session_read"]),
     ]  # fmt: skip
 
 

@@ -70,6 +70,7 @@ TOOLS_FIGURES = {
 }
 HOTPATH_FIGURES = {
     "stage_machine_exec", "stage_commands_run", "stage_asgi_exec", "stage_asgi_health", "stage_asgi_read",
+    "stage_asgi_session_read",
     "bare_spawn", "raw_write_1k", "raw_read_1k", "api_exec_true", "api_v1_shell_exec_true", "peer_exec_true",
     "api_fs_write_1k", "peer_fs_write_1k", "api_fs_read_1k", "peer_fs_read_1k", "api_health",
     "api_exec_16_clients_throughput", "peer_exec_16_clients_throughput", "api_grep_tree",

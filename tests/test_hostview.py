@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agentbox.machines.errors import PathEscape
-from agentbox.machines.hostview import HostView, Mount
+from agentbox.machines.hostview import Alias, HostView, Mount
 
 #: Opens tried while another thread swaps a directory with a link to the host.
 SWAP_ATTEMPTS = 3000
@@ -44,6 +44,46 @@ def test_links_resolve_inside_the_view(tmp_path: Path) -> None:
     with pytest.raises(OSError) as info:
         view.open("/data/new", os.O_WRONLY | os.O_CREAT)
     assert info.value.errno == errno.EROFS
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "f.txt",  # a plain file
+        "/workspace/./sub/../f.txt",  # spelled the long way
+        "to-f",  # a final link, relative
+        "to-data-f",  # a final link, absolute, into another mount
+        "chain",  # a link to a link
+        "dir-link/g.txt",  # a link on the way
+        "dir-link/to-g",  # a link on the way, then a final link
+        "/bin/g.txt",  # below an alias
+        "/bin-file",  # an alias of a file as a whole: named by a second resolution
+        "/data",  # a mount root
+    ],
+)
+def test_open_named_names_the_path_as_resolve_without_following_does(tmp_path: Path, path: str) -> None:
+    """One resolution opens a file and names it: the name is what `resolve(follow=False)` says."""
+    ws, other, root = tmp_path / "ws", tmp_path / "other", tmp_path / "root"
+    (ws / "sub").mkdir(parents=True)
+    other.mkdir()
+    root.mkdir()
+    (ws / "f.txt").write_text("f")
+    (other / "f.txt").write_text("data f")
+    (ws / "sub" / "g.txt").write_text("g")
+    (ws / "to-f").symlink_to("f.txt")
+    (ws / "to-data-f").symlink_to("/data/f.txt")
+    (ws / "chain").symlink_to("to-f")
+    (ws / "dir-link").symlink_to("sub")
+    (ws / "sub" / "to-g").symlink_to("g.txt")
+    aliases = [Alias("/bin", "/workspace/sub"), Alias("/bin-file", "/workspace/f.txt")]
+    view = HostView([Mount("/", root), Mount("/workspace", ws), Mount("/data", other)], "/workspace", aliases)
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path == "/data" else 0)
+    fd, named = view.open_named(path, flags)
+    try:
+        assert named == view.resolve(path, follow=False)
+        assert os.fstat(fd).st_ino == view.stat(path).st_ino  # and it opened what the path leads to
+    finally:
+        os.close(fd)
 
 
 def test_a_swapped_directory_never_leads_to_the_host(tmp_path: Path) -> None:

@@ -12,6 +12,10 @@ Moving a route forward changes nothing only if no route it passes could serve th
 request; `hot_first` checks that for every hot route when the app is built and refuses to
 build otherwise. A 405 for a hot path with the wrong method may name a different route's
 methods in `Allow` than before (the first route whose path matches answers it).
+
+Each hot route is then served by a `LeanRoute` (`agentbox.api.lean`) put in front of it,
+which calls its endpoint without FastAPI's per-request machinery and answers the same; the
+APIRoute behind it stays for `/openapi.json` and for what the lean route hands over.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute, APIWebSocketRoute
 from starlette.routing import BaseRoute, Match
 
+from agentbox.api.lean import LeanRoute
 from agentbox.api.observe import SESSION_PREFIX
 from agentbox.api.schemas import failures
 
@@ -43,13 +48,16 @@ PROBE_SESSION = "ses_probe"
 
 
 def add_sandbox_routes(app: FastAPI, routers: Sequence[APIRouter]) -> None:
-    """Add every route of `routers` at the root and under `SESSION_PREFIX`, hot routes first."""
+    """Add every route of `routers` at the root and under `SESSION_PREFIX`, hot routes first,
+    each hot one behind its `LeanRoute`."""
     start = len(app.router.routes)
     for prefix in ("", SESSION_PREFIX):
         for router in routers:
             for route in router.routes:
                 add_copy(app, route, prefix)
-    app.router.routes[start:] = hot_first(app.router.routes[start:], app.router.routes[:start])
+    ordered = hot_first(app.router.routes[start:], app.router.routes[:start])
+    lean = [LeanRoute(route) for route in ordered[: 2 * len(HOT_ROUTES)] if isinstance(route, APIRoute)]
+    app.router.routes[start:] = [*lean, *ordered]
 
 
 def add_copy(app: FastAPI, route: BaseRoute, prefix: str) -> None:

@@ -64,18 +64,22 @@ async def current(request: HTTPConnection) -> Sandbox:
 
 
 async def session_machine(system: System, session_id: str | None) -> str | None:
-    """The machine a sessions-API session runs on; None (the default) for an id with no session."""
+    """The machine a sessions-API session runs on; None (the default) for an id with no session.
+
+    Looked up once per id, with or without a session: the server mints every session's id
+    (`ids.new_id`), so an id asked for without one never gets one later, and an id's sandbox
+    requests cost no database transaction after the first.
+    """
     if session_id is None:
         return None
-    known = system.services.routes.get(session_id)
-    if known is not None:
-        return known or None
-    try:
-        machine = (await system.store.get_session(session_id)).machine or ""
-    except SessionNotFound:
-        return None  # nothing to remember: a session made later under this id gets its own machine
-    system.services.remember(session_id, machine)
-    if machine == NO_MACHINE:
+    machine = system.services.routes.get(session_id)
+    if machine is None:
+        try:
+            machine = (await system.store.get_session(session_id)).machine or ""
+        except SessionNotFound:
+            machine = ""  # the default; remembered too, since no session can appear under this id later
+        system.services.remember(session_id, machine)
+    if machine == NO_MACHINE:  # every time, not only on the lookup that remembered it
         raise MachineNotFound(f"session {session_id} was created without a machine")
     return machine or None
 

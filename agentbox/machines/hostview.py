@@ -150,6 +150,9 @@ class At:
     inside: str
     mount: Mount
     root: _Root
+    named: str | None = None
+    """Where a lookup that does not follow a final link ends (`resolve(follow=False)`), when
+    this one passed it on its way; None when it cannot tell (the path was an alias itself)."""
 
     @property
     def target(self) -> str:
@@ -281,7 +284,13 @@ class HostView:
 
     def _resolve(self, path: str, follow: bool) -> At:
         inside = self.absolute(path)
+        # Until a final link is followed or an alias is taken as a whole, a lookup that does
+        # not follow final links takes the very same steps: `named` is then where it stops.
+        named: str | None = None
+        diverged = False
         for _ in range(MAX_SYMLINK_HOPS):
+            if follow and not diverged and inside in self.aliases:
+                diverged = True
             inside = self._alias(inside, follow)
             mount = self.mount_for(inside)
             if mount is None:
@@ -290,21 +299,24 @@ class HostView:
             parts = [p for p in rest.split("/") if p]
             root = self._root(mount)
             if not parts:
-                return At(root.fd, "", inside, mount, root)
+                return At(root.fd, "", inside, mount, root, named if diverged else inside)
             walked = self._walk_dirs(root, mount, parts[:-1], path)
             if isinstance(walked, str):  # a link on the way: resolve its target instead
                 inside = posixpath.normpath(posixpath.join(walked, parts[-1]))
                 continue
             dirfd, here = walked, posixpath.join(mount.inside, *parts[:-1])
             name = parts[-1]
+            found = posixpath.join(here, name)
             if follow:
                 target = _link_target(dirfd, name)
                 if target is not None:
                     if dirfd != root.fd:
                         os.close(dirfd)
+                    if not diverged:
+                        named, diverged = found, True
                     inside = self._joined(here, target)
                     continue
-            return At(dirfd, name, posixpath.join(here, name), mount, root)
+            return At(dirfd, name, found, mount, root, named if diverged else found)
         raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
 
     def _walk_dirs(self, root: _Root, mount: Mount, parts: list[str], path: str) -> int | str:
@@ -404,21 +416,31 @@ class HostView:
             return False
         return True
 
-    def open(
-        self,
-        path: str,
-        flags: int = os.O_RDONLY,
-        mode: int = 0o644,
-        *,
-        follow: bool = True,
-        _again: bool = True,
-    ) -> int:
+    def open(self, path: str, flags: int = os.O_RDONLY, mode: int = 0o644, *, follow: bool = True) -> int:
         """A descriptor for the regular file (or directory, with O_DIRECTORY) at `path`.
 
         Creation (`O_CREAT`) happens in the resolved parent. Devices, FIFOs and sockets are a
         `PathEscape`; they are opened non-blocking first so that even finding out cannot hang.
         The descriptor is the caller's to close; it keeps `O_NONBLOCK` off for regular files.
         """
+        return self._open(path, flags, mode, follow=follow)[0]
+
+    def open_named(self, path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> tuple[int, str]:
+        """`open` (following a final link), and the path that names what it opened as
+        `resolve(path, follow=False)` does: from the same resolution, unless `path` was an
+        alias as a whole (then resolved again for the name)."""
+        fd, named = self._open(path, flags, mode, follow=True)
+        if named is not None:
+            return fd, named
+        try:
+            return fd, self.resolve(path, follow=False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _open(
+        self, path: str, flags: int, mode: int, *, follow: bool, again: bool = True
+    ) -> tuple[int, str | None]:
         writing = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
         with self.at(path, follow=follow, write=writing) as at:
             if not at.name:
@@ -431,8 +453,8 @@ class HostView:
                 except OSError as exc:
                     if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a device node
                         raise _escape(path, "is a device, fifo or socket") from None
-                    if exc.errno == errno.ELOOP and follow and _again:  # became a link since
-                        return self.open(at.inside, flags, mode, follow=True, _again=False)
+                    if exc.errno == errno.ELOOP and follow and again:  # became a link since
+                        return self._open(at.inside, flags, mode, follow=True, again=False)[0], at.named
                     if exc.errno == errno.ELOOP:
                         raise _escape(path, "is a symlink") from None
                     raise
@@ -446,7 +468,7 @@ class HostView:
             except BaseException:
                 os.close(fd)
                 raise
-            return fd
+            return fd, at.named
 
     def read_bytes(self, path: str, limit: int) -> bytes:
         """The whole file, refused (EFBIG) past `limit` bytes."""

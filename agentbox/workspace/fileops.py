@@ -187,9 +187,9 @@ class HostOps:
         return files.lstat_or_none(self.machine, path, follow=True) is not None
 
     async def read_text(self, path: str, start_line: int | None, end_line: int | None) -> files.ReadResult:
-        return await self._offload(
-            self._size(path), files.read_text, self.machine, path, start_line, end_line
-        )
+        """Opened on the loop (one resolution of the path), read there or in a thread by its size."""
+        opened = files.open_text(self.machine, path, start_line, end_line)
+        return await self._offload(opened.size, opened.read)
 
     async def write_file(
         self, path: str, data: bytes, *, append: bool = False, user: str | None = None

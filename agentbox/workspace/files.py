@@ -34,7 +34,7 @@ from collections.abc import AsyncIterable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from wcmatch import fnmatch as wc_fnmatch
 from wcmatch import glob as wc_glob
@@ -349,15 +349,48 @@ def read_text(
     machine: HostMachine, path: str, start_line: int | None = None, end_line: int | None = None
 ) -> ReadResult:
     """UTF-8 text of a file, or lines [start_line, end_line) of it (0-based, end exclusive)."""
+    return open_text(machine, path, start_line, end_line).read()
+
+
+@dataclass
+class TextFile:
+    """A file opened for `read_text`: a regular file within `MAX_READ_BYTES` when opened.
+
+    Opened, checked and named from one resolution of its path (`HostView.open_named`), so
+    that a caller can choose by its size where to read it (`fileops.HostOps.read_text`).
+    """
+
+    file: BinaryIO
+    """Closed by `read`, or when dropped unread (a read in a thread cancelled before it began)."""
+    size: int
+    shown: str
+    path: str
+    start: int
+    end_line: int | None
+
+    def read(self) -> ReadResult:
+        """Its lines, decoded; the file is closed, whatever happens."""
+        with operation("read", self.path), self.file as f:
+            data = f.read(MAX_READ_BYTES + 1)
+            if len(data) > MAX_READ_BYTES:  # it grew since it was opened
+                raise read_too_large(self.path)
+            return text_lines(data, self.shown, self.start, self.end_line)
+
+
+def open_text(machine: HostMachine, path: str, start_line: int | None, end_line: int | None) -> TextFile:
+    """The file `read_text` reads, open; its lines are read by `TextFile.read`."""
     with operation("read", path):
         start = check_lines(start_line, end_line, path)
-        fd = machine.view.open(path, os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            size = _require_regular(f.fileno(), "read", path).st_size
-            data = f.read(MAX_READ_BYTES + 1) if size <= MAX_READ_BYTES else b""
-        if size > MAX_READ_BYTES or len(data) > MAX_READ_BYTES:
-            raise read_too_large(path)
-        return text_lines(data, shown_path(machine, path), start, end_line)
+        fd, shown = machine.view.open_named(path, os.O_RDONLY)
+        file = os.fdopen(fd, "rb")
+        try:
+            size = _require_regular(fd, "read", path).st_size
+            if size > MAX_READ_BYTES:
+                raise read_too_large(path)
+        except BaseException:
+            file.close()
+            raise
+        return TextFile(file, size, shown, path, start, end_line)
 
 
 def check_lines(start_line: int | None, end_line: int | None, path: str) -> int:
@@ -427,29 +460,31 @@ def write_file(
     """
     with operation("write", path):
         if user is None:
-            write_in_place(machine, path, data, append=append, owner=new_owner(machine, None))
-        else:
-            owner = machine.owner_of(user)
-            existing = _existing_file(machine, path)
-            with staged(machine, path, "write", owner=owner, like=existing) as fd:
-                if append and existing is not None:
-                    _copy_into(machine, path, fd)
-                write_all(fd, data)
-                os.fsync(fd)
+            shown = write_in_place(machine, path, data, append=append, owner=new_owner(machine, None))
+            return WriteResult(shown, len(data))
+        owner = machine.owner_of(user)
+        existing = _existing_file(machine, path)
+        with staged(machine, path, "write", owner=owner, like=existing) as fd:
+            if append and existing is not None:
+                _copy_into(machine, path, fd)
+            write_all(fd, data)
+            os.fsync(fd)
         return WriteResult(shown_path(machine, path), len(data))
 
 
 def write_in_place(
     machine: HostMachine, path: str, data: bytes, *, append: bool = False, owner: Owner | None = None
-) -> None:
+) -> str:
     """Write through the existing inode (links, watchers and owners stay); create it for
-    `owner` if absent. A file is truncated only once it is known to be a regular file."""
+    `owner` if absent. A file is truncated only once it is known to be a regular file.
+
+    Returns the path as `shown_path` names it, from the resolution that opened the file."""
     flags = os.O_WRONLY | (os.O_APPEND if append else 0)
     try:
-        fd = machine.view.open(path, flags)
+        fd, shown = machine.view.open_named(path, flags)
         created = False
     except FileNotFoundError:  # a missing parent raises again below: not_found
-        fd = machine.view.open(path, flags | os.O_CREAT | os.O_EXCL)
+        fd, shown = machine.view.open_named(path, flags | os.O_CREAT | os.O_EXCL)
         created = True
     try:
         _require_regular(fd, "write", path)
@@ -460,6 +495,7 @@ def write_in_place(
         write_all(fd, data)
     finally:
         os.close(fd)
+    return shown
 
 
 def _copy_into(machine: HostMachine, path: str, fd: int) -> None:
