@@ -37,6 +37,7 @@ import json
 import os
 import pwd
 import re
+import shlex
 import shutil
 import stat as stat_mod
 import subprocess
@@ -75,6 +76,25 @@ PROFILES: dict[str, tuple[str, ...]] = {
         "tesseract-ocr-chi-tra", "fonts-noto-cjk", "chromium",
     ),
 }  # fmt: skip
+#: What each profile adds from PyPI after its Debian packages, installed by the image's own
+#: pip into /usr/local (the `data` profile: Deno, whose wheel carries the `deno` binary, for
+#: JavaScript and TypeScript contexts). Pinned: the version is part of the image's key.
+PYPI_PACKAGES: dict[str, tuple[str, ...]] = {"data": ("deno==2.9.8",)}
+#: Where an image's own Jupyter kernelspecs go: a directory the image's jupyter_client searches.
+KERNELSPEC_DIR = "usr/local/share/jupyter/kernels"
+#: The Jupyter kernels each profile registers by hand, name -> kernel.json: the kernel starts
+#: from the image alone (`deno jupyter --install` would write to a home that a sandbox does
+#: not keep). Deno's kernel runs TypeScript and JavaScript alike.
+KERNELSPECS: dict[str, dict[str, dict[str, object]]] = {
+    "data": {
+        "deno": {
+            "argv": ["/usr/local/bin/deno", "jupyter", "--kernel", "--conn", "{connection_file}"],
+            "display_name": "Deno",
+            "language": "typescript",
+            "env": {"NO_COLOR": "1"},
+        },
+    },
+}
 #: The image the built-in `sandbox` machine runs on (the host's /usr when it is not built).
 DEFAULT_IMAGE = "base"
 #: An image name: a short lowercase word, usable as a directory and a Docker tag.
@@ -112,6 +132,30 @@ LOCALE_HOOK = (
     'if [ -d "$1/usr/lib/locale/C.utf8" ]; then '
     'chroot "$1" localedef --add-to-archive --replace /usr/lib/locale/C.utf8; fi'
 )
+#: The environment the image's pip runs in, inside the tree: its own, none of the build's.
+PIP_ENV = "env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/root LANG=C.UTF-8"
+#: pip's options there: wheels only (no package's build code runs), no dependencies beyond
+#: the pinned ones, no cache left in the tree, and past Debian's guard on its own Python (the
+#: packages go to /usr/local, beside Debian's, not over them).
+PIP_OPTIONS = (
+    "--no-cache-dir --no-deps --only-binary=:all: --break-system-packages --disable-pip-version-check"
+)
+
+
+def pip_hook(packages: tuple[str, ...]) -> str:
+    """A customize hook that installs `packages` from PyPI with the tree's own pip (a chroot:
+    the tree's Python, and mmdebstrap copied the host's resolv.conf in for the build)."""
+    names = " ".join(shlex.quote(p) for p in packages)
+    return f'chroot "$1" {PIP_ENV} python3 -m pip install -q {PIP_OPTIONS} {names}'
+
+
+def kernelspec_hook(name: str, spec: dict[str, object]) -> str:
+    """A customize hook that writes the kernelspec `name` into the tree's `KERNELSPEC_DIR`."""
+    where = f'"$1"/{KERNELSPEC_DIR}/{shlex.quote(name)}'
+    text = shlex.quote(json.dumps(spec, indent=1, sort_keys=True))
+    return f"mkdir -p {where} && printf '%s\\n' {text} > {where}/kernel.json"
+
+
 MANIFEST = "manifest.json"
 ROOTFS = "rootfs"
 #: Where a non-root build's mmdebstrap installs before streaming the tree out: a directory
@@ -139,10 +183,32 @@ class Request:
     def packages(self) -> list[str]:
         return sorted(set(PROFILES[self.profile]) | set(self.include))
 
+    def pypi(self) -> tuple[str, ...]:
+        return PYPI_PACKAGES.get(self.profile, ())
+
+    def kernelspecs(self) -> dict[str, dict[str, object]]:
+        return KERNELSPECS.get(self.profile, {})
+
     def key(self) -> str:
-        body = {"format": FORMAT, "suite": self.suite, "variant": VARIANT, "mirrors": list(self.mirrors),
-                "packages": self.packages(), "uid": self.uid, "gid": self.gid}  # fmt: skip
+        body: dict[str, object] = {
+            "format": FORMAT, "suite": self.suite, "variant": VARIANT, "mirrors": list(self.mirrors),
+            "packages": self.packages(), "uid": self.uid, "gid": self.gid,
+        }  # fmt: skip
+        # Named only when there are some, so a profile without them keeps the key it had.
+        if self.pypi():
+            body["pypi"] = list(self.pypi())
+        if self.kernelspecs():
+            body["kernelspecs"] = self.kernelspecs()
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    def hooks(self) -> list[str]:
+        """mmdebstrap's customize hooks, in order: the locale archive, then the PyPI packages
+        and the kernelspecs (after the Debian packages, whose pip and Python they use)."""
+        hooks = [LOCALE_HOOK]
+        if self.pypi():
+            hooks.append(pip_hook(self.pypi()))
+        hooks += [kernelspec_hook(name, spec) for name, spec in sorted(self.kernelspecs().items())]
+        return hooks
 
 
 @dataclass(frozen=True)
@@ -419,7 +485,7 @@ def _build_in(request: Request, image: Path, tmp: Path, progress: Progress) -> M
         # Also written into the image (etc/apt/apt.conf.d/99mmdebstrap), where they hold too.
         *(f"--aptopt={option}" for option in APT_OPTIONS),
         "--dpkgopt=force-unsafe-io",  # no fsync per file: a build that fails is thrown away anyway
-        f"--customize-hook={LOCALE_HOOK}",
+        *(f"--customize-hook={hook}" for hook in request.hooks()),
         request.suite, "-", *request.mirrors,
     ]  # fmt: skip
     env = {
