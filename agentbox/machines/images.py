@@ -76,10 +76,14 @@ PROFILES: dict[str, tuple[str, ...]] = {
         "tesseract-ocr-chi-tra", "fonts-noto-cjk", "chromium",
     ),
 }  # fmt: skip
-#: What each profile adds from PyPI after its Debian packages, installed by the image's own
-#: pip into /usr/local (the `data` profile: Deno, whose wheel carries the `deno` binary, for
-#: JavaScript and TypeScript contexts). Pinned: the version is part of the image's key.
+#: What each profile adds from PyPI after its Debian packages (the `data` profile: Deno,
+#: whose wheel carries the `deno` binary, for JavaScript and TypeScript contexts). Pinned: the
+#: version is part of the image's key. The server's own pip fetches them, as wheels, with the
+#: host's pip configuration (its index, mirrors and certificates, which a tree fresh from
+#: Debian does not have); the tree's pip installs them from there into /usr/local, offline.
 PYPI_PACKAGES: dict[str, tuple[str, ...]] = {"data": ("deno==2.9.8",)}
+#: Seconds fetching a build's PyPI packages may take.
+PYPI_FETCH_TIMEOUT = 600
 #: Where an image's own Jupyter kernelspecs go: a directory the image's jupyter_client searches.
 KERNELSPEC_DIR = "usr/local/share/jupyter/kernels"
 #: The Jupyter kernels each profile registers by hand, name -> kernel.json: the kernel starts
@@ -132,21 +136,48 @@ LOCALE_HOOK = (
     'if [ -d "$1/usr/lib/locale/C.utf8" ]; then '
     'chroot "$1" localedef --add-to-archive --replace /usr/lib/locale/C.utf8; fi'
 )
-#: The environment the image's pip runs in, inside the tree: its own, none of the build's.
+#: Where a build's wheels are in the tree while its pip installs them (removed after).
+WHEELS_IN_TREE = "/tmp/agentbox-wheels"
+#: The environment the tree's pip runs in: its own, none of the build's.
 PIP_ENV = "env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/root LANG=C.UTF-8"
-#: pip's options there: wheels only (no package's build code runs), no dependencies beyond
-#: the pinned ones, no cache left in the tree, and past Debian's guard on its own Python (the
-#: packages go to /usr/local, beside Debian's, not over them).
+#: The tree's pip's options: the fetched wheels only (no index, no package's build code runs),
+#: no dependencies beyond the pinned ones, no cache left in the tree, and past Debian's guard
+#: on its own Python (the packages go to /usr/local, beside Debian's, not over them).
 PIP_OPTIONS = (
-    "--no-cache-dir --no-deps --only-binary=:all: --break-system-packages --disable-pip-version-check"
+    f"--no-index --find-links={WHEELS_IN_TREE} --no-cache-dir --no-deps --only-binary=:all: "
+    "--break-system-packages --disable-pip-version-check"
 )
 
 
-def pip_hook(packages: tuple[str, ...]) -> str:
-    """A customize hook that installs `packages` from PyPI with the tree's own pip (a chroot:
-    the tree's Python, and mmdebstrap copied the host's resolv.conf in for the build)."""
+def pip_hook(packages: tuple[str, ...], wheels: Path) -> str:
+    """A customize hook that installs `packages` from the wheels in `wheels` (a host directory)
+    with the tree's own pip."""
     names = " ".join(shlex.quote(p) for p in packages)
-    return f'chroot "$1" {PIP_ENV} python3 -m pip install -q {PIP_OPTIONS} {names}'
+    inside = f'"$1"{WHEELS_IN_TREE}'
+    return (
+        f"cp -r {shlex.quote(str(wheels))} {inside} && "
+        f'chroot "$1" {PIP_ENV} python3 -m pip install -q {PIP_OPTIONS} {names} && rm -rf {inside}'
+    )
+
+
+def fetch_wheels(packages: tuple[str, ...], into: Path, progress: Progress) -> None:
+    """Download the wheels of `packages` into `into` with the server's own pip."""
+    progress(f"fetching {', '.join(packages)} from PyPI")
+    into.mkdir(mode=0o755)
+    os.chmod(into, 0o755)  # an unshare build's hook reads it as a subordinate uid
+    args = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "--dest", str(into), *packages]  # fmt: skip
+    try:
+        done = subprocess.run(
+            args, stdin=subprocess.DEVNULL, capture_output=True, timeout=PYPI_FETCH_TIMEOUT, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise ImageBuildFailed(f"fetching {', '.join(packages)} took over {PYPI_FETCH_TIMEOUT} s") from None
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).decode(errors="replace").strip()[-DIAGNOSTICS_TAIL:]
+        raise ImageBuildFailed(f"fetching {', '.join(packages)} from PyPI failed: {_disk_hint(said)}")
+    for wheel in into.iterdir():
+        os.chmod(wheel, 0o644)
 
 
 def kernelspec_hook(name: str, spec: dict[str, object]) -> str:
@@ -201,12 +232,13 @@ class Request:
             body["kernelspecs"] = self.kernelspecs()
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
-    def hooks(self) -> list[str]:
+    def hooks(self, wheels: Path) -> list[str]:
         """mmdebstrap's customize hooks, in order: the locale archive, then the PyPI packages
-        and the kernelspecs (after the Debian packages, whose pip and Python they use)."""
+        (from the wheels fetched into `wheels`) and the kernelspecs, after the Debian packages,
+        whose pip and Python they use."""
         hooks = [LOCALE_HOOK]
         if self.pypi():
-            hooks.append(pip_hook(self.pypi()))
+            hooks.append(pip_hook(self.pypi(), wheels))
         hooks += [kernelspec_hook(name, spec) for name, spec in sorted(self.kernelspecs().items())]
         return hooks
 
@@ -478,6 +510,9 @@ def _build_in(request: Request, image: Path, tmp: Path, progress: Progress) -> M
     """mmdebstrap, installing in `tmp` → its tar stream → `image/rootfs`; the manifest beside it."""
     started = time.monotonic()
     rootfs = image / ROOTFS
+    wheels = tmp / "wheels"
+    if request.pypi():
+        fetch_wheels(request.pypi(), wheels, progress)
     mode = "root" if os.geteuid() == 0 else "unshare"
     args = [
         "mmdebstrap", f"--mode={mode}", f"--variant={VARIANT}", "--format=tar", "--skip=output/dev",
@@ -485,7 +520,7 @@ def _build_in(request: Request, image: Path, tmp: Path, progress: Progress) -> M
         # Also written into the image (etc/apt/apt.conf.d/99mmdebstrap), where they hold too.
         *(f"--aptopt={option}" for option in APT_OPTIONS),
         "--dpkgopt=force-unsafe-io",  # no fsync per file: a build that fails is thrown away anyway
-        *(f"--customize-hook={hook}" for hook in request.hooks()),
+        *(f"--customize-hook={hook}" for hook in request.hooks(wheels)),
         request.suite, "-", *request.mirrors,
     ]  # fmt: skip
     env = {
