@@ -8,6 +8,8 @@ with its own default template, `code-interpreter-v1`.
 from __future__ import annotations
 
 import base64
+import json
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,7 +24,14 @@ from e2b_code_interpreter.constants import DEFAULT_TEMPLATE, JUPYTER_PORT
 from test_readme import block, python
 
 from agentbox.e2b.sandboxes import CODE_INTERPRETER_TEMPLATE
-from agentbox.machines.images import KERNELSPECS, PROFILES, PYPI_PACKAGES
+from agentbox.machines.images import (
+    KERNELSPEC_DIR,
+    KERNELSPECS,
+    PROFILES,
+    PYPI_PACKAGES,
+    WHEELS_IN_TREE,
+    Image,
+)
 from agentbox.workspace.kernels import KERNELS, MAX_OUTPUT_BYTES
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -59,6 +68,15 @@ def test_the_image_the_tests_use_has_a_kernel_and_setup_builds_it() -> None:
     assert {"python3-ipykernel", "python3-matplotlib"} <= set(PROFILES[KERNEL_IMAGE])
     assert KERNELS["javascript"] in KERNELSPECS[KERNEL_IMAGE]
     assert any(p.startswith("deno==") for p in PYPI_PACKAGES[KERNEL_IMAGE])
+
+
+def test_the_kernel_image_has_deno_and_its_kernelspec_and_no_build_leftovers(kernel_image: Image) -> None:
+    spec = kernel_image.rootfs / KERNELSPEC_DIR / "deno" / "kernel.json"
+    assert json.loads(spec.read_text()) == KERNELSPECS[KERNEL_IMAGE]["deno"]
+    deno = kernel_image.rootfs / KERNELSPECS[KERNEL_IMAGE]["deno"]["argv"][0].lstrip("/")  # type: ignore[index]
+    assert deno.is_file() and os.access(deno, os.X_OK)
+    assert not (kernel_image.rootfs / WHEELS_IN_TREE.lstrip("/")).exists()
+    assert not (kernel_image.rootfs / "root" / ".cache").exists()  # pip kept no cache
 
 
 def test_state_is_kept_between_cells(sbx: Sandbox) -> None:
