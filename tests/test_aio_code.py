@@ -98,3 +98,6 @@ def test_code_execute_javascript_on_deno(client: Sandbox) -> None:
     assert kept is not None and kept.stdout == "6\n"
     sessions = client.jupyter.list_sessions().data
     assert sessions is not None and sessions.sessions["js-kept"].kernel_name == "deno"
+    jupyter = client.jupyter.execute_code(code="[1, 2].length", kernel_name="deno").data
+    assert jupyter is not None and jupyter.kernel_name == "deno" and jupyter.status == "ok"
+    assert [(o.data or {}).get("text/plain") for o in jupyter.outputs] == ["2"]
