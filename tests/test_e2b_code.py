@@ -287,6 +287,13 @@ def test_a_fast_printing_javascript_cell_keeps_all_its_output(sbx: Sandbox) -> N
     assert lines == [str(i) for i in range(JS_FLOOD_LINES)]
     after = sbx.run_code("'after'", context=context)
     assert (after.logs.stdout, after.text) == ([], '"after"')  # none of the flood's lines came late
+    # A cell that silences the console (a test's mock) leaves the fence that marks the end of
+    # each cell's output working: the next cells still end at once, with their output.
+    sbx.run_code("console.log = () => {}; console.error = () => {}", context=context)
+    started = time.monotonic()
+    quiet = sbx.run_code("3", context=context)
+    assert (quiet.logs.stdout, quiet.logs.stderr, quiet.text) == ([], [], "3")
+    assert time.monotonic() - started < SDK_TIMEOUT
     sbx.remove_code_context(context)
 
 

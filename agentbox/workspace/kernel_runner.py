@@ -247,8 +247,16 @@ DENO_ENV_RESTORE = (
     "}}\n"
     "delete globalThis.__agentbox_env; delete globalThis.__agentbox_saved;\n"
 )
+#: What Deno's kernel runs once started: the fence's writer, holding the console's own
+#: `log` and `error` (the path the cells' output takes, so the marker comes after it in each
+#: stream), so a cell that replaces them (a test's mock) does not silence the fence.
+DENO_START = (
+    'Object.defineProperty(globalThis, Symbol.for("agentbox.fence"), {value: ((log, error) =>\n'
+    "  (marker) => { log(marker); error(marker); })(console.log.bind(console), console.error.bind(console))});\n"
+)
 #: Deno's fence: the marker on each of its console streams (`fence`).
-DENO_FENCE = "console.log({marker}); console.error({marker});"
+DENO_FENCE = 'globalThis[Symbol.for("agentbox.fence")]({marker});'
+
 
 
 @dataclass(frozen=True)
@@ -267,7 +275,7 @@ class Dialect:
 #: The dialect of each kernel, by kernelspec name.
 DIALECTS = {
     "python3": Dialect(BOUNDED_STREAMS.format(most=STREAM_FLUSH_CHARS), ENV_SET, ENV_RESTORE),
-    "deno": Dialect("", DENO_ENV_SET, DENO_ENV_RESTORE, DENO_FENCE),
+    "deno": Dialect(DENO_START, DENO_ENV_SET, DENO_ENV_RESTORE, DENO_FENCE),
 }
 
 
@@ -281,7 +289,8 @@ def messages(
     manager: Any, client: Any, msg_id: str, until: Callable[[], bool] = lambda: True, late: str = ""
 ) -> Iterator[dict[str, Any]]:
     """The iopub messages of one request until its kernel is idle again and `until()` holds,
-    with those of the earlier request `late` that still come meanwhile."""
+    with those of the earlier request `late` that still come meanwhile. Past the idle, a kernel
+    silent for `POLL_SECONDS` has nothing more on its way: the wait ends then too."""
     idle = False
     while not (idle and until()):
         try:
@@ -289,6 +298,8 @@ def messages(
         except queue.Empty:
             if not manager.is_alive():
                 raise KernelDied() from None
+            if idle:
+                return
             continue
         parent = msg.get("parent_header", {}).get("msg_id")
         if parent != msg_id:
