@@ -76,7 +76,28 @@ def test_code_execute_stateless_and_stateful(client: Sandbox) -> None:
     assert first is not None and first.session_id == "code-kept"
     kept = client.code.execute_code(language="python", code="print(z + 1)", session_id="code-kept").data
     assert kept is not None and kept.stdout == "6\n"
-    refused = client.code.execute_code(language="javascript", code="1")
-    assert refused.success is False and "javascript" in (refused.message or "")
+    refused = client.code.execute_code(language="ruby", code="1")
+    assert refused.success is False and "ruby" in (refused.message or "")
     info = client.code.get_info().data
-    assert info is not None and [lang.language for lang in info.languages] == ["python"]
+    assert info is not None and [lang.language for lang in info.languages] == ["python", "javascript"]
+
+
+def test_code_execute_javascript_on_deno(client: Sandbox) -> None:
+    once = client.code.execute_code(language="javascript", code="const y = 6; console.log(y * 7)").data
+    assert once is not None and (once.language, once.status, once.stdout, once.exit_code) == (
+        "javascript", "ok", "42\n", 0,
+    )  # fmt: skip
+    again = client.code.execute_code(language="javascript", code="y").data
+    assert again is not None and again.status == "error" and again.traceback  # a fresh context each call
+    assert any("ReferenceError" in line for line in again.traceback)
+    first = client.code.execute_code(language="javascript", code="let z = 5", session_id="js-kept").data
+    assert first is not None and first.session_id == "js-kept"
+    kept = client.code.execute_code(
+        language="javascript", code="console.log(z + 1)", session_id="js-kept"
+    ).data
+    assert kept is not None and kept.stdout == "6\n"
+    sessions = client.jupyter.list_sessions().data
+    assert sessions is not None and sessions.sessions["js-kept"].kernel_name == "deno"
+    jupyter = client.jupyter.execute_code(code="[1, 2].length", kernel_name="deno").data
+    assert jupyter is not None and jupyter.kernel_name == "deno" and jupyter.status == "ok"
+    assert [(o.data or {}).get("text/plain") for o in jupyter.outputs] == ["2"]

@@ -262,8 +262,8 @@ async def test_refusals_are_typed(box: SandboxMachine) -> None:
             await interpreter.create("cobol")
         assert language.value.error_type == "bad_request"
         with pytest.raises(WorkspaceError) as no_kernel:
-            await interpreter.create("javascript")  # a language this image has no kernel for
-        assert no_kernel.value.error_type == "bad_request" and "javascript" in no_kernel.value.message
+            await interpreter.create("r")  # a language this image has no kernel for
+        assert no_kernel.value.error_type == "bad_request" and "'ir' for r" in no_kernel.value.message
         with pytest.raises(WorkspaceError) as cwd:
             await interpreter.create(cwd="/no/such/dir")
         assert cwd.value.error_type == "not_found"

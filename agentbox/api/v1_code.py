@@ -3,12 +3,13 @@
     POST /v1/code/execute   {language, code, timeout?, cwd?, stateful?, session_id?}
     GET  /v1/code/info      the languages served
 
-Python runs in a kernel of the machine's code interpreter (`agentbox.workspace.kernels`):
-with `stateful` (or a `session_id`), in that Jupyter session (made on first use, the one
-`/v1/jupyter` names the same); without, in a context made for the call and removed after
-it. `stdout` and `stderr` are the streams joined, `outputs` the Jupyter outputs, `status`
-`ok`, `error` or `timeout` (`exit_code` 0 when ok, else 1), `traceback` the error's. Other
-languages are refused: the image would need a kernel for them.
+Python and JavaScript (the AIO SDK's two languages) run in a kernel of the machine's code
+interpreter (`agentbox.workspace.kernels`): Python in `python3`, JavaScript in Deno's kernel
+(where the image has it: the `data` image does). With `stateful` (or a `session_id`), in that
+Jupyter session (made on first use, the one `/v1/jupyter` names the same); without, in a
+context made for the call and removed after it. `stdout` and `stderr` are the streams
+joined, `outputs` the Jupyter outputs, `status` `ok`, `error` or `timeout` (`exit_code` 0
+when ok, else 1), `traceback` the error's. Other languages are refused.
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ from agentbox.api.v1_jupyter import (
     status_of,
 )
 from agentbox.workspace.errors import WorkspaceError
-from agentbox.workspace.kernels import MAX_EXECUTION_SECONDS, error
+from agentbox.workspace.kernels import KERNELS, MAX_EXECUTION_SECONDS, error
 
 router = APIRouter(prefix="/v1/code", tags=["code"])
 
-#: The languages `/v1/code/execute` runs.
-LANGUAGES = ("python",)
+#: The languages `/v1/code/execute` runs, and what `/v1/code/info` says of each.
+LANGUAGES = {
+    "python": "Python in a Jupyter kernel inside the sandbox",
+    "javascript": "JavaScript in Deno's Jupyter kernel inside the sandbox (images with Deno's kernelspec)",
+}
 
 
 class CodeBody(BaseModel):
@@ -82,16 +86,17 @@ async def execute(request: Request, sb: CurrentSandbox) -> JSONResponse:
 
 async def executed(sb: Sandbox, body: CodeBody) -> JSONResponse:
     """The execution's reply; a refusal raises (`execute` answers it)."""
-    if body.language.lower() not in LANGUAGES:
+    language = body.language.strip().lower()
+    if language not in LANGUAGES:
         raise error(
             "bad_request", f"language {body.language!r} is not served here: one of {', '.join(LANGUAGES)}"
         )
     interpreter = sb.code()
     stateful = bool(body.stateful or body.session_id)
     if stateful:
-        context = await session(interpreter, body.session_id, None, body.cwd)
+        context = await session(interpreter, body.session_id, KERNELS[language], body.cwd)
     else:
-        context = await interpreter.create("python", body.cwd)
+        context = await interpreter.create(language, body.cwd)
     try:
         outputs, count = await collected(interpreter, context, body.code, body.timeout)
     finally:
@@ -100,7 +105,7 @@ async def executed(sb: Sandbox, body: CodeBody) -> JSONResponse:
     status = status_of(outputs)
     failed = next((o for o in outputs if o.kind == "error"), None)
     return ok({
-        "language": "python", "status": status, "code": body.code,
+        "language": context.language, "status": status, "code": body.code,
         "outputs": [j for o in outputs if (j := jupyter_output(o, count)) is not None],
         "stdout": "".join(o.text for o in outputs if o.kind == "stdout"),
         "stderr": "".join(o.text for o in outputs if o.kind == "stderr"),
@@ -112,6 +117,6 @@ async def executed(sb: Sandbox, body: CodeBody) -> JSONResponse:
 
 @router.get("/info", response_model=v1_reply(CodeInfo))
 async def info(sb: CurrentSandbox) -> JSONResponse:
-    python = {"language": "python", "description": "Python in a Jupyter kernel inside the sandbox",
-              "default_timeout": DEFAULT_TIMEOUT_SECONDS, "max_timeout": int(MAX_EXECUTION_SECONDS)}  # fmt: skip
-    return ok({"languages": [python]})
+    languages = [{"language": language, "description": description, "default_timeout": DEFAULT_TIMEOUT_SECONDS,
+                  "max_timeout": int(MAX_EXECUTION_SECONDS)} for language, description in LANGUAGES.items()]  # fmt: skip
+    return ok({"languages": languages})

@@ -11,7 +11,8 @@ A session is a context of `agentbox.workspace.kernels` (a kernel inside the sand
 `execute` naming an unknown `session_id` makes that session; one naming none runs in the
 machine's default Python context (the one E2B's SDK uses without a context), and says
 which. Kernel names are Jupyter's: `python3` (`python3.11` and the like name the same
-kernel: the image has one Python). `status` is `ok`, `error` or `timeout`.
+kernel: the image has one Python), `deno` (JavaScript and TypeScript, where the image has
+Deno's kernel). `status` is `ok`, `error` or `timeout`.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def language_of(kernel_name: str | None) -> str:
     name = (kernel_name or DEFAULT_KERNEL).lower()
     if name == "python" or name.startswith("python3"):
         return "python"
-    known = {kernel: language for language, kernel in KERNELS.items()}
+    known: dict[str, str] = {}
+    for language, kernel in KERNELS.items():  # a kernel of two languages is its first's (deno: javascript)
+        known.setdefault(kernel, language)
     if name in known:
         return known[name]
     raise error("bad_request", f"no kernel {kernel_name!r}: this machine's kernel is {DEFAULT_KERNEL!r}")

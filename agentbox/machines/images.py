@@ -37,6 +37,7 @@ import json
 import os
 import pwd
 import re
+import shlex
 import shutil
 import stat as stat_mod
 import subprocess
@@ -75,6 +76,29 @@ PROFILES: dict[str, tuple[str, ...]] = {
         "tesseract-ocr-chi-tra", "fonts-noto-cjk", "chromium",
     ),
 }  # fmt: skip
+#: What each profile adds from PyPI after its Debian packages (the `data` profile: Deno,
+#: whose wheel carries the `deno` binary, for JavaScript and TypeScript contexts). Pinned: the
+#: version is part of the image's key. The server's own pip fetches them, as wheels, with the
+#: host's pip configuration (its index, mirrors and certificates, which a tree fresh from
+#: Debian does not have); the tree's pip installs them from there into /usr/local, offline.
+PYPI_PACKAGES: dict[str, tuple[str, ...]] = {"data": ("deno==2.9.8",)}
+#: Seconds fetching a build's PyPI packages may take.
+PYPI_FETCH_TIMEOUT = 600
+#: Where an image's own Jupyter kernelspecs go: a directory the image's jupyter_client searches.
+KERNELSPEC_DIR = "usr/local/share/jupyter/kernels"
+#: The Jupyter kernels each profile registers by hand, name -> kernel.json: the kernel starts
+#: from the image alone (`deno jupyter --install` would write to a home that a sandbox does
+#: not keep). Deno's kernel runs TypeScript and JavaScript alike.
+KERNELSPECS: dict[str, dict[str, dict[str, object]]] = {
+    "data": {
+        "deno": {
+            "argv": ["/usr/local/bin/deno", "jupyter", "--kernel", "--conn", "{connection_file}"],
+            "display_name": "Deno",
+            "language": "typescript",
+            "env": {"NO_COLOR": "1"},
+        },
+    },
+}
 #: The image the built-in `sandbox` machine runs on (the host's /usr when it is not built).
 DEFAULT_IMAGE = "base"
 #: An image name: a short lowercase word, usable as a directory and a Docker tag.
@@ -112,6 +136,57 @@ LOCALE_HOOK = (
     'if [ -d "$1/usr/lib/locale/C.utf8" ]; then '
     'chroot "$1" localedef --add-to-archive --replace /usr/lib/locale/C.utf8; fi'
 )
+#: Where a build's wheels are in the tree while its pip installs them (removed after).
+WHEELS_IN_TREE = "/tmp/agentbox-wheels"
+#: The environment the tree's pip runs in: its own, none of the build's.
+PIP_ENV = "env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/root LANG=C.UTF-8"
+#: The tree's pip's options: the fetched wheels only (no index, no package's build code runs),
+#: no dependencies beyond the pinned ones, no cache left in the tree, and past Debian's guard
+#: on its own Python (the packages go to /usr/local, beside Debian's, not over them).
+PIP_OPTIONS = (
+    f"--no-index --find-links={WHEELS_IN_TREE} --no-cache-dir --no-deps --only-binary=:all: "
+    "--break-system-packages --disable-pip-version-check"
+)
+
+
+def pip_hook(packages: tuple[str, ...], wheels: Path) -> str:
+    """A customize hook that installs `packages` from the wheels in `wheels` (a host directory)
+    with the tree's own pip."""
+    names = " ".join(shlex.quote(p) for p in packages)
+    inside = f'"$1"{WHEELS_IN_TREE}'
+    return (
+        f"cp -r {shlex.quote(str(wheels))} {inside} && "
+        f'chroot "$1" {PIP_ENV} python3 -m pip install -q {PIP_OPTIONS} {names} && rm -rf {inside}'
+    )
+
+
+def fetch_wheels(packages: tuple[str, ...], into: Path, progress: Progress) -> None:
+    """Download the wheels of `packages` into `into` with the server's own pip."""
+    progress(f"fetching {', '.join(packages)} from PyPI")
+    into.mkdir(mode=0o755)
+    os.chmod(into, 0o755)  # an unshare build's hook reads it as a subordinate uid
+    args = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "--dest", str(into), *packages]  # fmt: skip
+    try:
+        done = subprocess.run(
+            args, stdin=subprocess.DEVNULL, capture_output=True, timeout=PYPI_FETCH_TIMEOUT, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise ImageBuildFailed(f"fetching {', '.join(packages)} took over {PYPI_FETCH_TIMEOUT} s") from None
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).decode(errors="replace").strip()[-DIAGNOSTICS_TAIL:]
+        raise ImageBuildFailed(f"fetching {', '.join(packages)} from PyPI failed: {_disk_hint(said)}")
+    for wheel in into.iterdir():
+        os.chmod(wheel, 0o644)
+
+
+def kernelspec_hook(name: str, spec: dict[str, object]) -> str:
+    """A customize hook that writes the kernelspec `name` into the tree's `KERNELSPEC_DIR`."""
+    where = f'"$1"/{KERNELSPEC_DIR}/{shlex.quote(name)}'
+    text = shlex.quote(json.dumps(spec, indent=1, sort_keys=True))
+    return f"mkdir -p {where} && printf '%s\\n' {text} > {where}/kernel.json"
+
+
 MANIFEST = "manifest.json"
 ROOTFS = "rootfs"
 #: Where a non-root build's mmdebstrap installs before streaming the tree out: a directory
@@ -139,10 +214,33 @@ class Request:
     def packages(self) -> list[str]:
         return sorted(set(PROFILES[self.profile]) | set(self.include))
 
+    def pypi(self) -> tuple[str, ...]:
+        return PYPI_PACKAGES.get(self.profile, ())
+
+    def kernelspecs(self) -> dict[str, dict[str, object]]:
+        return KERNELSPECS.get(self.profile, {})
+
     def key(self) -> str:
-        body = {"format": FORMAT, "suite": self.suite, "variant": VARIANT, "mirrors": list(self.mirrors),
-                "packages": self.packages(), "uid": self.uid, "gid": self.gid}  # fmt: skip
+        body: dict[str, object] = {
+            "format": FORMAT, "suite": self.suite, "variant": VARIANT, "mirrors": list(self.mirrors),
+            "packages": self.packages(), "uid": self.uid, "gid": self.gid,
+        }  # fmt: skip
+        # Named only when there are some, so a profile without them keeps the key it had.
+        if self.pypi():
+            body["pypi"] = list(self.pypi())
+        if self.kernelspecs():
+            body["kernelspecs"] = self.kernelspecs()
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    def hooks(self, wheels: Path) -> list[str]:
+        """mmdebstrap's customize hooks, in order: the locale archive, then the PyPI packages
+        (from the wheels fetched into `wheels`) and the kernelspecs, after the Debian packages,
+        whose pip and Python they use."""
+        hooks = [LOCALE_HOOK]
+        if self.pypi():
+            hooks.append(pip_hook(self.pypi(), wheels))
+        hooks += [kernelspec_hook(name, spec) for name, spec in sorted(self.kernelspecs().items())]
+        return hooks
 
 
 @dataclass(frozen=True)
@@ -412,6 +510,9 @@ def _build_in(request: Request, image: Path, tmp: Path, progress: Progress) -> M
     """mmdebstrap, installing in `tmp` → its tar stream → `image/rootfs`; the manifest beside it."""
     started = time.monotonic()
     rootfs = image / ROOTFS
+    wheels = tmp / "wheels"
+    if request.pypi():
+        fetch_wheels(request.pypi(), wheels, progress)
     mode = "root" if os.geteuid() == 0 else "unshare"
     args = [
         "mmdebstrap", f"--mode={mode}", f"--variant={VARIANT}", "--format=tar", "--skip=output/dev",
@@ -419,7 +520,7 @@ def _build_in(request: Request, image: Path, tmp: Path, progress: Progress) -> M
         # Also written into the image (etc/apt/apt.conf.d/99mmdebstrap), where they hold too.
         *(f"--aptopt={option}" for option in APT_OPTIONS),
         "--dpkgopt=force-unsafe-io",  # no fsync per file: a build that fails is thrown away anyway
-        f"--customize-hook={LOCALE_HOOK}",
+        *(f"--customize-hook={hook}" for hook in request.hooks(wheels)),
         request.suite, "-", *request.mirrors,
     ]  # fmt: skip
     env = {

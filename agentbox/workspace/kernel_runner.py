@@ -26,6 +26,9 @@ stream messages). The runner is the sandbox's own process all the same (a cell c
 its descriptors through /proc), so the server reads its lines as untrusted output: bounded,
 type-checked, and able to change only what this sandbox's executions report. Standard
 library and jupyter_client only: it runs on the image's Python.
+
+What differs between kernels is a `Dialect`: the code run once at start, how a cell's `env`
+is set and restored, and whether a cell's console output needs a fence (below).
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 #: Seconds between checks that the kernel is still alive while waiting for its messages.
@@ -106,14 +111,15 @@ def main() -> int:
         send({"event": "failed", "reason": "start", "message": str(exc)})
         manager.shutdown_kernel(now=True)
         return 1
-    if kernel_name == "python3":
-        quiet(manager, client, BOUNDED_STREAMS.format(most=STREAM_FLUSH_CHARS))
+    dialect = DIALECTS.get(kernel_name, Dialect())
+    if dialect.start:
+        quiet(manager, client, dialect.start)
     send({"event": "ready"})
     requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
     threading.Thread(target=read_requests, args=(inbox, requests, manager), daemon=True).start()
     try:
         while (request := requests.get()) is not None:
-            execute(manager, client, request, send, kernel_name == "python3")
+            execute(manager, client, request, send, dialect)
     except KernelDied:
         send({"event": "died"})
         return 1
@@ -146,26 +152,72 @@ def read_requests(inbox: BinaryIO, requests: queue.Queue[dict[str, Any] | None],
 Send = Callable[[dict[str, Any]], None]
 
 
-def execute(manager: Any, client: Any, request: dict[str, Any], send: Send, python: bool) -> None:
+def execute(manager: Any, client: Any, request: dict[str, Any], send: Send, dialect: Dialect) -> None:
     n, env = request["id"], request.get("env") or {}
-    if env and python:
-        quiet(manager, client, ENV_SET.format(env=json.dumps(env)))
+    setting = bool(env and dialect.env_set)
+    if setting:
+        quiet(manager, client, dialect.env_set.format(env=json.dumps(env)))
     msg_id = client.execute(request["code"], allow_stdin=False, stop_on_error=True)
     for msg in messages(manager, client, msg_id):
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            send({"event": content["name"], "id": n, "text": content["text"]})
-        elif kind in ("execute_result", "display_data"):
-            send({"event": "result", "id": n, "data": content["data"], "main": kind == "execute_result"})
-        elif kind == "error":
-            send({"event": "error", "id": n, "name": content["ename"], "value": content["evalue"],
-                  "traceback": content["traceback"]})  # fmt: skip
-        elif kind == "execute_input":
-            send({"event": "count", "id": n, "count": content["execution_count"]})
-    if env and python:
-        quiet(manager, client, ENV_RESTORE)
+        relay(msg, send, n)
+    if dialect.fence:
+        fence(manager, client, msg_id, dialect.fence, send, n)
+    if setting:
+        quiet(manager, client, dialect.env_restore)
     drain_shell(client)
     send({"event": "done", "id": n})
+
+
+def relay(msg: dict[str, Any], send: Send, n: int) -> None:
+    """A kernel's message for execution `n` as the runner's event (none for the rest)."""
+    kind, content = msg["msg_type"], msg["content"]
+    if kind == "stream":
+        send({"event": content["name"], "id": n, "text": content["text"]})
+    elif kind in ("execute_result", "display_data"):
+        send({"event": "result", "id": n, "data": content["data"], "main": kind == "execute_result"})
+    elif kind == "error":
+        send({"event": "error", "id": n, "name": content["ename"], "value": content["evalue"],
+              "traceback": content["traceback"]})  # fmt: skip
+    elif kind == "execute_input":
+        send({"event": "count", "id": n, "count": content["execution_count"]})
+
+
+def fence(manager: Any, client: Any, cell: str, code: str, send: Send, n: int) -> None:
+    """Relay the console output a kernel sends after its cell (request `cell`, execution `n`)
+    ended, up to a marker.
+
+    Deno's kernel reads a cell's console output from a pipe and sends it under whichever
+    execution is the latest when it gets to it, so a cell that prints fast still has output
+    on its way when it reports idle, and that output would come under the next cell (its
+    results, sent from JavaScript, may come late too). The fence is an execution of its own
+    that prints a fresh marker on stdout and on stderr: each stream is one pipe, in order, so
+    what comes before the marker is the cell's. The fence itself has no result or error, so
+    any that come under it are the cell's as well.
+    """
+    marker = f"agentbox-fence-{secrets.token_hex(16)}"
+    msg_id = client.execute(code.format(marker=json.dumps(marker)), silent=True, store_history=False,
+                            allow_stdin=False)  # fmt: skip
+    pending = {"stdout": "", "stderr": ""}
+    for msg in messages(manager, client, msg_id, until=lambda: not pending, late=cell):
+        name = msg["content"].get("name")
+        if msg["parent_header"]["msg_id"] == cell:  # sent before the fence began: no marker in it
+            relay(msg, send, n)
+            continue
+        if msg["msg_type"] != "stream":
+            if msg["msg_type"] != "execute_input":  # the fence's own
+                relay(msg, send, n)
+            continue
+        if name not in pending:
+            continue
+        text = pending[name] + msg["content"]["text"]
+        before, found, _ = text.partition(marker)
+        if found:
+            del pending[name]
+        else:  # a marker split over two messages: keep what could be its start
+            keep = len(marker) - 1
+            before, pending[name] = text[:-keep] if len(text) > keep else "", text[-keep:]
+        if before:
+            send({"event": name, "id": n, "text": before})
 
 
 #: What a Python kernel runs before and after a cell given `env`: the variables for that cell only.
@@ -182,25 +234,81 @@ ENV_RESTORE = (
 )
 
 
+#: The same for Deno's kernel, through `Deno.env` (the kernel runs with every permission).
+DENO_ENV_SET = (
+    "globalThis.__agentbox_env = {env};\n"
+    "globalThis.__agentbox_saved = Object.fromEntries(\n"
+    "  Object.keys(globalThis.__agentbox_env).map((k) => [k, Deno.env.get(k)]));\n"
+    "for (const [k, v] of Object.entries(globalThis.__agentbox_env)) Deno.env.set(k, v);\n"
+)
+DENO_ENV_RESTORE = (
+    "for (const [k, v] of Object.entries(globalThis.__agentbox_saved)) {{\n"
+    "  if (v === undefined) Deno.env.delete(k); else Deno.env.set(k, v);\n"
+    "}}\n"
+    "delete globalThis.__agentbox_env; delete globalThis.__agentbox_saved;\n"
+)
+#: What Deno's kernel runs once started: the fence's writer, holding the console's own
+#: `log` and `error` (the path the cells' output takes, so the marker comes after it in each
+#: stream), so a cell that replaces them (a test's mock) does not silence the fence.
+DENO_START = (
+    'Object.defineProperty(globalThis, Symbol.for("agentbox.fence"), {value: ((log, error) =>\n'
+    "  (marker) => { log(marker); error(marker); })(console.log.bind(console), console.error.bind(console))});\n"
+)
+#: Deno's fence: the marker on each of its console streams (`fence`).
+DENO_FENCE = 'globalThis[Symbol.for("agentbox.fence")]({marker});'
+
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What the runner does differently for one kernel; a kernel it does not know gets none of it."""
+
+    start: str = ""
+    """Run once the kernel is ready."""
+    env_set: str = ""
+    """Run before a cell given `env` (formatted with `env` as JSON); empty: `env` is not set."""
+    env_restore: str = ""
+    fence: str = ""
+    """Code printing `{marker}` on stdout and stderr, run after each cell (`fence`); empty: none."""
+
+
+#: The dialect of each kernel, by kernelspec name.
+DIALECTS = {
+    "python3": Dialect(BOUNDED_STREAMS.format(most=STREAM_FLUSH_CHARS), ENV_SET, ENV_RESTORE),
+    "deno": Dialect(DENO_START, DENO_ENV_SET, DENO_ENV_RESTORE, DENO_FENCE),
+}
+
+
 def quiet(manager: Any, client: Any, code: str) -> None:
     msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False)
     for _ in messages(manager, client, msg_id):
         pass
 
 
-def messages(manager: Any, client: Any, msg_id: str) -> Iterator[dict[str, Any]]:
-    """The iopub messages of one request until its kernel is idle again."""
-    while True:
+def messages(
+    manager: Any, client: Any, msg_id: str, until: Callable[[], bool] = lambda: True, late: str = ""
+) -> Iterator[dict[str, Any]]:
+    """The iopub messages of one request until its kernel is idle again and `until()` holds,
+    with those of the earlier request `late` that still come meanwhile. Past the idle, a kernel
+    silent for `POLL_SECONDS` has nothing more on its way: the wait ends then too."""
+    idle = False
+    while not (idle and until()):
         try:
             msg = client.get_iopub_msg(timeout=POLL_SECONDS)
         except queue.Empty:
             if not manager.is_alive():
                 raise KernelDied() from None
+            if idle:
+                return
             continue
-        if msg.get("parent_header", {}).get("msg_id") != msg_id:
+        parent = msg.get("parent_header", {}).get("msg_id")
+        if parent != msg_id:
+            if late and parent == late:
+                yield msg
             continue
         if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
-            return
+            idle = True
+            continue
         yield msg
 
 

@@ -3,9 +3,10 @@
 A context (id, language, cwd) is one kernel; what a cell defines stays for the next cell of
 the same context. The kernel runs inside the machine: `kernel_runner.py` is run with the
 machine's own `python3 -c` as a command of the machine (so it needs jupyter_client and the
-kernel there: Debian's `python3-ipykernel`, in the `data` image), starts the kernel with
-jupyter_client and relays its messages as JSON lines over the command's stdin and stdout.
-The server never runs the cell's code, and never connects to a port the sandbox controls.
+kernel there: Debian's `python3-ipykernel` and Deno's kernelspec, in the `data` image), starts
+the kernel with jupyter_client and relays its messages as JSON lines over the command's stdin
+and stdout. The server never runs the cell's code, and never connects to a port the sandbox
+controls.
 
 Kernels start on a context's first execution (or its creation), and stop when the context
 is removed, when the interpreter closes (its machine stops or its session goes), or after
@@ -16,7 +17,9 @@ Limits, each a constructor parameter: `max_contexts` at once, `max_output_bytes`
 per execution (past it the cell is interrupted and ends with an `OutputLimitExceeded`
 error), `max_execution_seconds` (past it the cell is interrupted and ends with a
 `TimeoutError` error). A cell that ignores the interrupt for `INTERRUPT_GRACE_SECONDS` has
-its kernel stopped and the context starts over. Failures before a cell runs are
+its kernel stopped and the context starts over. Deno's kernel does not survive an interrupt
+(it exits on SIGINT and ignores Jupyter's interrupt message): a JavaScript cell past a limit
+ends its context's state, and the error says so. Failures before a cell runs are
 `WorkspaceError`s: `not_found` (no such context), `bad_request` (no kernel for the
 language, code too long), `capacity_exceeded` (too many contexts), `kernel_unavailable`
 (the kernel could not start).
@@ -40,16 +43,19 @@ from agentbox.machines.base import ExecRequest, Machine, Process, inside_path
 from agentbox.workspace.errors import WorkspaceError
 
 RUNNER_SOURCE = (Path(__file__).parent / "kernel_runner.py").read_text()
-#: The language a context gets when none is named, and the Jupyter kernel of each language.
+#: The language a context gets when none is named, and the Jupyter kernel of each language
+#: (the kernelspec the image must have: the `data` image has `python3` and Deno's `deno`).
 DEFAULT_LANGUAGE = "python"
 KERNELS = {
     "python": "python3",
-    "javascript": "javascript",
-    "typescript": "typescript",
+    "javascript": "deno",
+    "typescript": "deno",
     "r": "ir",
     "java": "java",
     "bash": "bash",
 }
+#: Other names of a language, as E2B's server reads them (a context made as `js` is `javascript`).
+ALIASES = {"js": "javascript", "ts": "typescript"}
 #: Contexts (kernels) a machine keeps at once.
 MAX_CONTEXTS = 8
 #: Bytes of output (streams, results, errors) one execution may produce.
@@ -81,6 +87,16 @@ CONTEXT_ID_BYTES = 8
 CONTEXT_ID_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 Kind = Literal["stdout", "stderr", "result", "error", "count"]
+
+
+def language_named(language: str | None) -> str:
+    """The language `language` names (`DEFAULT_LANGUAGE` when none); one without a kernel is refused."""
+    name = (language or DEFAULT_LANGUAGE).strip().lower()
+    name = ALIASES.get(name, name)
+    if name not in KERNELS:
+        known = ", ".join((*KERNELS, *ALIASES))
+        raise error("bad_request", f"no kernel for language {language!r}: one of {known}")
+    return name
 
 
 def error(error_type: str, message: str) -> WorkspaceError:
@@ -188,9 +204,17 @@ class Kernel:
 
     @classmethod
     async def start(
-        cls, machine: Machine, kernel: str, cwd: str, max_line_bytes: int, start_seconds: float
+        cls,
+        machine: Machine,
+        kernel: str,
+        cwd: str,
+        max_line_bytes: int,
+        start_seconds: float,
+        language: str = "",
     ) -> Kernel:
-        """Run the runner in `machine` and wait for its kernel to be ready."""
+        """Run the runner in `machine` and wait for its kernel to be ready (`language`: what the
+        caller asked for, named in the refusal when the machine has no such kernel)."""
+        language = f" for {language}: its image has none" if language else ""
         argv = ("python3", "-c", RUNNER_SOURCE, kernel, str(max_line_bytes), str(start_seconds))
         try:
             process = await machine.spawn(ExecRequest(argv=argv, cwd=cwd, interactive=True))
@@ -206,7 +230,7 @@ class Kernel:
         if reply.get("event") != "ready":
             await self.close()
             if reply.get("reason") == "no_kernel":
-                raise error("bad_request", f"this machine has no Jupyter kernel {kernel!r}")
+                raise error("bad_request", f"this machine has no Jupyter kernel {kernel!r}{language}")
             said = self.stderr_tail.decode(errors="replace").strip()[-1000:]
             why = "; ".join(filter(None, (str(reply.get("message", "")), said)))
             raise error("kernel_unavailable", f"the {kernel} kernel did not start: {why}")
@@ -370,6 +394,11 @@ class Kernel:
                 failure.value
                 + "; it ignored the interrupt, so its kernel was stopped and the context's state is gone",
             )
+        if self._gone:  # a kernel that an interrupt ends (Deno's): say so now, not at the next cell
+            return Output.failure(
+                failure.name,
+                failure.value + "; its kernel exited on the interrupt and the context's state is gone",
+            )
         return failure
 
     async def close(self) -> None:
@@ -442,13 +471,11 @@ class CodeInterpreter:
     ) -> Context:
         """A new context (named `context_id`, else a fresh id) with its kernel started, so a
         language without one fails here."""
-        language = (language or DEFAULT_LANGUAGE).lower()
         if context_id is not None and not CONTEXT_ID_RULE.fullmatch(context_id):
             raise error(
                 "bad_request", f"a context id is 1-64 letters, digits, '.', '_' or '-', not {context_id!r}"
             )
-        if language not in KERNELS:
-            raise error("bad_request", f"no kernel for language {language!r}: one of {', '.join(KERNELS)}")
+        language = language_named(language)
         where = await self._cwd(cwd)
         if context_id is not None and context_id in self.contexts:
             raise error("already_exists", f"context {context_id!r} exists")
@@ -482,7 +509,7 @@ class CodeInterpreter:
         """The named context, else the language's default one (made on first use)."""
         if context_id:
             return self.get(context_id)
-        language = (language or DEFAULT_LANGUAGE).lower()
+        language = language_named(language)
         async with self._defaulting:  # two first executions make one default context
             default = self.contexts.get(self.defaults.get(language, ""))
             if default is None:
@@ -524,7 +551,12 @@ class CodeInterpreter:
                     await context.kernel.close()
                 kernel_name = KERNELS[context.language]
                 context.kernel = await Kernel.start(
-                    self.machine, kernel_name, context.cwd, MAX_LINE_BYTES, self.start_seconds
+                    self.machine,
+                    kernel_name,
+                    context.cwd,
+                    MAX_LINE_BYTES,
+                    self.start_seconds,
+                    context.language,
                 )
                 self.last_used = time.monotonic()
                 self._watch_idle()
@@ -546,16 +578,20 @@ class CodeInterpreter:
         async with context.lock:
             died = context.kernel is not None and not context.kernel.alive
             kernel = await self.started(context)
-            if died:  # never a silent loss of state: the cell below would meet a NameError
-                yield Output(
-                    "stderr", text="[the context's kernel had exited; a new one was started: its state is gone]\n"
-                )
             if not await kernel.settle(INTERRUPT_GRACE_SECONDS):
                 await self._stop(context)  # an abandoned cell ignored its interrupt
                 kernel = await self.started(context)
                 yield Output(
                     "stderr",
                     text="[the previous execution ignored its interrupt; the kernel was restarted]\n",
+                )
+            elif not kernel.alive:  # an abandoned cell's interrupt ended its kernel (Deno's does)
+                died = True
+                kernel = await self.started(context)
+            if died:  # never a silent loss of state: the cell below would meet a NameError
+                yield Output(
+                    "stderr",
+                    text="[the context's kernel had exited; a new one was started: its state is gone]\n",
                 )
             self.last_used = time.monotonic()
             try:
