@@ -275,3 +275,17 @@ def test_bench_ssh_quick(tmp_path: Path) -> None:
     document = run_quick("bench_ssh.py", tmp_path / "ssh.json")
     check_figures(document, SSH_FIGURES, "bench_ssh")
     assert document["figures"]["ssh_exec_true"]["target"]["kind"] == "ratio"
+
+
+#: bench_kernels' figures: each language's start, memory and warm cell.
+KERNEL_FIGURES = {
+    f"{figure}_{language}" for figure in ("start", "memory", "cell") for language in ("python", "javascript")
+}
+
+
+@pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
+def test_bench_kernels_quick(tmp_path: Path, data_image: Image) -> None:
+    document = run_quick(
+        "bench_kernels.py", tmp_path / "kernels.json", "--images", str(data_image.path.parent)
+    )
+    check_figures(document, KERNEL_FIGURES, "bench_kernels")
