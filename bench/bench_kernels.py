@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(figures))
     print(footer(time.monotonic() - began))
     if args.json:
-        write_json(args.json, "bench_kernels.py", args.quick, figures, images=str(args.images))
+        write_json(args.json, "bench_kernels", args.quick, figures, images=str(args.images))
     return 0
 
 
