@@ -439,3 +439,25 @@ async def test_marker_data_must_be_a_json_object(db: Database) -> None:
             "INSERT INTO machine_markers (session_id, machine, kind, created_at)"
             " VALUES ('s', 'm', 'k', 'now')"
         )
+
+
+async def test_closing_while_another_process_writes_does_not_fail(tmp_path: Path) -> None:
+    """The `PRAGMA optimize` a close runs needs the write lock; another process holding it
+    (a second server on the home, a restarted one) must not turn the close into an error."""
+    from agentbox.store.approvals import ApprovalsRepo
+
+    async with Database.in_home(tmp_path):
+        pass
+    db = Database.in_home(tmp_path, busy_timeout_ms=50)
+    await db.__aenter__()
+    for _ in range(3):  # queries through an index: what the optimize would analyze
+        await ApprovalsRepo(db).pending("ses_x")
+    other = sqlite3.connect(tmp_path / "agentbox.db", isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        await db.__aexit__(None, None, None)
+    finally:
+        other.rollback()
+        other.close()
+    async with Database.in_home(tmp_path) as again:  # closed, and the home opens again
+        assert await ApprovalsRepo(again).pending("ses_x") == []

@@ -231,6 +231,9 @@ class Database:
         if conn is not None:
             try:
                 conn.execute("PRAGMA optimize")
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc):  # another process holds the lock: the next close optimizes
+                    raise
             finally:
                 conn.close()
 
