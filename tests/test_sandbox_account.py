@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 from pathlib import Path
 
 import pytest
 from conftest import SandboxFactory
 
-from agentbox.machines.account import ACCOUNT_HOME, ACCOUNT_ID
+from agentbox.machines.account import ACCOUNT_HOME, ACCOUNT_ID, SUDO_SOCKET
 from agentbox.machines.base import ExecRequest, TerminalSize, collect
 from agentbox.machines.errors import OwnerUnsupported
 from agentbox.machines.sandbox import SandboxMachine
+from agentbox.machines.sudo_broker import MAX_REQUEST
 
 FACTORIES = ["make_sandbox", "make_image_sandbox"]
 
@@ -135,10 +137,14 @@ async def test_a_new_lifetime_makes_the_account_again(box: SandboxMachine) -> No
     assert (code, out) == (0, "user\n"), err
 
 
-async def test_sudo_runs_a_command_as_root_and_returns_its_exit_code(make_image_sandbox: SandboxFactory) -> None:
+async def test_sudo_runs_a_command_as_root_and_returns_its_exit_code(
+    make_image_sandbox: SandboxFactory,
+) -> None:
     """On an image (its /usr is the sandbox's layer) the account gets a passwordless `sudo`."""
     box = await make_image_sandbox()
-    code, out, err = await run(box, "sudo id -u; sudo -u user id -u; sudo sh -c 'echo $HOME; exit 7'; echo rc=$?")
+    code, out, err = await run(
+        box, "sudo id -u; sudo -u user id -u; sudo sh -c 'echo $HOME; exit 7'; echo rc=$?"
+    )
     assert (code, out) == (0, f"0\n{ACCOUNT_ID}\n/root\nrc=7\n"), err
     code, out, _ = await run(box, "echo typed | sudo cat; sudo -i pwd; sudo -n true && sudo -l | tail -1")
     assert out == "typed\n/root\n    (ALL) NOPASSWD: ALL\n"
@@ -164,3 +170,29 @@ async def test_sudo_on_the_hosts_usr_under_the_system_layer(make_sandbox: Sandbo
     box = await make_sandbox()
     code, out, err = await run(box, "id -un; sudo id -un")
     assert (code, out) == (0, "user\nroot\n"), err
+
+
+async def test_sudo_i_keeps_its_arguments_apart(make_image_sandbox: SandboxFactory) -> None:
+    """`sudo -i cmd args` runs through a login shell with each argument quoted, as sudo does."""
+    box = await make_image_sandbox()
+    code, out, err = await run(box, "sudo -i echo 'a;b' 'c  d'; sudo -s printf '%s|' 'x y' '$HOME'")
+    assert (code, out) == (0, "a;b c  d\nx y|$HOME|"), err
+
+
+async def test_sudo_requests_are_bounded_at_the_brokers_limit(make_image_sandbox: SandboxFactory) -> None:
+    """Up to MAX_REQUEST bytes (argv and environment) a command runs; past it the shim refuses
+    clearly, and the broker refuses a longer message itself rather than run a cut one."""
+    box = await make_image_sandbox()
+    under = MAX_REQUEST - 16 * 1024  # room for the environment
+    code, out, err = await run(box, f"sudo printf %s $(head -c {under} /dev/zero | tr '\\0' a) | wc -c")
+    assert (code, out.strip()) == (0, str(under)), err
+    half = f"$(head -c {MAX_REQUEST // 2 + 1} /dev/zero | tr '\\0' a)"  # two: one argument has its own cap
+    code, _, err = await run(box, f"sudo true {half} {half}")
+    assert code == 1 and "sudo: argument list too long" in err, err
+    raw = (
+        f"import socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.connect({SUDO_SOCKET!r}); "
+        f"socket.send_fds(s, [b'/' + b'x' * {MAX_REQUEST}], [0, 1, 2]); "
+        "print(s.recv(4096).split(b'\\0')[0].decode())"
+    )
+    code, out, err = await run(box, f"python3 -c {shlex.quote(raw)}")
+    assert (code, out) == (0, "E\n"), err

@@ -15,13 +15,16 @@ killed) the command's process group is killed. Standard library only; runs as
 `python3 -I -S sudo_broker.py SOCKET`.
 """
 
+import errno
 import os
 import select
 import signal
 import socket
 import sys
 
-MAX_REQUEST = 1 << 20
+#: Bytes of one request (argv and environment); a longer one is refused with E2BIG, never cut.
+#: Within what one SEQPACKET message may carry on a socket of the default send buffer (208 KiB).
+MAX_REQUEST = 128 * 1024
 STDIO = 3
 
 
@@ -48,8 +51,11 @@ def serve(path):
 
 
 def handle(conn):
-    data, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST, STDIO)
-    if len(fds) != STDIO or not data:
+    data, fds, flags, _addr = socket.recv_fds(conn, MAX_REQUEST, STDIO)
+    if len(fds) != STDIO or not data or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        for fd in fds:
+            os.close(fd)
+        conn.send(b"E\0%d\0a request of over %d bytes, or without its stdio" % (errno.E2BIG, MAX_REQUEST))
         return
     fields = data.split(b"\0")
     cwd, argc = fields[0], int(fields[1])

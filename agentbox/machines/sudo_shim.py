@@ -9,6 +9,7 @@ nothing here; the command gets the caller's environment with root's HOME, USER a
 """
 
 import os
+import shlex
 import socket
 import sys
 import time
@@ -17,6 +18,8 @@ SOCKET = "/run/agentbox-sudo"
 IGNORED = set("EHnSkv")
 #: Seconds to wait for the broker's socket (it starts with the account, beside the first command).
 CONNECT_SECONDS = 5.0
+#: The broker's MAX_REQUEST (`sudo_broker.py`): a longer command and environment are refused here.
+MAX_REQUEST = 128 * 1024
 USAGE = "usage: sudo [-EHnSikslv] [-u root|user] [--] command [args...]"
 
 
@@ -56,9 +59,9 @@ def parse(args):
 
 def command_of(login, shell, args):
     if login:
-        return ["/bin/bash", "-l", "-c", " ".join(args)] if args else ["/bin/bash", "-l"]
+        return ["/bin/bash", "-l", "-c", shlex.join(args)] if args else ["/bin/bash", "-l"]
     if shell:
-        return ["/bin/bash", "-c", " ".join(args)] if args else ["/bin/bash"]
+        return ["/bin/bash", "-c", shlex.join(args)] if args else ["/bin/bash"]
     if not args:
         raise SystemExit(USAGE)
     return args
@@ -88,8 +91,13 @@ def main():
         env["HOME"] = "/root"
     cwd = "/root" if login else os.getcwd()
     fields = [cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items())]
+    request = "\0".join(fields).encode("utf-8", "surrogateescape")
+    if len(request) > MAX_REQUEST:
+        raise SystemExit(
+            f"sudo: argument list too long: {len(request)} bytes with the environment, over {MAX_REQUEST}"
+        )
     conn = connect()
-    socket.send_fds(conn, ["\0".join(fields).encode("utf-8", "surrogateescape")], [0, 1, 2])
+    socket.send_fds(conn, [request], [0, 1, 2])
     reply = conn.recv(4096).split(b"\0")
     if reply[0] == b"X":
         raise SystemExit(int(reply[1]))
