@@ -134,12 +134,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(root: Path, config: str | None = None) -> Iterator[Server]:
+def serving(root: Path, config: str | None = None, images: Path | None = None) -> Iterator[Server]:
     """`python -m agentbox serve` on a free loopback port with AGENTBOX_HOME under `root`; with
-    `config`, that text is its agentbox.toml (else the embedded defaults)."""
+    `config`, that text is its agentbox.toml (else the embedded defaults); with `images`, its
+    images are there (AGENTBOX_IMAGES), else in that home, where none is built."""
     home, log = root / "home", root / "server.log"
     home.mkdir()
     env = {**os.environ, "AGENTBOX_HOME": str(home)}
+    if images is not None:
+        env["AGENTBOX_IMAGES"] = str(images)
     if config is not None:
         (root / "agentbox.toml").write_text(config)
         env["AGENTBOX_CONFIG"] = str(root / "agentbox.toml")

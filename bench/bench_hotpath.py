@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,11 @@ from bench_api import (
     run_command,
     serving,
 )
+from bench_images import default_images
 from bench_tools import Counts as ToolCounts
 from bench_tools import Timed, bash_figures, exited_0, rounds, tool_lab
 from figures import Figure, Target, arg_parser, footer, latency_figure, scratch_dir, table, write_json
+from wire import Wire
 
 from agentbox.api.app import create_app
 from agentbox.config import load
@@ -157,8 +160,10 @@ def peer_alive(peer: Peer) -> bool:
         return False
 
 
-def peer_call(client: httpx.Client, route: str, body: dict[str, Any]) -> dict[str, Any]:
-    response = client.post(route, json=body)
+def peer_call(
+    client: httpx.Client, method: str, route: str, body: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    response = client.request(method, route, json=body)
     if not response.is_success:
         raise ApiError(f"swerex-remote {route} answered {response.status_code}: {response.text[:300]}")
     return dict(response.json())
@@ -167,9 +172,27 @@ def peer_call(client: httpx.Client, route: str, body: dict[str, Any]) -> dict[st
 # --- 1. side by side -------------------------------------------------------------------------
 
 
+def wire_call(wire: Wire, method: str, route: str, body: Any = None, params: Any = None) -> dict[str, Any]:
+    """One request through the lean client; the envelope's `data` (a peer's reply as it is)."""
+    status, reply = wire.request(method, route, body, params)
+    if status >= 400 or not isinstance(reply, dict) or reply.get("success") is False:
+        raise ApiError(f"{method} {route} answered {status}: {str(reply)[:300]}")
+    return dict(reply.get("data", reply) if "success" in reply else reply)
+
+
+def served_root(server: Server) -> dict[str, Any]:
+    """What the served sandbox's root is made of (`GET /v2/sandbox`): image and layer."""
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        isolation = call(client, "GET", "/v2/sandbox").get("isolation", {})
+    return {k: isolation.get(k) for k in ("image", "image_detail", "system_layer_kind")}
+
+
 def side_by_side(server: Server, peer: Peer, counts: Counts, scratch: Path) -> list[Figure]:
-    ours = httpx.Client(base_url=server.url, timeout=60)
-    theirs = httpx.Client(base_url=peer.url, headers={"X-API-Key": peer.token}, timeout=60)
+    """Both servers, through the lean client (`wire.py`) and through httpx, in one set of rounds."""
+    auth = {"X-API-Key": peer.token}
+    ours, theirs = Wire(server.url), Wire(peer.url, auth)
+    ours_httpx = httpx.Client(base_url=server.url, timeout=60)
+    theirs_httpx = httpx.Client(base_url=peer.url, headers=auth, timeout=60)
     local, peer_file = scratch / "raw-1k.txt", str(scratch / "peer-1k.txt")
     inside = "/workspace/bench-1k.txt"
 
@@ -177,154 +200,178 @@ def side_by_side(server: Server, peer: Peer, counts: Counts, scratch: Path) -> l
         if data.get("content") != CONTENT:
             raise ApiError(f"a read returned other content than was written: {str(data)[:200]}")
 
-    def api_exit_0(data: dict[str, Any]) -> None:
-        if data.get("exit_code") != 0:
-            raise ApiError(f"`true` answered {data}")
+    def none(_: object) -> None:
+        return None
+
+    def served(
+        ask: Callable[..., dict[str, Any]], peer_ask: Callable[..., dict[str, Any]]
+    ) -> dict[str, Timed]:
+        """The rows of one client: `ask(method, route, body, params)` for agentbox, `peer_ask` for SWE-ReX."""
+        return {
+            "api_exec": Timed(lambda: ask("POST", "/v2/commands", {"command": "true"}), api_exit_0),
+            "api_shell": Timed(
+                lambda: ask("POST", "/v1/shell/exec", {"command": "true", "id": SHELL_SESSION}), api_exit_0
+            ),
+            "peer_exec": Timed(
+                lambda: peer_ask("POST", "/execute", {"command": "true", "shell": True}), api_exit_0
+            ),
+            "api_write": Timed(
+                lambda: ask("POST", "/v2/fs/write", {"path": inside, "content": CONTENT}), none
+            ),
+            "peer_write": Timed(
+                lambda: peer_ask("POST", "/write_file", {"path": peer_file, "content": CONTENT}), none
+            ),
+            "api_read": Timed(lambda: ask("GET", "/v2/fs/read", None, {"path": inside}), read_back),
+            "peer_read": Timed(lambda: peer_ask("POST", "/read_file", {"path": peer_file}), read_back),
+            "api_health": Timed(lambda: ask("GET", "/health"), none),
+            "peer_alive": Timed(lambda: peer_ask("GET", "/is_alive"), none),
+        }
+
+    def by_httpx(client: httpx.Client, envelope: bool) -> Callable[..., dict[str, Any]]:
+        def ask(method: str, route: str, body: Any = None, params: Any = None) -> dict[str, Any]:
+            if envelope:
+                return dict(call(client, method, route, json=body, params=params))
+            return peer_call(client, method, route, body)
+
+        return ask
+
+    def by_wire(wire: Wire) -> Callable[..., dict[str, Any]]:
+        return lambda method, route, body=None, params=None: wire_call(wire, method, route, body, params)
 
     ops = {
-        "bare_spawn": Timed(bare_spawn, lambda _: None),
-        "raw_write": Timed(lambda: local.write_text(CONTENT), lambda _: None),
+        "bare_spawn": Timed(bare_spawn, none),
+        "raw_write": Timed(lambda: local.write_text(CONTENT), none),
         "raw_read": Timed(local.read_text, lambda text: None if text == CONTENT else exited_0(None)),
-        "api_exec": Timed(lambda: call(ours, "POST", "/v2/commands", json={"command": "true"}), api_exit_0),
-        "api_shell": Timed(
-            lambda: call(ours, "POST", "/v1/shell/exec", json={"command": "true", "id": SHELL_SESSION}),
-            api_exit_0,
-        ),
-        "peer_exec": Timed(
-            lambda: peer_call(theirs, "/execute", {"command": "true", "shell": True}), api_exit_0
-        ),
-        "api_write": Timed(
-            lambda: call(ours, "POST", "/v2/fs/write", json={"path": inside, "content": CONTENT}),
-            lambda _: None,
-        ),
-        "peer_write": Timed(
-            lambda: peer_call(theirs, "/write_file", {"path": peer_file, "content": CONTENT}),
-            lambda _: None,
-        ),
-        "api_read": Timed(lambda: call(ours, "GET", "/v2/fs/read", params={"path": inside}), read_back),
-        "peer_read": Timed(lambda: peer_call(theirs, "/read_file", {"path": peer_file}), read_back),
-        "api_health": Timed(lambda: ours.get("/health").raise_for_status(), lambda _: None),
-        "peer_alive": Timed(lambda: theirs.get("/is_alive").raise_for_status(), lambda _: None),
+        **served(by_wire(ours), by_wire(theirs)),
+        **{
+            f"httpx_{k}": op
+            for k, op in served(by_httpx(ours_httpx, True), by_httpx(theirs_httpx, False)).items()
+        },
     }
     try:
-        run_command(ours, "true", timeout=60)  # starts the sandbox
+        run_command(ours_httpx, "true", timeout=60)  # starts the sandbox
         asyncio.run(rounds(list(ops.values()), counts.rounds, counts.warmup))
     finally:
-        ours.close()
-        theirs.close()
+        for client in (ours, theirs, ours_httpx, theirs_httpx):
+            client.close()
     return side_by_side_figures({k: op.samples for k, op in ops.items()})
 
 
 def side_by_side_figures(s: dict[str, list[float]]) -> list[Figure]:
     spawn, write, read = (statistics.median(s[k]) for k in ("bare_spawn", "raw_write", "raw_read"))
 
-    def versus(key: str, label: str, ours: str, peer: str, target: float | None, raw: float) -> Figure:
-        figure = latency_figure(
-            key,
-            label,
-            s[ours],
-            raw_label="SWE-ReX",
-            raw_seconds=statistics.median(s[peer]),
-            target=None if target is None else Target(target, "ratio"),
-        )
-        figure.extra["ratio_to_raw_operation"] = statistics.median(s[ours]) / raw
-        return figure
+    def versus(key: str, label: str, ours: str, peer: str, target: float | None, raw: float) -> list[Figure]:
+        """The row through the lean client (held to `target`) and its httpx twin (`<key>_httpx`)."""
+        rows = []
+        for name, prefix, suffix, aim in (
+            (key, "", "", target),
+            (f"{key}_httpx", "httpx_", " (httpx)", None),
+        ):
+            figure = latency_figure(
+                name,
+                label + suffix,
+                s[prefix + ours],
+                raw_label="SWE-ReX" + suffix,
+                raw_seconds=statistics.median(s[prefix + peer]),
+                target=None if aim is None else Target(aim, "ratio"),
+            )
+            figure.extra["ratio_to_raw_operation"] = statistics.median(s[prefix + ours]) / raw
+            rows.append(figure)
+        return rows
+
+    def peer_row(key: str, label: str, samples: str, raw_label: str, raw: float) -> list[Figure]:
+        return [
+            latency_figure(key, label, s[samples], raw_label=raw_label, raw_seconds=raw),
+            latency_figure(f"{key}_httpx", f"{label} (httpx)", s["httpx_" + samples], raw_label=raw_label, raw_seconds=raw),
+        ]  # fmt: skip
 
     return [
         latency_figure("bare_spawn", "bare spawn sh -c true (subprocess.run)", s["bare_spawn"]),
         latency_figure("raw_write_1k", "local 1 KiB write (Python)", s["raw_write"]),
         latency_figure("raw_read_1k", "local 1 KiB read (Python)", s["raw_read"]),
-        versus("api_exec_true", "POST /v2/commands true", "api_exec", "peer_exec", EXEC_RATIO_TARGET, spawn),
-        versus(
-            "api_v1_shell_exec_true",
-            "POST /v1/shell/exec true",
-            "api_shell",
-            "peer_exec",
-            EXEC_RATIO_TARGET,
-            spawn,
+        *versus("api_exec_true", "POST /v2/commands true", "api_exec", "peer_exec", EXEC_RATIO_TARGET, spawn),
+        *versus(
+            "api_v1_shell_exec_true", "POST /v1/shell/exec true", "api_shell", "peer_exec", EXEC_RATIO_TARGET, spawn
         ),
-        latency_figure(
-            "peer_exec_true",
-            "SWE-ReX POST /execute true",
-            s["peer_exec"],
-            raw_label="bare spawn",
-            raw_seconds=spawn,
-        ),
-        versus(
-            "api_fs_write_1k", "POST /v2/fs/write 1 KiB", "api_write", "peer_write", FS_RATIO_TARGET, write
-        ),
-        latency_figure(
-            "peer_fs_write_1k",
-            "SWE-ReX /write_file 1 KiB",
-            s["peer_write"],
-            raw_label="local",
-            raw_seconds=write,
-        ),
-        versus("api_fs_read_1k", "GET /v2/fs/read 1 KiB", "api_read", "peer_read", FS_RATIO_TARGET, read),
-        latency_figure(
-            "peer_fs_read_1k", "SWE-ReX /read_file 1 KiB", s["peer_read"], raw_label="local", raw_seconds=read
-        ),
-        versus("api_health", "GET /health (the HTTP floor)", "api_health", "peer_alive", None, spawn),
-    ]
+        *peer_row("peer_exec_true", "SWE-ReX POST /execute true", "peer_exec", "bare spawn", spawn),
+        *versus("api_fs_write_1k", "POST /v2/fs/write 1 KiB", "api_write", "peer_write", FS_RATIO_TARGET, write),
+        *peer_row("peer_fs_write_1k", "SWE-ReX /write_file 1 KiB", "peer_write", "local", write),
+        *versus("api_fs_read_1k", "GET /v2/fs/read 1 KiB", "api_read", "peer_read", FS_RATIO_TARGET, read),
+        *peer_row("peer_fs_read_1k", "SWE-ReX /read_file 1 KiB", "peer_read", "local", read),
+        *versus("api_health", "GET /health (the HTTP floor)", "api_health", "peer_alive", None, spawn),
+    ]  # fmt: skip
 
 
 # --- 2. concurrency --------------------------------------------------------------------------
 
 
+#: Where a load client sends its command: base URL, headers, route, body.
+Endpoint = tuple[str, dict[str, str], str, dict[str, Any]]
+
+
 def load_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
-    clients: list[httpx.Client] = []
+    """16 clients on each server, through the lean client and through httpx, against 16 threads
+    of bare spawns."""
+    auth = {"X-API-Key": peer.token}
+    closing: list[Wire | httpx.Client] = []
 
-    def worker(
-        make: Callable[[], httpx.Client], once: Callable[[httpx.Client], object]
-    ) -> Callable[[], None]:
-        client = make()
-        clients.append(client)
+    def lean(url: str, headers: dict[str, str], route: str, body: dict[str, Any]) -> Callable[[], None]:
+        wire = Wire(url, headers)
+        closing.append(wire)
+        return lambda: api_exit_0(wire_call(wire, "POST", route, body))
 
-        def call_once() -> None:
-            once(client)
+    def heavy(url: str, headers: dict[str, str], route: str, body: dict[str, Any]) -> Callable[[], None]:
+        client = httpx.Client(base_url=url, headers=headers, timeout=60)
+        closing.append(client)
+        if route == "/v2/commands":
+            return lambda: api_exit_0(call(client, "POST", route, json=body))
+        return lambda: api_exit_0(peer_call(client, "POST", route, body))
 
-        return call_once
-
-    def ours() -> Callable[[], None]:
-        return worker(lambda: httpx.Client(base_url=server.url, timeout=60), lambda c: run_command(c, "true"))
-
-    def theirs() -> Callable[[], None]:
-        return worker(
-            lambda: httpx.Client(base_url=peer.url, headers={"X-API-Key": peer.token}, timeout=60),
-            lambda c: peer_call(c, "/execute", {"command": "true", "shell": True}),
-        )
-
+    ours: Endpoint = (server.url, {}, "/v2/commands", {"command": "true"})
+    theirs: Endpoint = (peer.url, auth, "/execute", {"command": "true", "shell": True})
+    runs = {
+        "api": (lean, ours),
+        "peer": (lean, theirs),
+        "api_httpx": (heavy, ours),
+        "peer_httpx": (heavy, theirs),
+    }
+    measured: dict[str, tuple[list[float], float]] = {}
     try:
-        api, api_wall = hammer(ours, counts.clients, counts.load_seconds)
-        peer_samples, peer_wall = hammer(theirs, counts.clients, counts.load_seconds)
+        for name, (make, target) in runs.items():
+            measured[name] = hammer(partial(make, *target), counts.clients, counts.load_seconds)
     finally:
-        for c in clients:
+        for c in closing:
             c.close()
     raw, raw_wall = hammer(lambda: bare_spawn, counts.clients, counts.load_seconds)
     n = counts.clients
-    return [
-        Figure(
-            f"api_exec_{n}_clients_throughput",
-            f"{n} clients POST /v2/commands true",
+
+    def row(name: str, label: str, target: Target | None) -> Figure:
+        samples, wall = measured[name]
+        return Figure(
+            f"{name}_exec_{n}_clients_throughput",
+            f"{n} clients {label}",
             "req/s",
-            len(api) / api_wall,
-            samples=len(api),
+            len(samples) / wall,
+            samples=len(samples),
             raw_label=f"{n} threads bare spawn",
             raw=len(raw) / raw_wall,
-            target=Target(LOAD_RATIO_TARGET, "at_least"),
-            extra={"p50_ms": statistics.median(api) * 1000, "peer_req_per_s": len(peer_samples) / peer_wall},
-        ),
-        Figure(
-            f"peer_exec_{n}_clients_throughput",
-            f"{n} clients SWE-ReX /execute true",
-            "req/s",
-            len(peer_samples) / peer_wall,
-            samples=len(peer_samples),
-            raw_label=f"{n} threads bare spawn",
-            raw=len(raw) / raw_wall,
-            extra={"p50_ms": statistics.median(peer_samples) * 1000},
-        ),
+            target=target,
+            extra={"p50_ms": statistics.median(samples) * 1000},
+        )
+
+    rows = [
+        row("api", "POST /v2/commands true", Target(LOAD_RATIO_TARGET, "at_least")),
+        row("peer", "SWE-ReX /execute true", None),
+        row("api_httpx", "POST /v2/commands true (httpx)", None),
+        row("peer_httpx", "SWE-ReX /execute true (httpx)", None),
     ]
+    rows[0].extra["peer_req_per_s"] = rows[1].median
+    return rows
+
+
+def api_exit_0(data: dict[str, Any]) -> None:
+    if data.get("exit_code") != 0:
+        raise ApiError(f"`true` answered {data}")
 
 
 # --- 3. grep ---------------------------------------------------------------------------------
@@ -367,9 +414,9 @@ def grep_figures(server: Server, counts: Counts) -> list[Figure]:
 # --- 4. the tool layer -----------------------------------------------------------------------
 
 
-def tool_figures(root: Path, counts: Counts) -> list[Figure]:
+def tool_figures(root: Path, counts: Counts, images: Path) -> list[Figure]:
     async def measured() -> list[Figure]:
-        async with tool_lab(root) as tools:
+        async with tool_lab(root, images) as tools:
             return await bash_figures(tools, ToolCounts(samples=counts.tool_samples, warmup=counts.warmup))
 
     rows = {f.key: f for f in asyncio.run(measured())}
@@ -414,11 +461,11 @@ async def asgi_call(app: Any, method: str, path: str, body: dict[str, Any] | Non
     return status
 
 
-def stage_figures(root: Path, counts: Counts) -> list[Figure]:
+def stage_figures(root: Path, counts: Counts, images: Path) -> list[Figure]:
     """machine.exec, CommandManager.run and the whole app (no socket), interleaved, one process."""
     home = root / "stages-home"
     home.mkdir()
-    app = create_app(load(env={"AGENTBOX_HOME": str(home)}))
+    app = create_app(load(env={"AGENTBOX_HOME": str(home), "AGENTBOX_IMAGES": str(images)}))
 
     async def measured() -> dict[str, list[float]]:
         async with app.router.lifespan_context(app):
@@ -479,11 +526,15 @@ def run(
     venv: Path,
     sections: frozenset[str] = frozenset(SECTIONS),
     sandbox_cpus: float = float(os.cpu_count() or 1),
+    images: Path | None = None,
 ) -> tuple[list[Figure], dict[str, Any]]:
-    figures = stage_figures(root, counts) if "stages" in sections else []
+    images = images or default_images()
+    figures = stage_figures(root, counts, images) if "stages" in sections else []
+    served: dict[str, Any] = {}
     if sections & SERVED_SECTIONS:
         config = SANDBOX_CONFIG.format(cpus=sandbox_cpus)
-        with serving(root, config) as server, peer_serving(venv, root / "peer.log") as peer:
+        with serving(root, config, images) as server, peer_serving(venv, root / "peer.log") as peer:
+            served = served_root(server)
             if "side" in sections:
                 figures += side_by_side(server, peer, counts, root)
             if "load" in sections:
@@ -493,9 +544,10 @@ def run(
     if "tool" in sections:
         tools_root = root / "tools"
         tools_root.mkdir()
-        figures += tool_figures(tools_root, counts)
+        figures += tool_figures(tools_root, counts, images)
     details = {
         "counts": counts.__dict__, "peer": PEER_PACKAGE, "peer_venv": str(venv), "sandbox_cpus": sandbox_cpus,
+        "images": str(images), "served_root": served,
     }  # fmt: skip
     return figures, {**details, "sections": [s for s in SECTIONS if s in sections]}
 
@@ -529,6 +581,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help=f"run only these sections ({', '.join(SECTIONS)}; default: all)",
     )
     parser.add_argument(
+        "--images",
+        type=Path,
+        default=None,
+        help="the images the sandboxes run on (default: the server's, AGENTBOX_IMAGES or the default "
+        "home's; where `base` is not built, the host-based fallback)",
+    )
+    parser.add_argument(
         "--sandbox-cpus",
         type=float,
         default=float(os.cpu_count() or 1),
@@ -543,9 +602,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with scratch_dir("hotpath") as tmp:
         figures, details = run(
-            counts, tmp, args.peer_venv, frozenset(args.only or SECTIONS), args.sandbox_cpus
+            counts, tmp, args.peer_venv, frozenset(args.only or SECTIONS), args.sandbox_cpus, args.images
         )
     print(table(figures))
+    if details["served_root"]:
+        print(
+            "served sandbox: {image_detail}, system layer {system_layer_kind}".format(
+                **details["served_root"]
+            )
+        )
     print("\n".join(breakdown(figures)))
     print(footer(time.perf_counter() - started))
     if args.json:

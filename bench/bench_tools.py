@@ -353,9 +353,10 @@ def layer_notes(figures: list[Figure]) -> list[str]:
 
 
 @asynccontextmanager
-async def tool_lab(root: Path) -> AsyncIterator[SessionTools]:
-    """The default toolset (full-auto) over a live sandbox (network off) and a session's stores."""
-    host = SandboxHost(root)
+async def tool_lab(root: Path, images: Path | None = None) -> AsyncIterator[SessionTools]:
+    """The default toolset (full-auto) over a live sandbox (network off) and a session's stores;
+    with `images`, the sandbox runs on the `base` image there when it is built."""
+    host = SandboxHost(root, images=images)
     sid = f"sbx_benchtools{secrets.token_hex(3)}"
     machine = SandboxMachine(
         "sandbox",

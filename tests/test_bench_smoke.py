@@ -74,7 +74,11 @@ HOTPATH_FIGURES = {
     "bare_spawn", "raw_write_1k", "raw_read_1k", "api_exec_true", "api_v1_shell_exec_true", "peer_exec_true",
     "api_fs_write_1k", "peer_fs_write_1k", "api_fs_read_1k", "peer_fs_read_1k", "api_health",
     "api_exec_16_clients_throughput", "peer_exec_16_clients_throughput", "api_grep_tree",
-    "machine_exec_true", "commands_run_true", "tool_bash_true",
+    "machine_exec_true", "machine_exec_bash_true", "commands_run_true", "tool_bash_true",
+    # the same rows through httpx, beside the lean client's
+    "api_exec_true_httpx", "api_v1_shell_exec_true_httpx", "peer_exec_true_httpx", "api_fs_write_1k_httpx",
+    "peer_fs_write_1k_httpx", "api_fs_read_1k_httpx", "peer_fs_read_1k_httpx", "api_health_httpx",
+    "api_httpx_exec_16_clients_throughput", "peer_httpx_exec_16_clients_throughput",
 }  # fmt: skip
 SESSIONS_FIGURES = {
     "health_rtt",
@@ -166,7 +170,10 @@ def test_bench_hotpath_quick(tmp_path: Path) -> None:
     check_figures(document, HOTPATH_FIGURES, "bench_hotpath")
     figures = document["figures"]
     assert figures["api_exec_true"]["raw_label"] == "SWE-ReX"
+    assert figures["api_exec_true_httpx"]["raw_label"] == "SWE-ReX (httpx)"
+    assert figures["api_exec_true_httpx"]["target"] is None
     assert figures["api_exec_16_clients_throughput"]["target"]["kind"] == "at_least"
+    assert document["served_root"]["system_layer_kind"] in ("kernel-overlay", "fuse-overlayfs", "none")
     assert figures["tool_bash_true"]["raw"] == figures["machine_exec_true"]["median"]
 
 
