@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOX_DEADLINE, RegistryFactory, SandboxFactory, sandbox_host_pid
 
-from agentbox.machines.base import ExecRequest, ExecResult
+from agentbox.machines.base import ExecRequest, ExecResult, collect
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.registry import ACTIVITY_FILE
 from agentbox.machines.sandbox import (
@@ -250,6 +250,43 @@ async def test_a_process_left_behind_keeps_the_sandbox_busy(
     while m.busy():
         assert time.monotonic() < deadline, "still busy after the background process ended"
         await asyncio.sleep(0.01)
+
+
+#: Prints `gone`, or the State letter and the shared pending signals (hex) of the pid in /tmp/bg.pid.
+PROCESS_STATE = (
+    "p=$(cat /tmp/bg.pid); [ -e /proc/$p ] || { echo gone; exit; }; "
+    "while read k v rest; do case $k in State:) s=$v;; ShdPnd:) d=$v;; esac; done < /proc/$p/status; "
+    'echo "$s $d"'
+)
+
+
+def being_killed(state: str) -> bool:
+    """Gone, a zombie, or SIGKILL on its way: what a process is just after its group was killed."""
+    if state == "gone":
+        return True
+    letter, pending = state.split()
+    return letter == "Z" or bool(int(pending, 16) & 1 << (9 - 1))
+
+
+async def test_a_command_that_ends_its_group_leaves_nothing_at_its_exit(make_sandbox: SandboxFactory) -> None:
+    """`end_group`: the exec agent kills what the command left in its group before it reports
+    the exit, so the leftover is already on its way out when `wait` returns (no `G` after
+    it); without it, the leftover lives on until someone kills the group."""
+    m = await make_sandbox()
+    for end_group in (False, True):
+        request = ExecRequest(
+            command=f"(exec sleep 30 {CLOSE_ALL_FDS}) & echo $! > /tmp/bg.pid", end_group=end_group
+        )
+        process = await m.spawn(request)
+        result = await collect(process, 1024, SANDBOX_DEADLINE)
+        assert result.exit_code == 0
+        state = (await sh(m, PROCESS_STATE)).stdout.decode().strip()
+        assert being_killed(state) is end_group, f"end_group={end_group}: the leftover is {state!r}"
+        process.kill()  # what the command manager does after the exit: ends it when the agent has not
+        deadline = time.monotonic() + KILL_SECONDS
+        while not being_killed((await sh(m, PROCESS_STATE)).stdout.decode().strip()):
+            assert time.monotonic() < deadline, "the group kill after the exit did not end the leftover"
+            await asyncio.sleep(0.01)
 
 
 async def test_cancelled_exec_kills_its_process_group(make_sandbox: SandboxFactory) -> None:

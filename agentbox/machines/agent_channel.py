@@ -10,7 +10,10 @@ directory); what happens on the socket does not, and lives here:
   sends `T` instead and `P` brings the master of the pty the agent opened inside: the command's
   output is read from it, its input written to it, its size set on it (`TIOCSWINSZ`);
 - `X` ends the command's `AgentProcess` and closes the server's input end (and pty master
-  copies) it held; `K` / `G` signal its process group;
+  copies) it held; `K` / `G` signal its process group. A command spawned with `end_group`
+  (`Sg`) has its group killed by the agent at the exit, before `X`: the kill after the exit
+  that the command manager makes then sends nothing, a message and a wake-up of the agent
+  fewer per command;
 - `R`, once, hands over the directories that exist only inside the machine: they are
   attached to the machine's `HostView`, and `ready` resolves;
 - EOF (the agent, or all of the machine, is gone) fails `ready` if it was pending and calls
@@ -103,6 +106,8 @@ class AgentProcess:
         self._tty: int | None = None
         """The pty master (a descriptor of its own) that `resize` sets the size on."""
         self.argv0 = ""
+        self.group_ends_at_exit = False
+        """The agent kills the command's group when it exits (`Sg`): nothing is left to signal."""
         self.exited: asyncio.Future[int] = channel.loop.create_future()
 
     def attach_terminal(self, master: int) -> None:
@@ -146,7 +151,7 @@ class AgentProcess:
         with contextlib.suppress(MachineUnavailable):
             if not self.exited.done():
                 self.channel.send([b"K", self.cid, int(sig)])
-            elif self.pid:
+            elif self.pid and not self.group_ends_at_exit:
                 self.channel.send([b"G", self.pid, int(sig)])
 
     def _close_pipes(self) -> None:
@@ -330,10 +335,12 @@ class AgentChannel:
         interactive: bool,
         pty: TerminalSize | None = None,
         account: bool = False,
+        end_group: bool = False,
     ) -> AgentProcess:
         """Start `argv` in `cwd` with exactly `env`; `stdin` (or `interactive`) gives it a stdin
         pipe; `pty` runs it on a terminal of that size instead (`stdin` is then typed into it).
-        `account`: the child gets the namespace sent with `send_account` as its fd 3."""
+        `account`: the child gets the namespace sent with `send_account` as its fd 3.
+        `end_group`: the agent kills the command's group at its exit (not on a terminal)."""
         self._next += 1
         cid = self._next
         pairs = [f"{k}={v}" for k, v in env.items()]
@@ -353,9 +360,9 @@ class AgentChannel:
             os.set_blocking(stdin_w, False)  # a command that does not read must not stop the server
             fds.append(in_r)
         proc = AgentProcess(self, cid, Pipe(out_r, self.loop), Pipe(err_r, self.loop), stdin_w)
-        return await self._started(
-            proc, argv, [b"S" + suffix, cid, cwd, len(argv), *argv, *pairs], fds, stdin
-        )
+        proc.group_ends_at_exit = end_group
+        op = b"S" + suffix + (b"g" if end_group else b"")
+        return await self._started(proc, argv, [op, cid, cwd, len(argv), *argv, *pairs], fds, stdin)
 
     def send_account(self, namespace: int) -> None:
         """Hand the agent the account's user namespace (`machines/account.py`); it keeps a copy."""

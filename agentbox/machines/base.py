@@ -77,6 +77,11 @@ class ExecRequest:
     """The account to run as: None is the machine's own identity. A sandbox also has `root`
     (its own) and `user` (`machines/account.py`); other names are `OwnerUnsupported`. Kinds
     without accounts of their own run every command as their identity and ignore it."""
+    end_group: bool = False
+    """Kill what is left of the command's process group as soon as it exits. A kind whose
+    machine can do it at the exit does (an exec agent, before it reports the exit; no message
+    more); the caller still kills the group after the exit, which costs nothing more there and
+    does the job on kinds that ignore this."""
 
     def args(self) -> list[str]:
         return list(self.argv) if self.argv else ["/bin/sh", "-c", self.command]

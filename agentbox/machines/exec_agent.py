@@ -9,10 +9,12 @@ every sandbox's cold start):
     server -> agent   S id cwd argc argv... KEY=VALUE...   + fds: stdout, stderr[, stdin]
                       T id cwd rows cols argc argv... KEY=VALUE...   the same on a new pty
                       Su, Tu: the same, with the account's namespace at the child's fd 3
+                      Sg, Sug: as S, Su, and the command's group is killed at its exit
                       A                                    + fd: the account's user namespace
     agent -> server   P id pid        spawned                 + fd, after T: the pty's master
                       E id errno msg  could not spawn
-                      X id code       exited (128+N for signal N)
+                      X id code       exited (128+N for signal N); after Sg, its group is
+                                      already killed (SIGKILL) when this is sent
     server -> agent   K id signal     signal the command's process group
                       G pgid signal   signal a group whose leader has already exited
     agent -> server   R               ready, once at start     + fds: the directories named
@@ -119,6 +121,7 @@ def main():
     devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     by_pid = {}  # pid -> command id
     by_id = {}  # command id -> pid
+    ending = set()  # pids whose group is killed at their exit (Sg)
     account: list[int] = []  # the account's user namespace, once the server has sent it
 
     def send(*fields):
@@ -136,7 +139,7 @@ def main():
                 (os.POSIX_SPAWN_DUP2, fds[0], 1),
                 (os.POSIX_SPAWN_DUP2, fds[1], 2),
             ]
-            if fields[0] == b"Su":
+            if b"u" in fields[0]:
                 actions.append((os.POSIX_SPAWN_DUP2, the_account(), 3))
             pid = os.posix_spawnp(argv[0], argv, env, file_actions=actions, setsid=True)
         except OSError as exc:
@@ -147,6 +150,8 @@ def main():
                 os.close(fd)
         by_pid[pid] = cid
         by_id[cid] = pid
+        if b"g" in fields[0]:
+            ending.add(pid)
         send(b"P", cid, pid)
 
     def spawn_terminal(fields):
@@ -217,6 +222,12 @@ def main():
             if pid == 0:
                 return
             cid = by_pid.pop(pid, None)
+            if pid in ending:  # what the command left in its group goes with it
+                ending.discard(pid)
+                try:
+                    os.killpg(pid, 9)
+                except OSError:
+                    pass
             if cid is not None:
                 by_id.pop(cid, None)
                 code = os.waitstatus_to_exitcode(status)
@@ -259,7 +270,7 @@ def main():
                         pass
                 return
             fields = data.split(b"\0")
-            if fields[0] in (b"S", b"Su"):
+            if fields[0] in (b"S", b"Su", b"Sg", b"Sug"):
                 spawn(fields, fds)
             elif fields[0] in (b"T", b"Tu"):
                 for fd in fds:

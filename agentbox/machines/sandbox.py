@@ -1087,6 +1087,7 @@ class SandboxMachine(HostFiles):
             request.interactive,
             request.pty,
             account=as_account,
+            end_group=request.end_group and request.pty is None,
         )
 
     async def exec(self, request: ExecRequest) -> ExecResult:

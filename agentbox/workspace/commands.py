@@ -512,8 +512,9 @@ class CommandManager:
         session = self._session_for(session_id) if session_id is not None else None
         cwd = cwd or (session.working_dir if session else None)
         request = ExecRequest(
-            command=command, argv=argv, cwd=cwd, env=clean_env, interactive=stdin, pty=pty, user=user
-        )
+            command=command, argv=argv, cwd=cwd, env=clean_env, interactive=stdin, pty=pty, user=user,
+            end_group=not keep_background,
+        )  # fmt: skip
         self._starting += 1
         spawning = asyncio.ensure_future(self.machine.spawn(request))
         try:
@@ -561,7 +562,8 @@ class CommandManager:
                 code = waiter.result()
             if not keep_background:
                 process.kill(signal.SIGKILL)
-            await asyncio.wait(pumps, timeout=DRAIN_GRACE_SECONDS)
+            if not all(pump.done() for pump in pumps):  # usually read to EOF by the exit already
+                await asyncio.wait(pumps, timeout=DRAIN_GRACE_SECONDS)
             if status == "completed" and cmd.kill_signal is not None:
                 status = "killed"
         except asyncio.CancelledError:
