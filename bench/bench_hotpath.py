@@ -160,16 +160,11 @@ def peer_alive(peer: Peer) -> bool:
         return False
 
 
-def peer_call(
-    client: httpx.Client, method: str, route: str, body: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    response = client.request(method, route, json=body)
-    if not response.is_success:
-        raise ApiError(f"swerex-remote {route} answered {response.status_code}: {response.text[:300]}")
-    return dict(response.json())
-
-
 # --- 1. side by side -------------------------------------------------------------------------
+
+
+#: One request to a server: `ask(method, route, body=None, params=None)`, the reply's data.
+Ask = Callable[..., dict[str, Any]]
 
 
 def wire_call(wire: Wire, method: str, route: str, body: Any = None, params: Any = None) -> dict[str, Any]:
@@ -178,6 +173,19 @@ def wire_call(wire: Wire, method: str, route: str, body: Any = None, params: Any
     if status >= 400 or not isinstance(reply, dict) or reply.get("success") is False:
         raise ApiError(f"{method} {route} answered {status}: {str(reply)[:300]}")
     return dict(reply.get("data", reply) if "success" in reply else reply)
+
+
+def by_wire(wire: Wire) -> Ask:
+    return partial(wire_call, wire)
+
+
+def by_httpx(client: httpx.Client) -> Ask:
+    """Through httpx: `call` reads agentbox's envelope, and a peer's plain reply as it is."""
+
+    def ask(method: str, route: str, body: Any = None, params: Any = None) -> dict[str, Any]:
+        return dict(call(client, method, route, json=body, params=params))
+
+    return ask
 
 
 def served_root(server: Server) -> dict[str, Any]:
@@ -203,9 +211,7 @@ def side_by_side(server: Server, peer: Peer, counts: Counts, scratch: Path) -> l
     def none(_: object) -> None:
         return None
 
-    def served(
-        ask: Callable[..., dict[str, Any]], peer_ask: Callable[..., dict[str, Any]]
-    ) -> dict[str, Timed]:
+    def served(ask: Ask, peer_ask: Ask) -> dict[str, Timed]:
         """The rows of one client: `ask(method, route, body, params)` for agentbox, `peer_ask` for SWE-ReX."""
         return {
             "api_exec": Timed(lambda: ask("POST", "/v2/commands", {"command": "true"}), api_exit_0),
@@ -227,26 +233,12 @@ def side_by_side(server: Server, peer: Peer, counts: Counts, scratch: Path) -> l
             "peer_alive": Timed(lambda: peer_ask("GET", "/is_alive"), none),
         }
 
-    def by_httpx(client: httpx.Client, envelope: bool) -> Callable[..., dict[str, Any]]:
-        def ask(method: str, route: str, body: Any = None, params: Any = None) -> dict[str, Any]:
-            if envelope:
-                return dict(call(client, method, route, json=body, params=params))
-            return peer_call(client, method, route, body)
-
-        return ask
-
-    def by_wire(wire: Wire) -> Callable[..., dict[str, Any]]:
-        return lambda method, route, body=None, params=None: wire_call(wire, method, route, body, params)
-
     ops = {
         "bare_spawn": Timed(bare_spawn, none),
         "raw_write": Timed(lambda: local.write_text(CONTENT), none),
         "raw_read": Timed(local.read_text, lambda text: None if text == CONTENT else exited_0(None)),
         **served(by_wire(ours), by_wire(theirs)),
-        **{
-            f"httpx_{k}": op
-            for k, op in served(by_httpx(ours_httpx, True), by_httpx(theirs_httpx, False)).items()
-        },
+        **{f"httpx_{k}": op for k, op in served(by_httpx(ours_httpx), by_httpx(theirs_httpx)).items()},
     }
     try:
         run_command(ours_httpx, "true", timeout=60)  # starts the sandbox
@@ -312,23 +304,25 @@ Endpoint = tuple[str, dict[str, str], str, dict[str, Any]]
 def load_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
     """16 clients on each server, through the lean client and through httpx, against 16 threads
     of bare spawns."""
-    auth = {"X-API-Key": peer.token}
     closing: list[Wire | httpx.Client] = []
 
-    def lean(url: str, headers: dict[str, str], route: str, body: dict[str, Any]) -> Callable[[], None]:
+    def lean(url: str, headers: dict[str, str]) -> Ask:
         wire = Wire(url, headers)
         closing.append(wire)
-        return lambda: api_exit_0(wire_call(wire, "POST", route, body))
+        return by_wire(wire)
 
-    def heavy(url: str, headers: dict[str, str], route: str, body: dict[str, Any]) -> Callable[[], None]:
+    def heavy(url: str, headers: dict[str, str]) -> Ask:
         client = httpx.Client(base_url=url, headers=headers, timeout=60)
         closing.append(client)
-        if route == "/v2/commands":
-            return lambda: api_exit_0(call(client, "POST", route, json=body))
-        return lambda: api_exit_0(peer_call(client, "POST", route, body))
+        return by_httpx(client)
+
+    def worker(make: Callable[[str, dict[str, str]], Ask], to: Endpoint) -> Callable[[], None]:
+        url, headers, route, body = to
+        ask = make(url, headers)
+        return lambda: api_exit_0(ask("POST", route, body))
 
     ours: Endpoint = (server.url, {}, "/v2/commands", {"command": "true"})
-    theirs: Endpoint = (peer.url, auth, "/execute", {"command": "true", "shell": True})
+    theirs: Endpoint = (peer.url, {"X-API-Key": peer.token}, "/execute", {"command": "true", "shell": True})
     runs = {
         "api": (lean, ours),
         "peer": (lean, theirs),
@@ -338,7 +332,7 @@ def load_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
     measured: dict[str, tuple[list[float], float]] = {}
     try:
         for name, (make, target) in runs.items():
-            measured[name] = hammer(partial(make, *target), counts.clients, counts.load_seconds)
+            measured[name] = hammer(partial(worker, make, target), counts.clients, counts.load_seconds)
     finally:
         for c in closing:
             c.close()
