@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -265,7 +266,7 @@ def being_killed(state: str) -> bool:
     if state == "gone":
         return True
     letter, pending = state.split()
-    return letter == "Z" or bool(int(pending, 16) & 1 << (9 - 1))
+    return letter == "Z" or bool(int(pending, 16) & 1 << (signal.SIGKILL - 1))
 
 
 async def test_a_command_that_ends_its_group_leaves_nothing_at_its_exit(make_sandbox: SandboxFactory) -> None:

@@ -94,6 +94,7 @@ class AgentProcess:
         stdin: int | None,
         *,
         terminal: bool = False,
+        group_ends_at_exit: bool = False,
     ) -> None:
         self.channel = channel
         self.cid = cid
@@ -106,7 +107,7 @@ class AgentProcess:
         self._tty: int | None = None
         """The pty master (a descriptor of its own) that `resize` sets the size on."""
         self.argv0 = ""
-        self.group_ends_at_exit = False
+        self.group_ends_at_exit = group_ends_at_exit
         """The agent kills the command's group when it exits (`Sg`): nothing is left to signal."""
         self.exited: asyncio.Future[int] = channel.loop.create_future()
 
@@ -359,8 +360,9 @@ class AgentChannel:
             in_r, stdin_w = os.pipe2(os.O_CLOEXEC)
             os.set_blocking(stdin_w, False)  # a command that does not read must not stop the server
             fds.append(in_r)
-        proc = AgentProcess(self, cid, Pipe(out_r, self.loop), Pipe(err_r, self.loop), stdin_w)
-        proc.group_ends_at_exit = end_group
+        proc = AgentProcess(
+            self, cid, Pipe(out_r, self.loop), Pipe(err_r, self.loop), stdin_w, group_ends_at_exit=end_group
+        )
         op = b"S" + suffix + (b"g" if end_group else b"")
         return await self._started(proc, argv, [op, cid, cwd, len(argv), *argv, *pairs], fds, stdin)
 

@@ -1087,7 +1087,7 @@ class SandboxMachine(HostFiles):
             request.interactive,
             request.pty,
             account=as_account,
-            end_group=request.end_group and request.pty is None,
+            end_group=request.end_group,
         )
 
     async def exec(self, request: ExecRequest) -> ExecResult:
