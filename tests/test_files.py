@@ -204,6 +204,29 @@ def test_write_creates_then_writes_in_place_keeping_the_inode(box: Box) -> None:
     assert parts_beside(box.host["t"]) == []
 
 
+@pytest.mark.parametrize("before", [b"a much longer first content\n", b"ab", b""])
+@pytest.mark.parametrize("after", [b"short", b"", b"x" * 70_000])
+def test_a_replacement_leaves_exactly_the_new_bytes_whatever_was_there(
+    box: Box, before: bytes, after: bytes
+) -> None:
+    host = ws(box, "r.txt")
+    host.write_bytes(before)
+    inode = host.stat().st_ino
+    assert files.write_file(box, "r.txt", after).bytes_written == len(after)
+    assert host.read_bytes() == after and host.stat().st_ino == inode
+
+
+def test_a_read_takes_what_a_file_grew_by_after_its_size_was_taken(tmp_path: Path) -> None:
+    path = tmp_path / "g.txt"
+    path.write_bytes(b"0123456789")
+    with path.open("rb") as f:
+        assert files.read_up_to(f, 4, 100) == b"0123456789"  # the size was taken at 4 bytes
+    with path.open("rb") as f:
+        assert files.read_up_to(f, 4, 6) == b"0123456"  # one past the limit: it is over
+    with path.open("rb") as f:
+        assert files.read_up_to(f, 10, 10) == b"0123456789"  # at the limit: not over
+
+
 @as_root
 def test_write_gives_new_files_to_the_default_owner_only(box: Box) -> None:
     existing = ws(box, "mine")

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 from agentbox.machines.base import FileStat, Machine
 from agentbox.machines.hostfs import HostFiles
-from agentbox.workspace import remote_files
+from agentbox.workspace import files, remote_files
 
 #: Seconds a worker thread waits for one file call on a machine reached through the protocol.
 REMOTE_CALL_SECONDS = 60.0
@@ -114,7 +114,7 @@ class HostNotes:
             note = NoteStat(st.st_mtime_ns, st.st_size)
             if st.st_size > limit:
                 return note, None
-            data = f.read(limit + 1)
+            data = files.read_up_to(f, st.st_size, limit)
         return note, None if len(data) > limit else data
 
 

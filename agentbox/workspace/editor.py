@@ -224,7 +224,7 @@ def read_capped(machine: HostMachine, inside: str, path: str, op: str) -> bytes 
         st = os.fstat(f.fileno())
         if stat_mod.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-        data = f.read(MAX_EDIT_BYTES + 1)
+        data = files.read_up_to(f, st.st_size, MAX_EDIT_BYTES)
     if len(data) > MAX_EDIT_BYTES:
         raise too_large(op, path, st.st_size)
     return data

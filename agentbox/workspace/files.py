@@ -371,10 +371,20 @@ class TextFile:
     def read(self) -> ReadResult:
         """Its lines, decoded; the file is closed, whatever happens."""
         with operation("read", self.path), self.file as f:
-            data = f.read(MAX_READ_BYTES + 1)
+            data = read_up_to(f, self.size, MAX_READ_BYTES)
             if len(data) > MAX_READ_BYTES:  # it grew since it was opened
                 raise read_too_large(self.path)
             return text_lines(data, self.shown, self.start, self.end_line)
+
+
+def read_up_to(file: BinaryIO, expected: int, limit: int) -> bytes:
+    """All of `file` up to `limit` + 1 bytes (one more tells it is over), asking first for the
+    `expected` size it had: a buffered `read(n)` allocates n bytes before it reads, and a
+    64 MiB allocation (and its release) per small read cost more than the read."""
+    data = file.read(min(expected, limit) + 1)
+    if len(data) > expected:  # it grew since its size was taken
+        data += file.read(limit + 1 - len(data))
+    return data
 
 
 def open_text(machine: HostMachine, path: str, start_line: int | None, end_line: int | None) -> TextFile:
@@ -476,7 +486,13 @@ def write_in_place(
     machine: HostMachine, path: str, data: bytes, *, append: bool = False, owner: Owner | None = None
 ) -> str:
     """Write through the existing inode (links, watchers and owners stay); create it for
-    `owner` if absent. A file is truncated only once it is known to be a regular file.
+    `owner` if absent. A file is cut only once it is known to be a regular file.
+
+    A replacement writes over the old bytes from the start and then cuts what is left past
+    the new end, rather than truncating to zero first: on ext4, a file truncated to zero and
+    written again is flushed to disk at its close (`auto_da_alloc`), which cost more than the
+    rest of a small write. A reader meanwhile sees a mix of new and old bytes where it saw
+    an empty or short file before; neither order is atomic (`user=` writes are, by rename).
 
     Returns the path as `shown_path` names it, from the resolution that opened the file."""
     flags = os.O_WRONLY | (os.O_APPEND if append else 0)
@@ -487,12 +503,12 @@ def write_in_place(
         fd, shown = machine.view.open_named(path, flags | os.O_CREAT | os.O_EXCL)
         created = True
     try:
-        _require_regular(fd, "write", path)
-        if not append:
-            os.ftruncate(fd, 0)  # only once it is known to be a regular file
+        size = _require_regular(fd, "write", path).st_size
         if created and owner is not None:
             os.fchown(fd, *owner)
         write_all(fd, data)
+        if not append and size > len(data):
+            os.ftruncate(fd, len(data))  # only once it is known to be a regular file
     finally:
         os.close(fd)
     return shown
