@@ -25,7 +25,7 @@ from starlette.routing import BaseRoute, Match
 
 from agentbox.api.app import create_app
 from agentbox.api.envelope import MAX_JSON_BODY
-from agentbox.api.lean import LeanRoute, plan_of
+from agentbox.api.lean import HotLane, LeanRoute, plan_of
 from agentbox.api.observe import SESSION_PREFIX
 from agentbox.api.routing import HOT_ROUTES
 from agentbox.config import load
@@ -224,6 +224,31 @@ def test_every_hot_request_is_served_by_a_lean_route(served: Served) -> None:
             assert isinstance(first, LeanRoute), (method, path, first)
             _, child = first.matches(scope)
             assert child["route"] is first.route  # the metrics' route label: the APIRoute's template
+
+
+def test_hot_requests_take_the_lane_and_the_rest_the_whole_stack(files: Served) -> None:
+    """The hot lane (`HotLane`) serves what a lean route reads plainly; the app's own stack the rest."""
+    lane = files.app.middleware_stack
+    assert isinstance(lane, HotLane)
+    whole, seen = lane.full, []
+
+    async def counted(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["path"])
+        await whole(scope, receive, send)
+
+    lane.full = counted
+    try:
+        with httpx.Client(base_url=files.url, timeout=REQUEST_TIMEOUT) as client:
+            assert client.get(READ, params={"path": "f.txt"}).json()["data"]["content"].startswith("one")
+            assert client.get(SESSION + READ, params={"path": "/no/such/file"}).json()["success"] is False
+            assert client.post("/v2/commands", json={"command": "true"}).json()["data"]["exit_code"] == 0
+            assert seen == []
+            client.get(READ, params={"path": "f.txt", "start_line": "+1"})  # FastAPI reads this query
+            client.get("/health")
+            client.post(READ)  # a wrong method: the router's 405
+    finally:
+        lane.full = whole
+    assert seen == [READ, "/health", READ]
 
 
 def test_the_route_label_of_a_lean_request_is_its_template(served: Served) -> None:

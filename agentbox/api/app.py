@@ -54,6 +54,7 @@ from agentbox.api.envelope import (
     unauthorized,
 )
 from agentbox.api.guard import Guard, GuardMiddleware
+from agentbox.api.lean import add_hot_lane
 from agentbox.api.metrics import Metrics
 from agentbox.api.observe import RequestIdMiddleware
 from agentbox.api.routing import add_sandbox_routes
@@ -239,6 +240,7 @@ def create_app(settings: Settings, claim: HomeClaim | None = None) -> FastAPI:
     app.include_router(sandboxes_api.router)
 
     console.add_console(app)  # `/console` and `/` (see agentbox.console)
+    add_hot_lane(app)  # the hot routes' requests skip the framework's own layers
 
     # MCP over streamable HTTP: an ASGI app on the exact path `/mcp` (as the SDK routes it).
     app.router.routes.append(Route("/mcp", endpoint=mcp_http, include_in_schema=False))

@@ -41,11 +41,13 @@ from typing import Any
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from starlette._exception_handler import wrap_app_handling_exceptions
+from starlette.applications import Starlette
 from starlette.datastructures import QueryParams
+from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 #: The integers a lean route reads itself; any other spelling goes to FastAPI.
 PLAIN_INTEGER = re.compile(r"0|-?[1-9][0-9]{0,17}")
@@ -165,12 +167,20 @@ class LeanRoute(BaseRoute):
     def url_path_for(self, name: str, /, **path_params: Any) -> Any:
         return self.route.url_path_for(name, **path_params)
 
+    def values(self, scope: Scope) -> dict[str, Any] | None:
+        """The query as the endpoint takes it; None when FastAPI has to read it."""
+        return self.plan.query_values(QueryParams(scope["query_string"])) if self.plan.query else {}
+
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive, send)
-        values = self.plan.query_values(request.query_params) if self.plan.query else {}
+        values = self.values(scope)
         if values is None:
             await self.route.handle(scope, receive, send)
             return
+        await self.handle_read(scope, receive, send, values)
+
+    async def handle_read(self, scope: Scope, receive: Receive, send: Send, values: dict[str, Any]) -> None:
+        """Serve the request whose query `values` are read already."""
+        request = Request(scope, receive, send)
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
             response = await self.respond(request, values)
@@ -190,3 +200,95 @@ class LeanRoute(BaseRoute):
 
     def __repr__(self) -> str:
         return f"LeanRoute({self.route.path!r}, methods={sorted(self.route.methods or ())})"
+
+
+#: Where the hot lane leaves a request's route, child scope and query for its dispatch.
+LANE_SCOPE_KEY = "agentbox.lean_route"
+
+
+class HotLane:
+    """The lean routes' requests through the app's own middleware and nothing of the framework's.
+
+    Starlette and FastAPI wrap every request in layers that pass a hot request through
+    unchanged: the server-error catcher (the request id middleware already answers an
+    unhandled error), FastAPI's telemetry and body-limit hooks (not configured here), two
+    exit stacks (for forms' files; no hot route reads a form) and the router's walk. The lane
+    serves a request that a lean route would serve without them: the app's `user_middleware`
+    (the same classes with the same arguments, so the guard, the key check and the request id
+    keep their shared state), then Starlette's `ExceptionMiddleware` with the app's handlers,
+    then the lean route. Every other request goes to `full`, the app's usual stack.
+
+    A request is in the lane when a lean route matches it fully and reads its query plainly.
+    The lean routes are those in the router's list when the request comes (a route taken out
+    of the list is out of the lane). `hot_first` checked, when the app was built, that no
+    route before them serves a hot path.
+    """
+
+    def __init__(self, app: Starlette, full: ASGIApp) -> None:
+        self.app = app
+        self.full = full
+        handlers = {k: v for k, v in app.exception_handlers.items() if k not in (500, Exception)}
+        lane: ASGIApp = ExceptionMiddleware(self._dispatch, handlers=handlers, debug=app.debug)
+        for cls, args, kwargs in reversed(app.user_middleware):
+            lane = cls(lane, *args, **kwargs)
+        self.lane = lane
+        self._indexed = -1
+        self._tails: tuple[str, ...] = ()
+        self._by_tail: dict[str, list[tuple[int, LeanRoute]]] = {}
+
+    def _index(self) -> None:
+        """The lean routes by how their path ends (after its last parameter), in list order."""
+        routes = self.app.router.routes
+        self._by_tail = {}
+        for i, route in enumerate(routes):
+            if type(route) is LeanRoute:
+                self._by_tail.setdefault(route.path.rsplit("}", 1)[-1], []).append((i, route))
+        self._tails = tuple(self._by_tail)
+        self._indexed = len(routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.match(scope):
+            await self.lane(scope, receive, send)
+        else:
+            await self.full(scope, receive, send)
+
+    def match(self, scope: Scope) -> bool:
+        """Whether `scope` is a lean route's; if so, what its dispatch needs goes in the scope."""
+        if len(self.app.router.routes) != self._indexed:  # routes were added or taken out
+            self._index()
+        path = scope["path"]
+        if not path.endswith(self._tails):
+            return False
+        for _, route in self._candidates(path):
+            match, child = route.matches(scope)
+            if match == Match.FULL:
+                values = route.values(scope)
+                if values is None:
+                    return False
+                scope[LANE_SCOPE_KEY] = (route, child, values)
+                return True
+        return False
+
+    def _candidates(self, path: str) -> list[tuple[int, LeanRoute]]:
+        """The lean routes whose path ends as `path` does, in the router's order."""
+        found = [self._by_tail[tail] for tail in self._tails if path.endswith(tail)]
+        return found[0] if len(found) == 1 else sorted(pair for group in found for pair in group)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route, child, values = scope.pop(LANE_SCOPE_KEY)
+        scope.update(child)
+        scope.setdefault("router", self.app.router)
+        await route.handle_read(scope, receive, send, values)
+
+
+def add_hot_lane(app: Starlette) -> None:
+    """Put a `HotLane` in front of `app`'s stack when Starlette builds it (at the first request,
+    once every middleware and handler is in). Not when the app has a handler for unhandled
+    errors: only `ServerErrorMiddleware`, which the lane skips, would call it."""
+    build = app.build_middleware_stack
+
+    def build_with_lane() -> ASGIApp:
+        full = build()
+        return full if any(key in (500, Exception) for key in app.exception_handlers) else HotLane(app, full)
+
+    app.build_middleware_stack = build_with_lane  # type: ignore[method-assign]
