@@ -242,6 +242,8 @@ def side_by_side(server: Server, peer: Peer, counts: Counts, scratch: Path) -> l
     }
     try:
         run_command(ours_httpx, "true", timeout=60)  # starts the sandbox
+        for write in ("raw_write", "api_write", "peer_write"):  # each read, in any order, finds its file
+            ops[write].call()
         asyncio.run(rounds(list(ops.values()), counts.rounds, counts.warmup))
     finally:
         for client in (ours, theirs, ours_httpx, theirs_httpx):

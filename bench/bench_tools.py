@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import os
 import posixpath
+import random
 import secrets
 import statistics
 import subprocess
@@ -127,15 +128,23 @@ class Timed:
     samples: list[float] = field(default_factory=list)
 
 
+#: The seed of the rounds' order: runs shuffle alike, and differ only by what they measure.
+ROUNDS_SEED = 20261204
+
+
 async def rounds(ops: Sequence[Timed], count: int, warmup: int) -> None:
-    """Call each op once per round, in turn, for `warmup` untimed and `count` timed rounds.
+    """Call each op once per round, for `warmup` untimed and `count` timed rounds.
 
     Interleaved rather than one op after the other, so a burst of load on the shared host
-    weighs on a tool and its references alike and the ratios stay fair. Every result is
+    weighs on a tool and its references alike and the ratios stay fair. Each round runs the
+    ops in a fresh order (seeded, `ROUNDS_SEED`): an op's time depends on what ran just
+    before it (an op after a bare spawn starts on caches the fork left cold), and a fixed
+    order gave each op the same neighbour every round, by 0.1 to 0.3 ms. Every result is
     checked, outside the timed part.
     """
+    order = random.Random(ROUNDS_SEED)
     for i in range(warmup + count):
-        for op in ops:
+        for op in order.sample(list(ops), len(ops)):
             start = time.perf_counter()
             result = op.call()
             if op.awaited:
