@@ -77,7 +77,13 @@ def refuse_user(request: Request, op: str) -> None:
 
 
 def data_of(result: Any) -> dict[str, Any]:
-    return dataclasses.asdict(result)
+    """A result dataclass as JSON data, as `dataclasses.asdict` makes it. A result of plain
+    fields (a read's, a write's) is copied field by field: asdict's deep copy of each value
+    took 6 us of a 1 KiB read."""
+    data = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    if any(isinstance(v, list | tuple | dict) or dataclasses.is_dataclass(v) for v in data.values()):
+        return dataclasses.asdict(result)
+    return data
 
 
 # ---------------------------------------------------------------- bodies
