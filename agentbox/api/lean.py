@@ -26,6 +26,10 @@ A route with any other kind of parameter (a header, a body field, a dependency t
 more than the connection, a constrained query) is refused when the app is built
 (`TypeError`), so a hot route cannot quietly change what it accepts.
 
+A request for a lean route also skips the framework's layers around the router: `HotLane`,
+in front of the app's middleware stack, sends it through the app's own middleware straight
+to its lean route (see its docstring).
+
 `wrap_app_handling_exceptions` is Starlette's private helper, which FastAPI's own routes also
 use. If it moves, the import fails when the server starts, not on a request.
 """
