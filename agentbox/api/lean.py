@@ -223,8 +223,8 @@ class HotLane:
     then the lean route. Every other request goes to `full`, the app's usual stack.
 
     A request is in the lane when a lean route matches it fully and reads its query plainly.
-    The lean routes are those in the router's list when the request comes (a route taken out
-    of the list is out of the lane). `hot_first` checked, when the app was built, that no
+    The lean routes are the router's, indexed by how their paths end and indexed again
+    whenever the router's list changes length (a route taken out of it is out of the lane). `hot_first` checked, when the app was built, that no
     route before them serves a hot path.
     """
 
