@@ -224,8 +224,8 @@ class HotLane:
 
     A request is in the lane when a lean route matches it fully and reads its query plainly.
     The lean routes are the router's, indexed by how their paths end and indexed again
-    whenever the router's list changes length (a route taken out of it is out of the lane). `hot_first` checked, when the app was built, that no
-    route before them serves a hot path.
+    whenever the router's list changes length (a route taken out of it is out of the lane).
+    `hot_first` checked, when the app was built, that no route before them serves a hot path.
     """
 
     def __init__(self, app: Starlette, full: ASGIApp) -> None:
