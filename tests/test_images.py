@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import re
 import stat
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -159,15 +165,62 @@ def test_a_build_that_ran_out_of_space_says_so_whatever_apt_printed(tmp_path: Pa
     assert not space.ran_out
 
 
+#: Bytes of the loopback mirror's package index: more than the small file system below holds.
+BIG_INDEX_BYTES = 32 * 1024 * 1024
+
+
+class QuietMirror(ThreadingHTTPServer):
+    """A loopback apt mirror; apt hanging up mid-file (the disk is full) is no error here."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass
+
+
+class MirrorFiles(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def oversized_mirror(root: Path) -> Iterator[str]:
+    """A `trusted=yes` mirror on loopback whose one index is BIG_INDEX_BYTES, as a sources line.
+
+    Offline and as fast as the disk: the build fills its file system while apt downloads,
+    whatever the network does (a slow Debian mirror once stalled this test past its timeout)."""
+    index = root / "dists" / "bookworm" / "main" / "binary-amd64"
+    index.mkdir(parents=True)
+    stanza = (
+        "Package: filler-{}\nVersion: 1.0\nArchitecture: amd64\nMaintainer: nobody <nobody@example.org>\n"
+        "Filename: pool/filler.deb\nSize: 1\nSHA256: " + "0" * 64 + "\nDescription: " + "x" * 200 + "\n\n"
+    )
+    data = b"".join(stanza.format(i).encode() for i in range(BIG_INDEX_BYTES // len(stanza) + 1))
+    (index / "Packages").write_bytes(data)
+    (root / "dists" / "bookworm" / "Release").write_text(
+        "Suite: bookworm\nCodename: bookworm\nArchitectures: amd64\nComponents: main\n"
+        f"SHA256:\n {hashlib.sha256(data).hexdigest()} {len(data)} main/binary-amd64/Packages\n"
+    )
+    server = QuietMirror(("127.0.0.1", 0), partial(MirrorFiles, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"deb [trusted=yes] http://127.0.0.1:{server.server_port}/ bookworm main"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_full_disk_during_a_build_fails_clearly_and_leaves_nothing(tmp_path: Path) -> None:
     images = tmp_path / "small"
     images.mkdir()
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.mount(b"tmpfs", bytes(images), b"tmpfs", 0, b"size=24m") == 0
     try:
-        store = ImageStore(images)
-        with pytest.raises(ImageBuildFailed, match=r"(?i)no space left|disk is full"):
-            store.build(store.request("x", "base"))
+        with oversized_mirror(tmp_path / "mirror") as mirror:
+            store = ImageStore(images)
+            request = replace(store.request("x", "base"), mirrors=(mirror,))
+            with pytest.raises(ImageBuildFailed, match=r"(?i)no space left|disk is full"):
+                store.build(request)
         assert leftovers(images) == []
         assert os.statvfs(images).f_bfree * os.statvfs(images).f_frsize > 23 * 1024 * 1024  # all freed
     finally:
