@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import secrets
 import statistics
 import subprocess
@@ -57,6 +58,8 @@ from agentbox.api.app import create_app
 from agentbox.config import load
 from agentbox.machines.base import ExecRequest
 from agentbox.machines.binaries import ripgrep_binary
+from agentbox.machines.sandbox import process_tree
+from agentbox.machines.usage import CLOCK_TICKS
 from agentbox.workspace.grep import GrepOptions
 
 #: Targets, as multiples of the peer or raw reference beside them.
@@ -303,9 +306,59 @@ def side_by_side_figures(s: dict[str, list[float]]) -> list[Figure]:
 Endpoint = tuple[str, dict[str, str], str, dict[str, Any]]
 
 
+def proc_cpu(pid: int) -> tuple[float, float]:
+    """A process's own CPU seconds (user + system) and those of the children it has reaped."""
+    ticks = [int(f) for f in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:15]]
+    return (ticks[0] + ticks[1]) / CLOCK_TICKS, (ticks[2] + ticks[3]) / CLOCK_TICKS
+
+
+def own_cpu() -> tuple[float, float]:
+    """This process's CPU seconds (its client threads) and its reaped children's (bare spawns)."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, children.ru_utime + children.ru_stime
+
+
+def exec_agent_pid(server_pid: int) -> int:
+    """The served sandbox's exec agent: the server's descendant that is pid 1 of its own pid
+    namespace. It reaps every command, so their CPU time is its children's."""
+    for pid in process_tree(server_pid)[1:]:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+        if len(nspid) > 1 and nspid[-1] == "1":
+            return pid
+    raise ApiError("no exec agent runs under the server")
+
+
+def served_cpu(server_pid: int, agent_pid: int) -> dict[str, float]:
+    """CPU seconds so far of agentbox's server, its sandbox's exec agent, the commands that
+    agent reaped, and this process's client threads."""
+    (server, _), (agent, commands), (clients, _) = proc_cpu(server_pid), proc_cpu(agent_pid), own_cpu()
+    return {"server": server, "exec agent": agent, "commands": commands, "clients": clients}
+
+
+def peer_cpu(server_pid: int) -> dict[str, float]:
+    """The same for SWE-ReX, whose server spawns and reaps its commands itself."""
+    (server, commands), (clients, _) = proc_cpu(server_pid), own_cpu()
+    return {"server": server, "commands": commands, "clients": clients}
+
+
+def bare_cpu() -> dict[str, float]:
+    """The same for the bare spawns: the threads that spawn, and the commands they reaped."""
+    threads, commands = own_cpu()
+    return {"threads": threads, "commands": commands}
+
+
+def cpu_per_request(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, float]:
+    """Milliseconds of CPU each party spent per request between two readings."""
+    return {party: (after[party] - before[party]) * 1000 / max(requests, 1) for party in before}
+
+
 def load_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
     """16 clients on each server, through the lean client and through httpx, against 16 threads
-    of bare spawns."""
+    of bare spawns; with the CPU time each party spent per request in the lean runs."""
     closing: list[Wire | httpx.Client] = []
 
     def lean(url: str, headers: dict[str, str]) -> Ask:
@@ -331,18 +384,32 @@ def load_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
         "api_httpx": (heavy, ours),
         "peer_httpx": (heavy, theirs),
     }
+    counters: dict[str, Callable[[], dict[str, float]]] = {
+        "api": partial(served_cpu, server.process.pid, exec_agent_pid(server.process.pid)),
+        "peer": partial(peer_cpu, peer.process.pid),
+    }
     measured: dict[str, tuple[list[float], float]] = {}
+    cpu: dict[str, dict[str, float]] = {}
     try:
         for name, (make, target) in runs.items():
+            before = counters[name]() if name in counters else {}
             measured[name] = hammer(partial(worker, make, target), counts.clients, counts.load_seconds)
+            if name in counters:
+                cpu[name] = cpu_per_request(before, counters[name](), len(measured[name][0]))
     finally:
         for c in closing:
             c.close()
+    before = bare_cpu()
     raw, raw_wall = hammer(lambda: bare_spawn, counts.clients, counts.load_seconds)
+    cpu["bare"] = cpu_per_request(before, bare_cpu(), len(raw))
     n = counts.clients
 
     def row(name: str, label: str, target: Target | None) -> Figure:
         samples, wall = measured[name]
+        extra: dict[str, Any] = {"p50_ms": statistics.median(samples) * 1000}
+        if name in cpu:
+            extra["cpu_ms_per_request"] = cpu[name]
+            extra["raw_cpu_ms_per_spawn"] = cpu["bare"]
         return Figure(
             f"{name}_exec_{n}_clients_throughput",
             f"{n} clients {label}",
@@ -352,7 +419,7 @@ def load_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
             raw_label=f"{n} threads bare spawn",
             raw=len(raw) / raw_wall,
             target=target,
-            extra={"p50_ms": statistics.median(samples) * 1000},
+            extra=extra,
         )
 
     rows = [
@@ -363,6 +430,25 @@ def load_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
     ]
     rows[0].extra["peer_req_per_s"] = rows[1].median
     return rows
+
+
+def cpu_lines(figures: list[Figure]) -> list[str]:
+    """Where the CPU of one loaded request goes: a CPU-bound load's throughput is the cores
+    divided by the sum of these, so the parts show what a ratio of throughputs is made of."""
+    rows = {f.key.split("_exec_")[0]: f.extra for f in figures if "cpu_ms_per_request" in f.extra}
+    if "api" not in rows:
+        return []
+    named = [
+        ("agentbox", rows["api"]["cpu_ms_per_request"]),
+        ("bare spawn", rows["api"]["raw_cpu_ms_per_spawn"]),
+    ]
+    if "peer" in rows:
+        named.insert(1, ("SWE-ReX", rows["peer"]["cpu_ms_per_request"]))
+    lines = ["CPU per request under the load (ms; the host's cores divided by the total bound the rate):"]
+    for who, parts in named:
+        split = ", ".join(f"{party} {ms:.3f}" for party, ms in parts.items())
+        lines.append(f"  {who:<11} {sum(parts.values()):.3f} = {split}")
+    return lines
 
 
 def api_exit_0(data: dict[str, Any]) -> None:
@@ -607,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
                 **details["served_root"]
             )
         )
-    print("\n".join(breakdown(figures)))
+    print("\n".join(breakdown(figures) + cpu_lines(figures)))
     print(footer(time.perf_counter() - started))
     if args.json:
         write_json(args.json, "bench_hotpath", args.quick, figures, **details)

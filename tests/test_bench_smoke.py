@@ -175,6 +175,15 @@ def test_bench_hotpath_quick(tmp_path: Path) -> None:
     assert figures["api_exec_16_clients_throughput"]["target"]["kind"] == "at_least"
     assert document["served_root"]["system_layer_kind"] in ("kernel-overlay", "fuse-overlayfs", "none")
     assert figures["tool_bash_true"]["raw"] == figures["machine_exec_true"]["median"]
+    load = figures["api_exec_16_clients_throughput"]["extra"]
+    assert set(load["cpu_ms_per_request"]) == {"server", "exec agent", "commands", "clients"}
+    assert set(load["raw_cpu_ms_per_spawn"]) == {"threads", "commands"}
+    # the commands' time is what the exec agent reaped: read off another process, it is zero
+    assert load["cpu_ms_per_request"]["server"] > 0 and load["cpu_ms_per_request"]["commands"] > 0
+    assert load["raw_cpu_ms_per_spawn"]["commands"] > 0
+    assert set(figures["peer_exec_16_clients_throughput"]["extra"]["cpu_ms_per_request"]) == {
+        "server", "commands", "clients",
+    }  # fmt: skip
 
 
 @pytest.mark.timeout(QUICK_RUN_TIMEOUT + 30)
