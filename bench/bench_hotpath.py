@@ -392,10 +392,11 @@ def load_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
     cpu: dict[str, dict[str, float]] = {}
     try:
         for name, (make, target) in runs.items():
-            before = counters[name]() if name in counters else {}
+            counter = counters.get(name)
+            before = counter() if counter else {}
             measured[name] = hammer(partial(worker, make, target), counts.clients, counts.load_seconds)
-            if name in counters:
-                cpu[name] = cpu_per_request(before, counters[name](), len(measured[name][0]))
+            if counter:
+                cpu[name] = cpu_per_request(before, counter(), len(measured[name][0]))
     finally:
         for c in closing:
             c.close()
