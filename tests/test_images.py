@@ -139,8 +139,10 @@ def test_includes_are_bounded(tmp_path: Path) -> None:
 
 def test_a_package_debian_does_not_have_fails_clearly_and_leaves_nothing(tmp_path: Path) -> None:
     store = ImageStore(tmp_path / "images")
-    with pytest.raises(ImageBuildFailed, match="agentbox-no-such-package"):
-        store.build(store.request("x", "base", ("agentbox-no-such-package",)))
+    with loopback_mirror(tmp_path / "mirror", SMALL_INDEX_BYTES) as mirror:
+        request = replace(store.request("x", "base", ("agentbox-no-such-package",)), mirrors=(mirror,))
+        with pytest.raises(ImageBuildFailed, match="agentbox-no-such-package"):
+            store.build(request)
     assert leftovers(store.root) == []
     with pytest.raises(ImageNotFound):
         store.get("x")
@@ -167,6 +169,8 @@ def test_a_build_that_ran_out_of_space_says_so_whatever_apt_printed(tmp_path: Pa
 
 #: Bytes of the loopback mirror's package index: more than the small file system below holds.
 BIG_INDEX_BYTES = 32 * 1024 * 1024
+#: Bytes of an index that resolves nothing a build asks for.
+SMALL_INDEX_BYTES = 4096
 
 
 class QuietMirror(ThreadingHTTPServer):
@@ -184,18 +188,19 @@ class MirrorFiles(SimpleHTTPRequestHandler):
 
 
 @contextmanager
-def oversized_mirror(root: Path) -> Iterator[str]:
-    """A `trusted=yes` mirror on loopback whose one index is BIG_INDEX_BYTES, as a sources line.
+def loopback_mirror(root: Path, index_bytes: int) -> Iterator[str]:
+    """A `trusted=yes` mirror on loopback whose one index of filler packages is about
+    `index_bytes`, as a sources line.
 
-    Offline and as fast as the disk: the build fills its file system while apt downloads,
-    whatever the network does (a slow Debian mirror once stalled this test past its timeout)."""
+    Offline and as fast as the disk, so a build fails the same way whatever the network does
+    (a slow Debian mirror once stalled a build test past its timeout)."""
     index = root / "dists" / "bookworm" / "main" / "binary-amd64"
     index.mkdir(parents=True)
     stanza = (
         "Package: filler-{}\nVersion: 1.0\nArchitecture: amd64\nMaintainer: nobody <nobody@example.org>\n"
         "Filename: pool/filler.deb\nSize: 1\nSHA256: " + "0" * 64 + "\nDescription: " + "x" * 200 + "\n\n"
     )
-    data = b"".join(stanza.format(i).encode() for i in range(BIG_INDEX_BYTES // len(stanza) + 1))
+    data = b"".join(stanza.format(i).encode() for i in range(index_bytes // len(stanza) + 1))
     (index / "Packages").write_bytes(data)
     (root / "dists" / "bookworm" / "Release").write_text(
         "Suite: bookworm\nCodename: bookworm\nArchitectures: amd64\nComponents: main\n"
@@ -216,7 +221,7 @@ def test_a_full_disk_during_a_build_fails_clearly_and_leaves_nothing(tmp_path: P
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.mount(b"tmpfs", bytes(images), b"tmpfs", 0, b"size=24m") == 0
     try:
-        with oversized_mirror(tmp_path / "mirror") as mirror:
+        with loopback_mirror(tmp_path / "mirror", BIG_INDEX_BYTES) as mirror:
             store = ImageStore(images)
             request = replace(store.request("x", "base"), mirrors=(mirror,))
             with pytest.raises(ImageBuildFailed, match=r"(?i)no space left|disk is full"):
