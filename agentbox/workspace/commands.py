@@ -51,7 +51,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from functools import partial
+from typing import Literal
 
 from agentbox.ids import COMMAND, new_id
 from agentbox.machines.base import ExecRequest, Machine, Process, Terminal, TerminalSize
@@ -130,6 +131,10 @@ _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _future() -> asyncio.Future[None]:
+    return asyncio.get_running_loop().create_future()
 
 
 class TooManyCommands(WorkspaceError):
@@ -334,7 +339,11 @@ class Command:
     _process: Process | None = field(default=None, repr=False)
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    _sigkilled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _ended: asyncio.Future[None] = field(default_factory=_future, repr=False)
+    """Resolved when the record is closed: what a sync run waits on, woken once."""
+    _sigkilled: bool = field(default=False, repr=False)
+    _on_sigkill: Callable[[], None] | None = field(default=None, repr=False)
+    """Set while the exit is awaited: tells the waiting that a SIGKILL was asked for."""
     _stdin_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -437,7 +446,7 @@ class CommandManager:
         )
         self._feed(cmd, input)
         try:
-            await cmd._until(lambda: cmd.finished, None)
+            await cmd._ended
         except asyncio.CancelledError:
             self.kill(cmd.id, signal.SIGKILL)
             raise
@@ -590,6 +599,8 @@ class CommandManager:
         while len(self._finished) > MAX_COMMANDS_KEPT:
             del self._commands[self._finished.popleft()]
         cmd._notify()
+        if not cmd._ended.done():  # a sync run cancelled its wait
+            cmd._ended.set_result(None)
         if self.on_end is not None:
             self.on_end(cmd)
 
@@ -631,7 +642,9 @@ class CommandManager:
         cmd.kill_signal = sig
         cmd._process.kill(sig)
         if sig == signal.SIGKILL:
-            cmd._sigkilled.set()
+            cmd._sigkilled = True
+            if cmd._on_sigkill is not None:
+                cmd._on_sigkill()
         return cmd
 
     def resize(self, command_id: str, size: TerminalSize) -> Command:
@@ -818,24 +831,32 @@ async def _pump(cmd: Command, stream: asyncio.StreamReader, buffer: OutputBuffer
 async def _await_exit(cmd: Command, waiter: asyncio.Future[int]) -> Status:
     """Wait for the process to end, its deadline, or a SIGKILL request; say which came first.
 
-    A SIGTERM or SIGINT the command survives does not stop the wait.
+    A SIGTERM or SIGINT the command survives does not stop the wait. The three settle one
+    future from callbacks (the exit's, a timer, `kill`), with no task of their own: this
+    runs once per command, on the path of every exec.
     """
+    if cmd._sigkilled:
+        return "killed"
     loop = asyncio.get_running_loop()
-    deadline = None if cmd.timeout is None else loop.time() + cmd.timeout
-    while True:
-        killed = asyncio.ensure_future(cmd._sigkilled.wait())
-        remaining = None if deadline is None else max(0.0, deadline - loop.time())
-        try:
-            watched: set[asyncio.Future[Any]] = {waiter, killed}
-            done, _ = await asyncio.wait(watched, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            killed.cancel()
-        if waiter in done:
-            waiter.result()
-            return "completed"
-        if killed in done:
-            return "killed"
-        return "timed_out"
+    first: asyncio.Future[Status] = loop.create_future()
+
+    def settle(status: Status) -> None:
+        if not first.done():
+            first.set_result(status)
+
+    def exited(_: object) -> None:
+        settle("completed")
+
+    waiter.add_done_callback(exited)
+    timer = None if cmd.timeout is None else loop.call_later(cmd.timeout, settle, "timed_out")
+    cmd._on_sigkill = partial(settle, "killed")
+    try:
+        return await first
+    finally:
+        cmd._on_sigkill = None
+        waiter.remove_done_callback(exited)
+        if timer is not None:
+            timer.cancel()
 
 
 def _session_started(session: ShellSession, cmd: Command) -> None:
