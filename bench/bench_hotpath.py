@@ -10,7 +10,8 @@ the raw operations (a bare `sh -c true` spawn, a local 1 KiB read / write), so a
 load on the shared host weighs on both alike. Then: 16 concurrent clients against 16
 threads of bare spawns, grep over a 50,000-file tree against parallel rg with the same
 flags, the tool layer's `bash true` against the machine's own exec, and the stages of one
-exec in one process (machine, command manager, the ASGI app without a socket). README.md
+exec in one process (machine, command manager, the ASGI app without a socket), and exec
+and `/health` on both servers back to back and after an idle pause. README.md
 in this folder explains each figure and gives the breakdown. `--only` runs some sections
 (`SECTIONS`): `--only tool` times the tool layer alone, without a server or the peer.
 """
@@ -84,9 +85,12 @@ PEER_INSTALL_TIMEOUT = 600.0
 SHELL_SESSION = "bench"
 KIB = 1024
 #: The sections of a run, in the order they run; `--only` picks some of them.
-SECTIONS = ("stages", "side", "load", "grep", "tool")
+SECTIONS = ("stages", "side", "regimes", "load", "grep", "tool")
 #: The sections that need agentbox served and the peer beside it.
-SERVED_SECTIONS = frozenset({"side", "load", "grep"})
+SERVED_SECTIONS = frozenset({"side", "regimes", "load", "grep"})
+#: The pause before each call of the `after idle` regime: long enough for every CPU of the
+#: host to go idle, as between an agent's calls, which come between model turns.
+IDLE_PAUSE_SECONDS = 0.02
 CONTENT = ("0123456789abcde\n" * (KIB // 16))[:KIB]
 #: The served sandbox's machine entry: the embedded default but for its CPU limit, which the
 #: bench sets to the host's cores (`--sandbox-cpus`), as the references (16 threads of bare
@@ -108,11 +112,13 @@ class Counts:
     grep_hits: int = 5
     grep_runs: int = 10
     tool_samples: int = 200
+    idle_samples: int = 100
 
 
 QUICK = Counts(
-    rounds=10, warmup=3, load_seconds=0.5, grep_files=2000, grep_hits=3, grep_runs=2, tool_samples=10
-)
+    rounds=10, warmup=3, load_seconds=0.5, grep_files=2000, grep_hits=3, grep_runs=2, tool_samples=10,
+    idle_samples=3,
+)  # fmt: skip
 
 
 # --- the peer --------------------------------------------------------------------------------
@@ -297,6 +303,64 @@ def side_by_side_figures(s: dict[str, list[float]]) -> list[Figure]:
         *peer_row("peer_fs_read_1k", "SWE-ReX /read_file 1 KiB", "peer_read", "local", read),
         *versus("api_health", "GET /health (the HTTP floor)", "api_health", "peer_alive", None, spawn),
     ]  # fmt: skip
+
+
+# --- 1b. regimes -----------------------------------------------------------------------------
+
+
+def regime_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
+    """Exec `true` and the HTTP floor on both servers, in two regimes besides the rounds' turns.
+
+    Back to back: each call `rounds` times in a row, so caches stay warm and CPUs awake. After
+    idle: IDLE_PAUSE_SECONDS of sleep before each call, so every call wakes idle CPUs and
+    starts on cold caches. The rounds fall in between (another server's call came just
+    before). No target here: the rows show how much of a figure is the host's, not the server's.
+    """
+    ours, theirs = Wire(server.url), Wire(peer.url, {"X-API-Key": peer.token})
+    ask, peer_ask = by_wire(ours), by_wire(theirs)
+    calls: dict[str, Callable[[], object]] = {
+        "api_exec": lambda: api_exit_0(ask("POST", "/v2/commands", {"command": "true"})),
+        "peer_exec": lambda: api_exit_0(peer_ask("POST", "/execute", {"command": "true", "shell": True})),
+        "api_health": lambda: ask("GET", "/health"),
+        "peer_alive": lambda: peer_ask("GET", "/is_alive"),
+    }
+    back: dict[str, list[float]] = {}
+    idle: dict[str, list[float]] = {name: [] for name in calls}
+    try:
+        for name, call_once in calls.items():
+            for _ in range(counts.warmup):
+                call_once()
+            back[name] = timed(call_once, counts.rounds)
+        for _ in range(counts.idle_samples):
+            for name, call_once in calls.items():
+                time.sleep(IDLE_PAUSE_SECONDS)
+                idle[name] += timed(call_once, 1)
+    finally:
+        ours.close()
+        theirs.close()
+    rows = []
+    for regime, s in (("back_to_back", back), ("after_idle", idle)):
+        words = regime.replace("_", " ")
+        for ours_key, peer_key, key, label, peer_label in (
+            ("api_exec", "peer_exec", "api_exec_true", "POST /v2/commands true", "SWE-ReX"),
+            ("api_health", "peer_alive", "api_health", "GET /health", "SWE-ReX /is_alive"),
+        ):
+            peer_median = statistics.median(s[peer_key])
+            name, shown, raw_label = f"{key}_{regime}", f"{label}, {words}", f"{peer_label}, {words}"
+            rows.append(
+                latency_figure(name, shown, s[ours_key], raw_label=raw_label, raw_seconds=peer_median)
+            )
+    return rows
+
+
+def timed(call_once: Callable[[], object], count: int) -> list[float]:
+    """Seconds of each of `count` calls in a row."""
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        call_once()
+        samples.append(time.perf_counter() - start)
+    return samples
 
 
 # --- 2. concurrency --------------------------------------------------------------------------
@@ -620,6 +684,8 @@ def run(
             served = served_root(server)
             if "side" in sections:
                 figures += side_by_side(server, peer, counts, root)
+            if "regimes" in sections:
+                figures += regime_figures(server, peer, counts)
             if "load" in sections:
                 figures += load_figures(server, peer, counts)
             if "grep" in sections:

@@ -75,6 +75,7 @@ HOTPATH_FIGURES = {
     "api_fs_write_1k", "peer_fs_write_1k", "api_fs_read_1k", "peer_fs_read_1k", "api_health",
     "api_exec_16_clients_throughput", "peer_exec_16_clients_throughput", "api_grep_tree",
     "machine_exec_true", "machine_exec_bash_true", "commands_run_true", "tool_bash_true",
+    "api_exec_true_back_to_back", "api_health_back_to_back", "api_exec_true_after_idle", "api_health_after_idle",
     # the same rows through httpx, beside the lean client's
     "api_exec_true_httpx", "api_v1_shell_exec_true_httpx", "peer_exec_true_httpx", "api_fs_write_1k_httpx",
     "peer_fs_write_1k_httpx", "api_fs_read_1k_httpx", "peer_fs_read_1k_httpx", "api_health_httpx",
@@ -173,6 +174,9 @@ def test_bench_hotpath_quick(tmp_path: Path) -> None:
     assert figures["api_exec_true_httpx"]["raw_label"] == "SWE-ReX (httpx)"
     assert figures["api_exec_true_httpx"]["target"] is None
     assert figures["api_exec_16_clients_throughput"]["target"]["kind"] == "at_least"
+    for regime in ("back_to_back", "after_idle"):
+        assert figures[f"api_exec_true_{regime}"]["raw_label"] == f"SWE-ReX, {regime.replace('_', ' ')}"
+        assert figures[f"api_exec_true_{regime}"]["raw"] > 0
     assert document["served_root"]["system_layer_kind"] in ("kernel-overlay", "fuse-overlayfs", "none")
     assert figures["tool_bash_true"]["raw"] == figures["machine_exec_true"]["median"]
     load = figures["api_exec_16_clients_throughput"]["extra"]
