@@ -52,7 +52,17 @@ from bench_api import (
 from bench_images import default_images
 from bench_tools import Counts as ToolCounts
 from bench_tools import Timed, bash_figures, exited_0, rounds, tool_lab
-from figures import Figure, Target, arg_parser, footer, latency_figure, scratch_dir, table, write_json
+from figures import (
+    Figure,
+    Target,
+    arg_parser,
+    footer,
+    latency_figure,
+    scratch_dir,
+    table,
+    time_calls,
+    write_json,
+)
 from wire import Wire
 
 from agentbox.api.app import create_app
@@ -328,13 +338,11 @@ def regime_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
     idle: dict[str, list[float]] = {name: [] for name in calls}
     try:
         for name, call_once in calls.items():
-            for _ in range(counts.warmup):
-                call_once()
-            back[name] = timed(call_once, counts.rounds)
+            back[name] = time_calls(call_once, counts.rounds, counts.warmup)
         for _ in range(counts.idle_samples):
             for name, call_once in calls.items():
                 time.sleep(IDLE_PAUSE_SECONDS)
-                idle[name] += timed(call_once, 1)
+                idle[name] += time_calls(call_once, 1, 0)
     finally:
         ours.close()
         theirs.close()
@@ -351,16 +359,6 @@ def regime_figures(server: Server, peer: Peer, counts: Counts) -> list[Figure]:
                 latency_figure(name, shown, s[ours_key], raw_label=raw_label, raw_seconds=peer_median)
             )
     return rows
-
-
-def timed(call_once: Callable[[], object], count: int) -> list[float]:
-    """Seconds of each of `count` calls in a row."""
-    samples = []
-    for _ in range(count):
-        start = time.perf_counter()
-        call_once()
-        samples.append(time.perf_counter() - start)
-    return samples
 
 
 # --- 2. concurrency --------------------------------------------------------------------------
