@@ -185,6 +185,8 @@ def test_bench_hotpath_quick(tmp_path: Path) -> None:
     # the commands' time is what the exec agent reaped: read off another process, it is zero
     assert load["cpu_ms_per_request"]["server"] > 0 and load["cpu_ms_per_request"]["commands"] > 0
     assert load["raw_cpu_ms_per_spawn"]["commands"] > 0
+    before_after = load["raw_req_per_s_before_after"]
+    assert len(before_after) == 2 and figures["api_exec_16_clients_throughput"]["raw"] == max(before_after)
     assert set(figures["peer_exec_16_clients_throughput"]["extra"]["cpu_ms_per_request"]) == {
         "server", "commands", "clients",
     }  # fmt: skip
