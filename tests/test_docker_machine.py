@@ -23,6 +23,7 @@ from agentbox.machines.docker import (
     CONTAINER_HOME,
     CONTAINER_USER,
     IMAGE_REPO,
+    START_ATTEMPTS,
     DockerHost,
     DockerMachine,
     DockerOptions,
@@ -309,6 +310,71 @@ async def test_a_container_removed_behind_agentbox_fails_clearly(
     m.container_id = None  # what the registry does to make a new one: the workspace is kept
     await m.start()
     assert (await sh(m, "echo new")).stdout == b"new\n"
+
+
+#: What dockerd 20.10 answered every start of one new container in a whole test run (its root
+#: handed to runc unmounted); the fault below reproduces its answer for one chosen container.
+STUCK_ROOT = (
+    "failed to create shim task: OCI runtime create failed: runc create failed: unable to start "
+    'container process: exec: "/usr/bin/python3": stat /usr/bin/python3: permission denied: unknown'
+)
+
+
+def stuck_root(m: DockerMachine, monkeypatch: pytest.MonkeyPatch, stuck: str | None = None) -> list[str]:
+    """Every start of container `stuck` (else of the first one started) fails as STUCK_ROOT;
+    the engine's starts, by container, are listed in the list returned."""
+    starts: list[str] = []
+    real_start = m.engine.start
+
+    async def start(container: str) -> None:
+        starts.append(container)
+        if container == (stuck or starts[0]):
+            raise MachineUnavailable(
+                f"the Docker engine refused /containers/{container}/start (400): {STUCK_ROOT}"
+            )
+        await real_start(container)
+
+    monkeypatch.setattr(m.engine, "start", start)
+    return starts
+
+
+async def test_a_new_container_whose_root_the_engine_will_not_start_is_replaced(
+    make_docker: DockerFactory, dockerd: Dockerd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = await make_docker(start=False)
+    starts = stuck_root(m, monkeypatch)
+    await m.start()
+    stuck, replacement = starts[0], m.container_id
+    assert starts == [stuck] * START_ATTEMPTS + [replacement]
+    assert dockerd.cli("inspect", stuck).returncode != 0  # removed, not left behind
+    assert (await sh(m, "echo started")).stdout == b"started\n"
+
+
+@pytest.mark.parametrize("writable_root", [False, True], ids=["read-only-root", "writable-root"])
+async def test_a_restart_the_engine_refuses_replaces_only_a_container_with_nothing_to_keep(
+    make_docker: DockerFactory, dockerd: Dockerd, monkeypatch: pytest.MonkeyPatch, writable_root: bool
+) -> None:
+    m = await make_docker(writable_root=writable_root)
+    await sh(m, "echo kept > /workspace/marker")
+    if writable_root:
+        await sh(m, "echo installed > /usr/local/bin/tool-marker")
+    await m.stop()
+    first = m.container_id
+    assert first is not None
+    starts = stuck_root(m, monkeypatch, stuck=first)
+    if not writable_root:
+        await m.start()
+        assert m.container_id != first and dockerd.cli("inspect", first).returncode != 0
+        assert starts == [first] * START_ATTEMPTS + [m.container_id]
+        assert (await sh(m, "cat /workspace/marker")).stdout == b"kept\n"
+        return
+    with pytest.raises(MachineUnavailable, match="OCI runtime create failed"):
+        await m.start()
+    assert starts == [first] * START_ATTEMPTS
+    assert m.container_id == first and dockerd.cli("inspect", first).returncode == 0  # its layer kept
+    monkeypatch.undo()  # the engine recovers (a restart of dockerd, say): the same container starts
+    await m.start()
+    assert (await sh(m, "cat /usr/local/bin/tool-marker")).stdout == b"installed\n"
 
 
 async def test_an_unreachable_engine_is_a_clear_error(docker_host: DockerHost, tmp_path: Path) -> None:

@@ -71,7 +71,8 @@ from agentbox.machines.shared_run import SharedRun
 #: Seconds from the container's start to its agent saying "ready".
 START_TIMEOUT = 30.0
 #: Starts tried when the engine's runtime fails to create the container's process, and the
-#: pause before the next one (times the attempt's number); see `DockerMachine._boot`.
+#: pause before the next one (times the attempt's number), on one container; then a container
+#: with nothing to keep is replaced once (see `DockerMachine._boot`).
 START_ATTEMPTS = 3
 START_RETRY_PAUSE = 0.2
 RUNTIME_FAILURE = "OCI runtime create failed"
@@ -357,6 +358,9 @@ class DockerMachine(HostFiles):
         self.env = env or {}
         self._verified = False
         """Whether `container_id` is known to be this machine's: only then may a stop touch it."""
+        self._disposable = False
+        """Whether the container holds nothing a new one would lack: made by this start, or a
+        read-only root (its tmpfs are emptied at every stop anyway)."""
         self._container_id = container_id
         self.engine = host.engine(options.docker_host)
         self.hostname = f"dkr-{machine_id[-12:]}".lower()
@@ -479,8 +483,7 @@ class DockerMachine(HostFiles):
                 await self._create(image)
             else:
                 await self._adopt(self.container_id)
-            assert self.container_id is not None
-            await self._boot(self.container_id)
+            await self._boot(image)
         except BaseException:
             await self._halt()
             raise
@@ -597,6 +600,7 @@ class DockerMachine(HostFiles):
         else:
             self.container_id = created
             self._verified = True
+            self._disposable = True
 
     async def _adopt(self, container_id: str) -> None:
         """Check that an existing container is this machine's, and have it stopped to restart it."""
@@ -615,30 +619,49 @@ class DockerMachine(HostFiles):
             )
         self.container_id = str(info["Id"])
         self._verified = True
+        self._disposable = bool((info.get("HostConfig") or {}).get("ReadonlyRootfs"))
         self.image_reference = labels.get(LABEL_IMAGE)
         if (info.get("State") or {}).get("Running"):  # an agent of a server that is gone
             await self.engine.kill(self.container_id)
             await self.engine.wait_exit(self.container_id)
 
-    async def _boot(self, container_id: str) -> None:
-        """Start the container, again if the engine trips over the teardown of its last run.
+    async def _boot(self, image: Image) -> None:
+        """Start the container; if the engine's runtime keeps failing to, start a new one in its
+        place when it holds nothing to keep.
 
-        Docker 20.10 may unmount a stopped container's root after the stop returned, so a start
-        right after a stop can find the bare mount point (root's, 0700) and fail at once with
-        "stat /usr/bin/python3: permission denied" (seen once in about 100 stop/start cycles
-        here); the same start a moment later succeeds.
+        Docker 20.10 can hand runc a container root that is not mounted (the bare mount point,
+        root's, 0700), and the start fails at once with "stat /usr/bin/python3: permission
+        denied". Right after a stop it may still be unmounting the last run's root, and the same
+        start a moment later succeeds (seen once in about 100 stop/start cycles). Once, on a
+        container just made, under a whole test run's load, every start of it failed for 0.6 s;
+        a new container is mounted afresh. One with a writable root that a start did not make
+        keeps its layer (the system changes of its past runs): that start fails instead.
         """
+        assert self.container_id is not None
+        try:
+            await self._start_retrying(self.container_id)
+        except MachineUnavailable as exc:
+            if RUNTIME_FAILURE not in exc.message or not self._disposable:
+                raise
+            await self.engine.remove(self.container_id)
+            self.container_id = None
+            await self._create(image)
+            assert self.container_id is not None
+            await self._start_retrying(self.container_id)
+        await self._connect(self.container_id)
+
+    async def _start_retrying(self, container_id: str) -> None:
+        """The engine's start, tried START_ATTEMPTS times while its runtime fails."""
         for attempt in range(START_ATTEMPTS):
             try:
                 await self.engine.start(container_id)
-                break
+                return
             except ContainerGone:
                 raise
             except MachineUnavailable as exc:
                 if RUNTIME_FAILURE not in exc.message or attempt == START_ATTEMPTS - 1:
                     raise
                 await asyncio.sleep(START_RETRY_PAUSE * (attempt + 1))
-        await self._connect(container_id)
 
     async def _connect(self, container_id: str) -> None:
         """Take the started container's agent's connection (or its early end), then its `R`."""
