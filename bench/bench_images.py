@@ -258,7 +258,7 @@ class PhasedMachine(SandboxMachine):
         self._mark("tmpfs /tmp, $HOME")
         return points
 
-    async def _mount_layer(self, lowers: tuple[tuple[str, Path], ...]) -> Path:
+    async def _mount_layer(self, lowers: tuple[tuple[str, tuple[Path, ...]], ...]) -> Path:
         merged = await super()._mount_layer(lowers)
         self._mark("fuse-overlayfs mounted")
         return merged
@@ -320,7 +320,7 @@ async def cold_figures(roots: list[Root], counts: Counts, image: Image) -> tuple
     probe = probe_samples(host, image, counts.probe)
     true, python = one_shots(host, image)
     colds = [Cold(r) for r in roots]
-    samplers = (true, python, *colds)
+    samplers: list[OneShot | Cold] = [true, python, *colds]
     for sampler in samplers:  # warm-up: the first sandbox of a host builds the seccomp filter, etc.
         await sampler.sample()
         sampler.reset()

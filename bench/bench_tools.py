@@ -180,7 +180,7 @@ def tool_check(expect: str) -> Callable[[ToolResult], None]:
 
 
 async def read_figures(tools: SessionTools, host: Path, counts: Counts) -> list[Figure]:
-    machine = tools.machine
+    machine = sandbox_of(tools)
     expected = host.read_text()
     first_line = expected.splitlines()[0]
 
@@ -228,7 +228,7 @@ def rg_argv(host: Path) -> list[str]:
 
 
 async def grep_figures(tools: SessionTools, host: Path, counts: Counts) -> list[Figure]:
-    machine = tools.machine
+    machine = sandbox_of(tools)
     argv = rg_argv(host)
 
     def rg() -> bytes:
@@ -295,7 +295,7 @@ def exited_0(result: Any) -> None:
 
 
 async def bash_figures(tools: SessionTools, counts: Counts) -> list[Figure]:
-    machine = tools.machine
+    machine = sandbox_of(tools)
     manager = CommandManager(machine)
     raw = Timed(bare_spawn, exited_0)
     layer = Timed(lambda: machine.exec(ExecRequest("true")), exited_0, awaited=True)
@@ -361,6 +361,12 @@ def layer_notes(figures: list[Figure]) -> list[str]:
     return notes
 
 
+def sandbox_of(tools: SessionTools) -> SandboxMachine:
+    """The live sandbox `tool_lab` put under the tools."""
+    assert isinstance(tools.machine, SandboxMachine)
+    return tools.machine
+
+
 @asynccontextmanager
 async def tool_lab(root: Path, images: Path | None = None) -> AsyncIterator[SessionTools]:
     """The default toolset (full-auto) over a live sandbox (network off) and a session's stores;
@@ -402,7 +408,7 @@ async def run(counts: Counts, root: Path) -> tuple[list[Figure], dict[str, objec
         "read_file_bytes": READ_FILE_BYTES,
     }
     async with tool_lab(root) as tools:
-        machine = tools.machine
+        machine = sandbox_of(tools)
         workspace = machine.workspace  # the host folder behind /workspace: the bench's own setup
         make_read_file(workspace / posixpath.relpath(READ_FILE, "/workspace"))
         make_tree(workspace / posixpath.relpath(TREE_DIR, "/workspace"))

@@ -45,7 +45,7 @@ fi
 # The AIO SDK declares a heavy cloud SDK it does not import; install it without dependencies.
 .venv/bin/python -m pip install -q --no-deps "agent-sandbox==0.0.30"
 .venv/bin/ruff check agentbox tests bench
-.venv/bin/mypy agentbox
+.venv/bin/mypy agentbox bench
 # Test files spread over AGENTBOX_TEST_WORKERS processes (a file's tests stay in one, with its
 # module fixtures); every worker starts its own servers, sshd and dockerd on ports of their own.
 exec .venv/bin/python -m pytest -q -n "${AGENTBOX_TEST_WORKERS:-3}" --dist loadfile "$@"
