@@ -30,7 +30,7 @@ from agentbox.machines.base import ExecRequest, Machine, environment_line
 from agentbox.machines.binaries import reachable_copy, ripgrep_binary
 from agentbox.machines.errors import MachineUnavailable, OwnerUnsupported
 from agentbox.machines.ssh import DEFAULT_MAX_SESSIONS, ConnectionPool, RemoteWatch, SshMachine, SshOptions
-from agentbox.machines.ssh.channel import MAX_COMMAND_BYTES, STREAM_BUFFER
+from agentbox.machines.ssh.channel import MAX_COMMAND_BYTES, STREAM_BUFFER, CommandChannel
 from agentbox.machines.ssh.machine import KILL_ATTEMPTS, TEMP_INFIX
 from agentbox.secrets import REDACTED, SecretBox, redact
 
@@ -197,6 +197,28 @@ async def test_cancel_kills_the_command_and_its_children(ssh: SshMachine, remote
     await eventually(lambda: not any(alive(p) for p in pids), "the command and its child are killed")
 
 
+async def test_a_cancel_before_the_pid_arrives_still_kills_the_command(
+    ssh: SshMachine, remote_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command runs on the host before its pid marker reaches the server: a cancel in that
+    gap must still end it, once the pid comes, rather than leave it running unseen."""
+    await ssh.ready()
+    held: list[tuple[CommandChannel, bytes]] = []
+    read_marker = CommandChannel._read_marker
+    monkeypatch.setattr(CommandChannel, "_read_marker", lambda channel, data: held.append((channel, data)))
+    task = asyncio.ensure_future(ssh.exec(ExecRequest(command="sleep 300 & echo $! $$ > pids; wait")))
+    await eventually(lambda: started(remote_root / "pids"), "the command started")
+    pids = [int(p) for p in (remote_root / "pids").read_text().split()]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.undo()
+    assert held and all(alive(p) for p in pids)
+    for channel, data in held:  # the marker, delayed on its way, arrives after the cancel
+        read_marker(channel, data)
+    await eventually(lambda: not any(alive(p) for p in pids), "the command and its child are killed")
+    await eventually(lambda: not ssh.busy(), "the channel is closed and given back")
+
 
 @pytest.mark.parametrize("failures", [KILL_ATTEMPTS - 1, KILL_ATTEMPTS])
 async def test_a_kill_whose_channel_fails_is_tried_again(
@@ -229,6 +251,7 @@ async def test_a_kill_whose_channel_fails_is_tried_again(
             with contextlib.suppress(ProcessLookupError):  # the shell may go with its channel
                 os.kill(pid, signal.SIGKILL)
     assert len(tried) == failures
+
 
 async def test_kill_signals_the_group_of_a_spawned_process(ssh: SshMachine) -> None:
     process = await ssh.spawn(

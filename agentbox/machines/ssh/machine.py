@@ -14,7 +14,7 @@ import shlex
 import signal
 import stat as stat_mod
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -377,7 +377,7 @@ class SshMachine:
             async with asyncio.timeout(CHANNEL_TIMEOUT):
                 pid = await asyncio.shield(channel.started)
         except BaseException as exc:
-            channel.abandon()
+            self._in_background(self._end_unclaimed(channel, request.args()[0]))
             if isinstance(exc, TimeoutError):
                 raise self.unavailable(exc, CHANNEL_TIMEOUT) from None
             raise
@@ -428,9 +428,31 @@ class SshMachine:
         """Send `sig` to the process group of `process` on the host, in the background."""
         if sig == signal.SIGKILL:
             process.channel.killed = True
-        task = asyncio.ensure_future(self._signal_group(process, sig))
+        self._in_background(self._signal_group(process, sig))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """A kill's work, which `close` waits for."""
+        task = asyncio.ensure_future(work)
         self._kills.add(task)
         task.add_done_callback(self._kills.discard)
+
+    async def _end_unclaimed(self, channel: CommandChannel, argv0: str) -> None:
+        """Kill the command of a spawn given up before its pid came (cancelled, timed out).
+
+        The login shell prints the pid and execs the command at once, so the command may run
+        before the marker reaches us; closing the channel then would leave it running unseen.
+        Its group is killed once the pid comes; a channel that says nothing in KILL_TIMEOUT, or
+        whose start failed, is only closed.
+        """
+        try:
+            pid = await asyncio.wait_for(asyncio.shield(channel.started), KILL_TIMEOUT)
+        except asyncio.CancelledError:
+            channel.abandon()
+            raise
+        except Exception:  # nothing named a process to kill
+            channel.abandon()
+            return
+        SshProcess(channel, pid, argv0, self.signal_group).kill(signal.SIGKILL)
 
     async def _signal_group(self, process: SshProcess, sig: int) -> None:
         name = signal.Signals(sig).name.removeprefix("SIG")
