@@ -11,11 +11,13 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from conftest import SANDBOX_DEADLINE, RegistryFactory, SandboxFactory, sandbox_host_pid
 
+from agentbox.machines.agent_channel import AgentChannel
 from agentbox.machines.base import ExecRequest, ExecResult, collect
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.registry import ACTIVITY_FILE
@@ -303,6 +305,34 @@ async def test_cancelled_exec_kills_its_process_group(make_sandbox: SandboxFacto
     while m.running:  # the agent reports the shell's end a moment later
         assert time.monotonic() < deadline, "the cancelled command is still counted as running"
         await asyncio.sleep(0.01)
+
+
+async def test_an_exec_cancelled_before_its_pid_comes_still_kills_its_command(
+    make_sandbox: SandboxFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent starts a command as soon as it reads the spawn; a caller that gives up before
+    the pid comes back must not leave that command running, counted nowhere."""
+    m = await make_sandbox()
+    send = AgentChannel.send
+
+    def send_then_give_up(
+        channel: AgentChannel, fields: Sequence[bytes | str | int], fds: Sequence[int] | None = None
+    ) -> None:
+        send(channel, fields, fds)
+        if isinstance(fields[0], bytes) and fields[0].startswith(b"S"):
+            task.cancel()  # lands at the wait for the pid: the spawn is already on its way
+
+    monkeypatch.setattr(AgentChannel, "send", send_then_give_up)
+    task = asyncio.ensure_future(m.exec(ExecRequest(argv=("sleep", "1000"), timeout=SANDBOX_DEADLINE)))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.undo()
+    assert m.running == 0
+    deadline = time.monotonic() + KILL_SECONDS
+    # The agent spawns in the order it reads, so `sleep` is born before this listing runs.
+    while (await sh(m, "cat /proc/[0-9]*/comm")).stdout.split().count(b"sleep"):
+        assert time.monotonic() < deadline, "the command given up on still runs"
+        await asyncio.sleep(0.05)
 
 
 async def test_cancelled_exec_kills_a_child_its_shell_left_holding_the_output(

@@ -378,15 +378,22 @@ class AgentChannel:
         fds: list[int],
         stdin: bytes | None,
     ) -> AgentProcess:
-        """Send the spawn (`fds` are the command's ends, closed here) and wait for its pid."""
+        """Send the spawn (`fds` are the command's ends, closed here) and wait for its pid.
+
+        The agent starts the command as soon as it reads the spawn, so a caller that gives up
+        before the pid comes back (cancelled) has the command killed: `K` follows `S` on the one
+        socket, and the agent ignores an id it does not know (a spawn that failed).
+        """
         fut: asyncio.Future[int] = self.loop.create_future()
         self._pending[proc.cid] = fut
         proc.argv0 = argv[0]
         self._procs[proc.cid] = proc
         self.running += 1
+        sent = False
         try:
             try:
                 self.send(message, fds)
+                sent = True
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -396,6 +403,9 @@ class AgentChannel:
             self._pending.pop(proc.cid, None)
             self.running -= 1
             proc._close_pipes()
+            if sent and (fut.cancelled() or not fut.done() or fut.exception() is None):
+                with contextlib.suppress(MachineUnavailable, OSError):
+                    self.send([b"K", proc.cid, int(signal.SIGKILL)])
             raise
         if stdin is not None:
             await proc.write_stdin(stdin)
