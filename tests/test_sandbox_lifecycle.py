@@ -18,7 +18,7 @@ import pytest
 from conftest import SANDBOX_DEADLINE, RegistryFactory, SandboxFactory, sandbox_host_pid
 
 from agentbox.machines.agent_channel import AgentChannel
-from agentbox.machines.base import ExecRequest, ExecResult, collect
+from agentbox.machines.base import STREAM_BUFFER, ExecRequest, ExecResult, collect
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.registry import ACTIVITY_FILE
 from agentbox.machines.sandbox import (
@@ -33,6 +33,10 @@ from agentbox.machines.sandbox import (
 
 #: "Promptly": how long a killed command's processes may take to disappear.
 KILL_SECONDS = 2.0
+#: A flood of this many STREAM_BUFFERs, left unread for UNREAD_SECONDS (ample to pass through
+#: a pipe that is read): the command must still be writing it.
+FLOOD_BUFFERS = 16
+UNREAD_SECONDS = 1.0
 #: How much longer than its timeout an exec may take to return.
 TIMEOUT_SLACK = 3.0
 #: "Fails fast": a sandbox that cannot start must say so well before START_TIMEOUT.
@@ -305,6 +309,23 @@ async def test_cancelled_exec_kills_its_process_group(make_sandbox: SandboxFacto
     while m.running:  # the agent reports the shell's end a moment later
         assert time.monotonic() < deadline, "the cancelled command is still counted as running"
         await asyncio.sleep(0.01)
+
+
+async def test_output_nobody_reads_waits_in_the_pipe_instead_of_the_server(
+    make_sandbox: SandboxFactory,
+) -> None:
+    """The server buffers at most 2 x STREAM_BUFFER of a stream nobody reads, then stops
+    reading it: the command blocks on its pipe, and nothing is lost once it is read."""
+    m = await make_sandbox()
+    total = FLOOD_BUFFERS * STREAM_BUFFER
+    process = await m.spawn(ExecRequest(command=f"head -c {total} /dev/zero; echo > /tmp/flooded"))
+    await asyncio.sleep(UNREAD_SECONDS)
+    assert not m.view.exists("/tmp/flooded"), "the server took the whole flood into memory"
+    read = 0
+    while chunk := await process.stdout.read(65536):
+        read += len(chunk)
+    assert read == total and await process.wait() == 0
+    assert m.view.exists("/tmp/flooded")
 
 
 async def test_an_exec_cancelled_before_its_pid_comes_still_kills_its_command(

@@ -36,7 +36,7 @@ import struct
 import termios
 from collections.abc import Callable, Sequence
 
-from agentbox.machines.base import TerminalSize
+from agentbox.machines.base import STREAM_BUFFER, TerminalSize
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.exec_agent import MAX_MESSAGE
 from agentbox.machines.hostview import HostView
@@ -50,16 +50,30 @@ STDIN_RETRY_SECONDS = 0.005
 
 
 class Pipe:
-    """Feed a StreamReader from a pipe with `add_reader`: cheaper than a transport per command."""
+    """Feed a StreamReader from a pipe with `add_reader`: cheaper than a transport per command.
+
+    The pipe is the reader's transport, so its flow control holds: past 2 x STREAM_BUFFER
+    unread the pipe is no longer read (the command blocks writing), and reading resumes once
+    the reader is down to STREAM_BUFFER.
+    """
 
     def __init__(
         self, fd: int, loop: asyncio.AbstractEventLoop, reader: asyncio.StreamReader | None = None
     ) -> None:
         self.fd = fd
         self.loop = loop
-        self.reader = reader or asyncio.StreamReader(limit=2**31, loop=loop)
+        self.reader = reader or _reader(loop)
+        self.reader.set_transport(self)  # type: ignore[arg-type]
         os.set_blocking(fd, False)
         loop.add_reader(fd, self._readable)
+
+    def pause_reading(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+
+    def resume_reading(self) -> None:
+        if self.fd >= 0:
+            self.loop.add_reader(self.fd, self._readable)
 
     def _readable(self) -> None:
         try:
@@ -174,7 +188,7 @@ class AgentProcess:
 
 
 def _reader(loop: asyncio.AbstractEventLoop) -> asyncio.StreamReader:
-    return asyncio.StreamReader(limit=2**31, loop=loop)
+    return asyncio.StreamReader(limit=STREAM_BUFFER, loop=loop)
 
 
 class AgentChannel:

@@ -27,6 +27,10 @@ OS = Literal["linux", "darwin", "windows"]
 DEFAULT_OUTPUT_LIMIT = 1024 * 1024
 #: Seconds a finished (or killed) command's pipes may stay open before they are abandoned.
 DRAIN_GRACE_SECONDS = 2.0
+#: Bytes of one output stream of a command the server buffers unread; past twice this it
+#: stops reading, so a command that floods a slow reader blocks on its pipe instead of
+#: growing the server's memory (StreamReader's flow control: paused above 2x, resumed at 1x).
+STREAM_BUFFER = 1 << 20
 #: The folder, directly under a machine's root, that a governed delete moves files into
 #: (`agentbox.tools.changes`). It must be on the root's own file system (a delete is a rename),
 #: so it is inside the workspace; isolating kinds hide it from their processes (an empty,

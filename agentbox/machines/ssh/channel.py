@@ -13,11 +13,10 @@ from typing import Any
 
 import asyncssh
 
+from agentbox.machines.base import STREAM_BUFFER
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.local import BASE_PATH
 
-#: Bytes one output stream buffers before the channel stops reading (back-pressure to the host).
-STREAM_BUFFER = 1 << 20
 #: Bytes of login-shell output kept while looking for the marker.
 MAX_PREAMBLE_BYTES = 64 * 1024
 #: Bytes of a command line (environment included) sent in one exec request: sshd's packets
