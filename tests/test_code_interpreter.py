@@ -7,6 +7,7 @@ each limit is given small to the interpreter and tested on both sides of its bou
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,11 +23,19 @@ from conftest import (
     traversable,
 )
 
-from agentbox.machines.base import ExecRequest
+from agentbox.machines.base import STREAM_BUFFER, ExecRequest
 from agentbox.machines.images import Image
 from agentbox.machines.sandbox import SandboxConfig, SandboxMachine
 from agentbox.workspace.errors import WorkspaceError
-from agentbox.workspace.kernels import MAX_CODE_BYTES, CodeInterpreter, Context, Output
+from agentbox.workspace.kernels import (
+    MAX_CODE_BYTES,
+    MAX_LINE_BYTES,
+    RUNNER_SOURCE,
+    CodeInterpreter,
+    Context,
+    Output,
+    lines,
+)
 
 #: Seconds a condition (a kernel stopped when idle) may take before a test fails.
 DEADLINE_SECONDS = 20.0
@@ -36,6 +45,14 @@ OUTPUT_LIMIT = 1000
 EXECUTION_SECONDS = 2.0
 #: Seconds a cell the tests time out would run for.
 LONG_SLEEP = 60
+#: Seconds a flood runs while nothing reads the runner, so the kernel's IOPub backlog builds.
+BACKLOG_SECONDS = 1.0
+#: Characters of each line the flood below prints (one IOPub message each, about).
+FLOOD_LINE = 65536
+#: Stream lines of an interrupted execution that may still come: what the server buffers
+#: unread (2 x STREAM_BUFFER) and the pipe's 64 KiB, with a few the runner relays before its
+#: request thread reads the interrupt. The backlog itself is up to thousands.
+MOST_RELAYED_AFTER_INTERRUPT = (2 * STREAM_BUFFER + 65536) // FLOOD_LINE + 8
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -93,7 +110,6 @@ async def test_state_stays_in_a_context_and_not_across_contexts(box: SandboxMach
         await interpreter.close()
 
 
-
 async def test_a_kernel_that_died_is_replaced_and_the_next_cell_is_told(box: SandboxMachine) -> None:
     interpreter = CodeInterpreter(box)
     try:
@@ -109,6 +125,7 @@ async def test_a_kernel_that_died_is_replaced_and_the_next_cell_is_told(box: San
         assert value(quiet) == "2" and not [o for o in quiet if o.kind == "stderr"]
     finally:
         await interpreter.close()
+
 
 async def test_the_kernel_runs_inside_the_sandbox_and_dies_with_it(
     kernel_image: Image, tmp_path_factory: pytest.TempPathFactory
@@ -190,6 +207,39 @@ async def test_output_up_to_the_limit_passes_and_past_it_is_interrupted(box: San
         )  # interrupted, not restarted
     finally:
         await interpreter.close()
+
+
+async def test_an_interrupted_flood_is_drained_unread(box: SandboxMachine) -> None:
+    """The runner stops relaying an execution the server interrupted (it no longer reads it):
+    after the interrupt come only the few lines already on their way, not the backlog in the
+    kernel's IOPub queues (thousands of 64 KiB messages), which on a busy host took longer to
+    relay than INTERRUPT_GRACE_SECONDS and so cost the context its kernel."""
+    argv = ("python3", "-c", RUNNER_SOURCE, "python3", str(MAX_LINE_BYTES), "60")
+    runner = await box.spawn(ExecRequest(argv=argv, cwd="/workspace", interactive=True))
+
+    async def ask(request: dict[str, object]) -> None:
+        await runner.write_stdin(json.dumps(request).encode() + b"\n")
+
+    try:
+        events = lines(runner.stdout, MAX_LINE_BYTES)
+        assert json.loads(await anext(events))["event"] == "ready"
+        await ask({"op": "execute", "id": 1, "code": f"while True: print('z' * {FLOOD_LINE})", "env": None})
+        while json.loads(await anext(events))["event"] != "stdout":
+            pass
+        await asyncio.sleep(BACKLOG_SECONDS)  # the runner waits on its full pipe; the kernel floods on
+        await ask({"op": "interrupt", "id": 1})
+        after = 0
+        while (event := json.loads(await anext(events)))["event"] != "done":
+            after += event["event"] == "stdout"
+        assert after <= MOST_RELAYED_AFTER_INTERRUPT
+        await ask({"op": "execute", "id": 2, "code": "6 * 7", "env": None})
+        replies = []
+        while (event := json.loads(await anext(events)))["event"] != "done":
+            replies.append(event)
+        assert {"event": "result", "id": 2, "data": {"text/plain": "42"}, "main": True} in replies
+    finally:
+        runner.kill()
+        await runner.wait()
 
 
 async def test_an_execution_past_its_time_is_interrupted(box: SandboxMachine) -> None:

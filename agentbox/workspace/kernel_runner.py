@@ -8,7 +8,8 @@ pipes, one JSON object a line:
 
     argv       <kernel name> <max line bytes> <seconds the kernel gets to start>
     in         {"op": "execute", "id": n, "code": "...", "env": {...} | null}
-               {"op": "interrupt"}             (SIGINT to the kernel, at once)
+               {"op": "interrupt", "id": n}    (SIGINT to the kernel, at once; the server
+                                                no longer reads execution n: only its done comes)
                end of input                    (shut the kernel down and exit)
     out        {"event": "ready"} | {"event": "failed", "reason": "no_kernel" | "start", "message"}
                then, for execution n, in order:
@@ -40,12 +41,16 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 #: Seconds between checks that the kernel is still alive while waiting for its messages.
 POLL_SECONDS = 1.0
+#: Milliseconds the runner's IOPub socket waits for a kernel_info's status before asking again
+#: (a SUB socket misses what is published before its subscription reaches the kernel).
+SUBSCRIBE_POLL_MS = 100
 #: Characters a Python kernel's stdout or stderr buffers before it sends them. ipykernel sends
 #: what was written every 0.2 s, so a cell printing in a loop would make one message of all
 #: it printed meanwhile (hundreds of MB); past this the write sends at once (and waits for it).
@@ -107,19 +112,20 @@ def main() -> int:
     client.start_channels()
     try:
         client.wait_for_ready(timeout=ready_seconds)
+        kernel = Kernel(manager, client, subscribed_iopub(manager, client, ready_seconds))
     except RuntimeError as exc:
         send({"event": "failed", "reason": "start", "message": str(exc)})
         manager.shutdown_kernel(now=True)
         return 1
     dialect = DIALECTS.get(kernel_name, Dialect())
     if dialect.start:
-        quiet(manager, client, dialect.start)
+        quiet(kernel, dialect.start)
     send({"event": "ready"})
     requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
-    threading.Thread(target=read_requests, args=(inbox, requests, manager), daemon=True).start()
+    threading.Thread(target=read_requests, args=(inbox, requests, kernel), daemon=True).start()
     try:
         while (request := requests.get()) is not None:
-            execute(manager, client, request, send, dialect)
+            execute(kernel, request, send, dialect)
     except KernelDied:
         send({"event": "died"})
         return 1
@@ -134,7 +140,58 @@ class KernelDied(Exception):
     pass
 
 
-def read_requests(inbox: BinaryIO, requests: queue.Queue[dict[str, Any] | None], manager: Any) -> None:
+@dataclass
+class Kernel:
+    """The kernel's manager, its client (for the shell channel), and the runner's own IOPub socket."""
+
+    manager: Any
+    client: Any
+    iopub: Any
+    """A blocking zmq SUB socket (`subscribed_iopub`)."""
+    dropped: int = -1
+    """The execution the server interrupted and no longer reads: its output is drained unread
+    (executions run one at a time, so one id is enough)."""
+
+    def next_message(self, timeout: float) -> dict[str, Any]:
+        """The next IOPub message, its content still packed (`unpacked`); queue.Empty after `timeout`."""
+        if not self.iopub.poll(timeout * 1000):
+            raise queue.Empty
+        _, frames = self.client.session.feed_identities(self.iopub.recv_multipart())
+        return dict(self.client.session.deserialize(frames, content=False))
+
+    def unpacked(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(msg["content"], bytes):
+            msg["content"] = self.client.session.unpack(msg["content"])
+        return msg
+
+
+def subscribed_iopub(manager: Any, client: Any, seconds: float) -> Any:
+    """A blocking SUB socket on the kernel's IOPub, its subscription in place.
+
+    The client's own channels are asyncio's in jupyter_client 7, each message a trip through
+    an event loop, and they parse every message's content: an interrupted flood took longer
+    to drain than a busy host gives it. This socket takes a message in a few system calls and
+    leaves the content packed until it is kept. kernel_info is asked until a status of the
+    kernel's comes through it; the client's IOPub channel is then closed, so nothing buffers
+    messages no one reads.
+    """
+    iopub = manager.connect_iopub()
+    deadline = time.monotonic() + seconds
+    while True:
+        client.kernel_info()
+        if iopub.poll(SUBSCRIBE_POLL_MS):
+            break
+        if time.monotonic() > deadline:
+            iopub.close(linger=0)
+            raise RuntimeError(f"the kernel's IOPub did not answer in {seconds:g} s")
+    while iopub.poll(0):
+        iopub.recv_multipart()
+    client.iopub_channel.stop()
+    drain_shell(client)
+    return iopub
+
+
+def read_requests(inbox: BinaryIO, requests: queue.Queue[dict[str, Any] | None], kernel: Kernel) -> None:
     """Requests from the server: an interrupt acts at once (a cell may be running), the rest queue."""
     for line in inbox:
         try:
@@ -142,8 +199,10 @@ def read_requests(inbox: BinaryIO, requests: queue.Queue[dict[str, Any] | None],
         except ValueError:
             continue
         if request.get("op") == "interrupt":
-            if manager.is_alive():
-                manager.interrupt_kernel()
+            if isinstance(request.get("id"), int):
+                kernel.dropped = request["id"]
+            if kernel.manager.is_alive():
+                kernel.manager.interrupt_kernel()
         elif request.get("op") == "execute":
             requests.put(request)
     requests.put(None)
@@ -152,19 +211,19 @@ def read_requests(inbox: BinaryIO, requests: queue.Queue[dict[str, Any] | None],
 Send = Callable[[dict[str, Any]], None]
 
 
-def execute(manager: Any, client: Any, request: dict[str, Any], send: Send, dialect: Dialect) -> None:
+def execute(kernel: Kernel, request: dict[str, Any], send: Send, dialect: Dialect) -> None:
     n, env = request["id"], request.get("env") or {}
     setting = bool(env and dialect.env_set)
     if setting:
-        quiet(manager, client, dialect.env_set.format(env=json.dumps(env)))
-    msg_id = client.execute(request["code"], allow_stdin=False, stop_on_error=True)
-    for msg in messages(manager, client, msg_id):
+        quiet(kernel, dialect.env_set.format(env=json.dumps(env)))
+    msg_id = kernel.client.execute(request["code"], allow_stdin=False, stop_on_error=True)
+    for msg in messages(kernel, msg_id, dropped=lambda: kernel.dropped == n):
         relay(msg, send, n)
     if dialect.fence:
-        fence(manager, client, msg_id, dialect.fence, send, n)
+        fence(kernel, msg_id, dialect.fence, send, n)
     if setting:
-        quiet(manager, client, dialect.env_restore)
-    drain_shell(client)
+        quiet(kernel, dialect.env_restore)
+    drain_shell(kernel.client)
     send({"event": "done", "id": n})
 
 
@@ -182,7 +241,7 @@ def relay(msg: dict[str, Any], send: Send, n: int) -> None:
         send({"event": "count", "id": n, "count": content["execution_count"]})
 
 
-def fence(manager: Any, client: Any, cell: str, code: str, send: Send, n: int) -> None:
+def fence(kernel: Kernel, cell: str, code: str, send: Send, n: int) -> None:
     """Relay the console output a kernel sends after its cell (request `cell`, execution `n`)
     ended, up to a marker.
 
@@ -195,10 +254,10 @@ def fence(manager: Any, client: Any, cell: str, code: str, send: Send, n: int) -
     any that come under it are the cell's as well.
     """
     marker = f"agentbox-fence-{secrets.token_hex(16)}"
-    msg_id = client.execute(code.format(marker=json.dumps(marker)), silent=True, store_history=False,
-                            allow_stdin=False)  # fmt: skip
+    msg_id = kernel.client.execute(code.format(marker=json.dumps(marker)), silent=True,
+                                   store_history=False, allow_stdin=False)  # fmt: skip
     pending = {"stdout": "", "stderr": ""}
-    for msg in messages(manager, client, msg_id, until=lambda: not pending, late=cell):
+    for msg in messages(kernel, msg_id, until=lambda: not pending, late=cell):
         name = msg["content"].get("name")
         if msg["parent_header"]["msg_id"] == cell:  # sent before the fence began: no marker in it
             relay(msg, send, n)
@@ -258,7 +317,6 @@ DENO_START = (
 DENO_FENCE = 'globalThis[Symbol.for("agentbox.fence")]({marker});'
 
 
-
 @dataclass(frozen=True)
 class Dialect:
     """What the runner does differently for one kernel; a kernel it does not know gets none of it."""
@@ -279,24 +337,29 @@ DIALECTS = {
 }
 
 
-def quiet(manager: Any, client: Any, code: str) -> None:
-    msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False)
-    for _ in messages(manager, client, msg_id):
+def quiet(kernel: Kernel, code: str) -> None:
+    msg_id = kernel.client.execute(code, silent=True, store_history=False, allow_stdin=False)
+    for _ in messages(kernel, msg_id):
         pass
 
 
 def messages(
-    manager: Any, client: Any, msg_id: str, until: Callable[[], bool] = lambda: True, late: str = ""
+    kernel: Kernel,
+    msg_id: str,
+    until: Callable[[], bool] = lambda: True,
+    late: str = "",
+    dropped: Callable[[], bool] = lambda: False,
 ) -> Iterator[dict[str, Any]]:
     """The iopub messages of one request until its kernel is idle again and `until()` holds,
     with those of the earlier request `late` that still come meanwhile. Past the idle, a kernel
-    silent for `POLL_SECONDS` has nothing more on its way: the wait ends then too."""
+    silent for `POLL_SECONDS` has nothing more on its way: the wait ends then too. While
+    `dropped()`, the request's own messages are only waited through, their content unread."""
     idle = False
     while not (idle and until()):
         try:
-            msg = client.get_iopub_msg(timeout=POLL_SECONDS)
+            msg = kernel.next_message(POLL_SECONDS)
         except queue.Empty:
-            if not manager.is_alive():
+            if not kernel.manager.is_alive():
                 raise KernelDied() from None
             if idle:
                 return
@@ -304,12 +367,14 @@ def messages(
         parent = msg.get("parent_header", {}).get("msg_id")
         if parent != msg_id:
             if late and parent == late:
-                yield msg
+                yield kernel.unpacked(msg)
             continue
-        if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
-            idle = True
+        if msg["msg_type"] == "status":
+            if kernel.unpacked(msg)["content"].get("execution_state") == "idle":
+                idle = True
             continue
-        yield msg
+        if not dropped():
+            yield kernel.unpacked(msg)
 
 
 def drain_shell(client: Any) -> None:

@@ -312,10 +312,12 @@ class Kernel:
     def _send(self, request: dict[str, Any]) -> None:
         self._outbox.put_nowait(json.dumps(request).encode() + b"\n")
 
-    def interrupt(self) -> None:
-        """Interrupt the running cell (KeyboardInterrupt in Python); the kernel keeps its state."""
+    def interrupt(self, n: int) -> None:
+        """Interrupt execution `n`, which nobody reads any more (KeyboardInterrupt in Python; the
+        kernel keeps its state). The runner drains its output unread, so a flood ends in about
+        the time the kernel takes to stop, not the time relaying its backlog would."""
         if not self._gone:
-            self._send({"op": "interrupt"})
+            self._send({"op": "interrupt", "id": n})
 
     async def settle(self, seconds: float) -> bool:
         """Wait for every execution sent to end; False when one did not within `seconds`."""
@@ -370,7 +372,7 @@ class Kernel:
                 yield output
         finally:
             if not ended:  # the caller went away: stop the cell; the next execution waits for it
-                self.interrupt()
+                self.interrupt(n)
             self._abandon(n)
 
     def _abandon(self, n: int) -> None:
@@ -382,7 +384,7 @@ class Kernel:
     async def _stop(self, n: int, failure: Output) -> Output:
         """Interrupt execution `n` and wait for it to end; a kernel that does not is stopped."""
         self._abandon(n)
-        self.interrupt()
+        self.interrupt(n)
         running = self._running.get(n)
         if running is not None:
             with contextlib.suppress(TimeoutError):
