@@ -345,7 +345,9 @@ async def test_a_new_container_whose_root_the_engine_will_not_start_is_replaced(
     starts = stuck_root(m, monkeypatch)
     await m.start()
     stuck, replacement = starts[0], m.container_id
-    assert starts == [stuck] * START_ATTEMPTS + [replacement]
+    assert starts[:START_ATTEMPTS] == [stuck] * START_ATTEMPTS
+    # the replacement's start may be tried again for real: the engine hiccups after a removal
+    assert set(starts[START_ATTEMPTS:]) == {replacement}
     assert dockerd.cli("inspect", stuck).returncode != 0  # removed, not left behind
     assert (await sh(m, "echo started")).stdout == b"started\n"
 
@@ -365,7 +367,8 @@ async def test_a_restart_the_engine_refuses_replaces_only_a_container_with_nothi
     if not writable_root:
         await m.start()
         assert m.container_id != first and dockerd.cli("inspect", first).returncode != 0
-        assert starts == [first] * START_ATTEMPTS + [m.container_id]
+        assert starts[:START_ATTEMPTS] == [first] * START_ATTEMPTS
+        assert set(starts[START_ATTEMPTS:]) == {m.container_id}
         assert (await sh(m, "cat /workspace/marker")).stdout == b"kept\n"
         return
     with pytest.raises(MachineUnavailable, match="OCI runtime create failed"):
