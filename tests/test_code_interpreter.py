@@ -45,6 +45,10 @@ OUTPUT_LIMIT = 1000
 EXECUTION_SECONDS = 2.0
 #: Seconds a cell the tests time out would run for.
 LONG_SLEEP = 60
+#: Failed cells each followed at once by another, in the test of what follows an error.
+AFTER_ERROR_ROUNDS = 3
+#: Seconds ipykernel would abort requests for after an error, in that test (its default is 0).
+ABORT_WINDOW_SECONDS = 1.0
 #: Seconds a flood runs while nothing reads the runner, so the kernel's IOPub backlog builds.
 BACKLOG_SECONDS = 1.0
 #: Characters of each line the flood below prints (one IOPub message each, about).
@@ -205,6 +209,25 @@ async def test_output_up_to_the_limit_passes_and_past_it_is_interrupted(box: San
         assert (
             value(await outputs(interpreter, context, "kept")) == "'still here'"
         )  # interrupted, not restarted
+    finally:
+        await interpreter.close()
+
+
+async def test_the_cells_right_after_an_error_run(box: SandboxMachine) -> None:
+    """A failed cell must not cost the next request its turn: ipykernel aborts what reaches it
+    in a short window after an error when asked to stop on error, and on a busy host the next
+    cell (or the restore of a cell's `env`) reached it in that window and came back empty."""
+    interpreter = CodeInterpreter(box)
+    try:
+        context = await interpreter.create()
+        # the window a busy host opens by chance, held open for every round here
+        widen = f"get_ipython().kernel.stop_on_error_timeout = {ABORT_WINDOW_SECONDS}"
+        await outputs(interpreter, context, f"import os; kept = 5; {widen}")
+        for _ in range(AFTER_ERROR_ROUNDS):
+            failed = [o async for o in interpreter.run(context, "1 / 0", env={"ONLY_FOR_THIS_CELL": "1"})]
+            assert [e.name for e in errors(failed)] == ["ZeroDivisionError"]
+            after = await outputs(interpreter, context, "(kept, os.environ.get('ONLY_FOR_THIS_CELL'))")
+            assert value(after) == "(5, None)"
     finally:
         await interpreter.close()
 

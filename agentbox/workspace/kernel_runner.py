@@ -216,7 +216,10 @@ def execute(kernel: Kernel, request: dict[str, Any], send: Send, dialect: Dialec
     setting = bool(env and dialect.env_set)
     if setting:
         quiet(kernel, dialect.env_set.format(env=json.dumps(env)))
-    msg_id = kernel.client.execute(request["code"], allow_stdin=False, stop_on_error=True)
+    # Never stop_on_error: executions come one at a time, so the kernel has nothing queued to
+    # abort, and its abort window after an error would swallow the next request (the env
+    # restore below, or the next cell, on a slow host) with no output at all.
+    msg_id = kernel.client.execute(request["code"], allow_stdin=False, stop_on_error=False)
     for msg in messages(kernel, msg_id, dropped=lambda: kernel.dropped == n):
         relay(msg, send, n)
     if dialect.fence:
