@@ -232,6 +232,23 @@ async def test_the_cells_right_after_an_error_run(box: SandboxMachine) -> None:
         await interpreter.close()
 
 
+async def test_a_cell_whose_idle_status_is_lost_still_ends(box: SandboxMachine) -> None:
+    """IOPub drops what overflows its queues, a cell's idle status among them (a flood does
+    that): the cell ends on its reply, which comes on the shell channel, instead of running
+    into its time limit. Here the kernel stops publishing its status at all."""
+    interpreter = CodeInterpreter(box, max_execution_seconds=EXECUTION_SECONDS * 5)
+    try:
+        context = await interpreter.create()
+        mute = "k = get_ipython().kernel; k._publish_status = lambda *args, **kwargs: None; kept = 6"
+        assert errors(await outputs(interpreter, context, mute)) == []
+        started = time.monotonic()
+        after = await outputs(interpreter, context, "kept * 7")
+        assert value(after) == "42" and errors(after) == []
+        assert time.monotonic() - started < EXECUTION_SECONDS * 5
+    finally:
+        await interpreter.close()
+
+
 async def test_an_interrupted_flood_is_drained_unread(box: SandboxMachine) -> None:
     """The runner stops relaying an execution the server interrupted (it no longer reads it):
     after the interrupt come only the few lines already on their way, not the backlog in the

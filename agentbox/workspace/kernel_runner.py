@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 #: Seconds between checks that the kernel is still alive while waiting for its messages.
@@ -151,6 +151,8 @@ class Kernel:
     dropped: int = -1
     """The execution the server interrupted and no longer reads: its output is drained unread
     (executions run one at a time, so one id is enough)."""
+    answered: set[str] = field(default_factory=set)
+    """The requests of this execution whose reply has come on the shell channel."""
 
     def next_message(self, timeout: float) -> dict[str, Any]:
         """The next IOPub message, its content still packed (`unpacked`); queue.Empty after `timeout`."""
@@ -158,6 +160,17 @@ class Kernel:
             raise queue.Empty
         _, frames = self.client.session.feed_identities(self.iopub.recv_multipart())
         return dict(self.client.session.deserialize(frames, content=False))
+
+    def replied(self, msg_id: str) -> bool:
+        """Whether the kernel's reply to `msg_id` has come on the shell channel. It always does,
+        after the request ran; IOPub, which drops what overflows its queues, may have lost the
+        request's idle status."""
+        while True:
+            try:
+                reply = self.client.get_shell_msg(timeout=0)
+            except queue.Empty:
+                return msg_id in self.answered
+            self.answered.add(reply.get("parent_header", {}).get("msg_id", ""))
 
     def unpacked(self, msg: dict[str, Any]) -> dict[str, Any]:
         if isinstance(msg["content"], bytes):
@@ -227,6 +240,7 @@ def execute(kernel: Kernel, request: dict[str, Any], send: Send, dialect: Dialec
     if setting:
         quiet(kernel, dialect.env_restore)
     drain_shell(kernel.client)
+    kernel.answered.clear()
     send({"event": "done", "id": n})
 
 
@@ -354,9 +368,10 @@ def messages(
     dropped: Callable[[], bool] = lambda: False,
 ) -> Iterator[dict[str, Any]]:
     """The iopub messages of one request until its kernel is idle again and `until()` holds,
-    with those of the earlier request `late` that still come meanwhile. Past the idle, a kernel
-    silent for `POLL_SECONDS` has nothing more on its way: the wait ends then too. While
-    `dropped()`, the request's own messages are only waited through, their content unread."""
+    with those of the earlier request `late` that still come meanwhile. Past the idle, or past
+    the request's reply on the shell channel (its idle lost), a kernel silent for
+    `POLL_SECONDS` has nothing more on its way: the wait ends then too. While `dropped()`, the
+    request's own messages are only waited through, their content unread."""
     idle = False
     while not (idle and until()):
         try:
@@ -364,7 +379,7 @@ def messages(
         except queue.Empty:
             if not kernel.manager.is_alive():
                 raise KernelDied() from None
-            if idle:
+            if idle or kernel.replied(msg_id):
                 return
             continue
         parent = msg.get("parent_header", {}).get("msg_id")
