@@ -417,7 +417,8 @@ class AgentChannel:
             self._pending.pop(proc.cid, None)
             self.running -= 1
             proc._close_pipes()
-            if sent and (fut.cancelled() or not fut.done() or fut.exception() is None):
+            refused = fut.done() and not fut.cancelled() and fut.exception() is not None  # its `E`
+            if sent and not refused:
                 with contextlib.suppress(MachineUnavailable, OSError):
                     self.send([b"K", proc.cid, int(signal.SIGKILL)])
             raise
