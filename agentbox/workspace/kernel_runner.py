@@ -159,7 +159,7 @@ class Kernel:
         if not self.iopub.poll(timeout * 1000):
             raise queue.Empty
         _, frames = self.client.session.feed_identities(self.iopub.recv_multipart())
-        return dict(self.client.session.deserialize(frames, content=False))
+        return self.client.session.deserialize(frames, content=False)
 
     def replied(self, msg_id: str) -> bool:
         """Whether the kernel's reply to `msg_id` has come on the shell channel. It always does,
