@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOX_DEADLINE, RegistryFactory, SandboxFactory, sandbox_host_pid
 
-from agentbox.machines.agent_channel import AgentChannel
+from agentbox.machines.agent_channel import PIPE_CHUNK, AgentChannel
 from agentbox.machines.base import STREAM_BUFFER, ExecRequest, ExecResult, collect
 from agentbox.machines.errors import MachineUnavailable
 from agentbox.machines.registry import ACTIVITY_FILE
@@ -33,9 +33,10 @@ from agentbox.machines.sandbox import (
 
 #: "Promptly": how long a killed command's processes may take to disappear.
 KILL_SECONDS = 2.0
-#: A flood of this many STREAM_BUFFERs, left unread for UNREAD_SECONDS (ample to pass through
-#: a pipe that is read): the command must still be writing it.
-FLOOD_BUFFERS = 16
+#: Bytes past 2 x STREAM_BUFFER a command writes to be left waiting: a read of PIPE_CHUNK
+#: over the bound, the pipe's 64 KiB, and as much again that has nowhere to go.
+PAST_THE_BOUND = 4 * PIPE_CHUNK
+#: Seconds such a command is left unread (ample for its output to pass through a pipe read).
 UNREAD_SECONDS = 1.0
 #: How much longer than its timeout an exec may take to return.
 TIMEOUT_SLACK = 3.0
@@ -311,16 +312,26 @@ async def test_cancelled_exec_kills_its_process_group(make_sandbox: SandboxFacto
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.parametrize(
+    ("total", "finishes_unread"),
+    [(2 * STREAM_BUFFER, True), (2 * STREAM_BUFFER + PAST_THE_BOUND, False)],
+    ids=["at-the-bound", "past-it"],
+)
 async def test_output_nobody_reads_waits_in_the_pipe_instead_of_the_server(
-    make_sandbox: SandboxFactory,
+    make_sandbox: SandboxFactory, total: int, finishes_unread: bool
 ) -> None:
-    """The server buffers at most 2 x STREAM_BUFFER of a stream nobody reads, then stops
-    reading it: the command blocks on its pipe, and nothing is lost once it is read."""
+    """The server takes up to 2 x STREAM_BUFFER of a stream nobody reads, then stops reading
+    it: a command writing more blocks on its pipe, and nothing is lost once it is read."""
     m = await make_sandbox()
-    total = FLOOD_BUFFERS * STREAM_BUFFER
     process = await m.spawn(ExecRequest(command=f"head -c {total} /dev/zero; echo > /tmp/flooded"))
-    await asyncio.sleep(UNREAD_SECONDS)
-    assert not m.view.exists("/tmp/flooded"), "the server took the whole flood into memory"
+    if finishes_unread:
+        deadline = time.monotonic() + SANDBOX_DEADLINE
+        while not m.view.exists("/tmp/flooded"):
+            assert time.monotonic() < deadline, "a command within the bound waited for its reader"
+            await asyncio.sleep(0.01)
+    else:
+        await asyncio.sleep(UNREAD_SECONDS)
+        assert not m.view.exists("/tmp/flooded"), "the server took the whole flood into memory"
     read = 0
     while chunk := await process.stdout.read(65536):
         read += len(chunk)
